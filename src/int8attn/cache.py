@@ -1,0 +1,228 @@
+"""Paged KV cache storage and a small block allocator.
+
+Layout (all tensors contiguous, on one device)::
+
+    key, value   [num_blocks, num_kv_heads, block_size, head_dim]
+                 dtype int8 | float8_e4m3fn | bfloat16   (kv_dtype "int8" | "fp8" | "bf16")
+    key_scale,   [num_blocks, num_kv_heads, block_size]  float32, None for "bf16"
+    value_scale
+    key_mean     [num_kv_heads, head_dim] float32, or None (key smoothing off / not yet set)
+
+Each (block, KV head) pair owns one ``block_size x head_dim`` tile that is contiguous in
+memory, so a read kernel streams a whole page of one head with unit-stride 16-byte loads
+(head_dim 64/128/256 keeps every row 16-byte aligned for every dtype). Scales live in
+their own tensors, never inline with the data, so data rows stay aligned.
+
+A token at ``slot = block_id * block_size + offset`` of KV head ``h`` sits at
+``key[block_id, h, offset, :]`` and its scale at ``key_scale[block_id, h, offset]``.
+Dequantized key: ``key[...] * key_scale[...] + key_mean[h]`` (``key_mean`` only when key
+smoothing is active; see :func:`int8attn.write_kv`). Attention kernels never add
+``key_mean`` back: ``q . mean`` is the same for every key of a query, so softmax is
+unchanged by it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+KV_DTYPES = {
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+    "bf16": torch.bfloat16,
+}
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+KEY_SMOOTHING_MODES = ("auto", "none", "first_write")
+
+
+class PagedKVCache:
+    """Paged K/V storage with per-(token, KV head) fp32 scales.
+
+    Args:
+        num_blocks: number of physical pages.
+        block_size: tokens per page, a power of two >= 8.
+        num_kv_heads: KV heads stored.
+        head_dim: 64, 128 or 256 (any multiple of 16 up to 256 is accepted).
+        kv_dtype: "int8" (default), "fp8" (e4m3) or "bf16".
+        device: where the storage lives.
+        key_smoothing: "auto" (default: "first_write" for int8/fp8, "none" for bf16),
+            "none" or "first_write" (INT8/FP8 caches only). With
+            "first_write", the per-(KV head, channel) mean of the keys of the first
+            :func:`write_kv` into this cache becomes ``key_mean`` and is subtracted from
+            every key before it is quantized. ``set_key_mean`` sets it from calibration.
+            Smoothing never changes attention (softmax is shift-invariant per query) but
+            shrinks per-token scales inflated by outlier channels: on keys with outlier
+            channels it cuts the INT8 attention error about 4x (BENCHMARKS.md), hence the
+            default.
+
+    See the module docstring for the memory layout.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_dtype: str = "int8",
+        device: str | torch.device = "cuda",
+        key_smoothing: str = "auto",
+    ) -> None:
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
+        for name, value in (("num_blocks", num_blocks), ("num_kv_heads", num_kv_heads)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(block_size, int) or block_size < 8 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 8, got {block_size!r}")
+        if not isinstance(head_dim, int) or head_dim % 16 or not 16 <= head_dim <= 256:
+            raise ValueError(f"head_dim must be a multiple of 16 in [16, 256], got {head_dim!r}")
+        if key_smoothing not in KEY_SMOOTHING_MODES:
+            raise ValueError(f"key_smoothing must be one of {KEY_SMOOTHING_MODES}, got {key_smoothing!r}")
+        if key_smoothing == "auto":
+            key_smoothing = "none" if kv_dtype == "bf16" else "first_write"
+        if key_smoothing != "none" and kv_dtype == "bf16":
+            raise ValueError("key smoothing applies to quantized caches only (kv_dtype int8 or fp8)")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.kv_dtype = kv_dtype
+        self.key_smoothing = key_smoothing
+        self.device = torch.device(device)
+        storage_dtype = KV_DTYPES[kv_dtype]
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        self.key = torch.zeros(shape, dtype=storage_dtype, device=self.device)
+        self.value = torch.zeros(shape, dtype=storage_dtype, device=self.device)
+        if kv_dtype == "bf16":
+            self.key_scale = None
+            self.value_scale = None
+        else:
+            scale_shape = (num_blocks, num_kv_heads, block_size)
+            self.key_scale = torch.ones(scale_shape, dtype=torch.float32, device=self.device)
+            self.value_scale = torch.ones(scale_shape, dtype=torch.float32, device=self.device)
+        self.key_mean: torch.Tensor | None = None
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        return KV_DTYPES[self.kv_dtype]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype != "bf16"
+
+    def set_key_mean(self, key_mean: torch.Tensor | None) -> None:
+        """Set (or clear, with None) the key smoothing offset, [num_kv_heads, head_dim].
+
+        Only valid before any token is stored with a different offset: keys already in
+        the cache were quantized relative to the old offset.
+        """
+        if key_mean is None:
+            self.key_mean = None
+            return
+        if not self.quantized:
+            raise ValueError("key smoothing applies to quantized caches only (kv_dtype int8 or fp8)")
+        if not isinstance(key_mean, torch.Tensor) or key_mean.shape != (self.num_kv_heads, self.head_dim):
+            raise ValueError(
+                f"key_mean must be a tensor of shape {(self.num_kv_heads, self.head_dim)}, "
+                f"got {getattr(key_mean, 'shape', type(key_mean))}"
+            )
+        self.key_mean = key_mean.detach().to(device=self.device, dtype=torch.float32).contiguous()
+
+    def nbytes(self) -> int:
+        """Bytes of storage (data + scales)."""
+        total = self.key.numel() * self.key.element_size() * 2
+        if self.key_scale is not None:
+            total += self.key_scale.numel() * 4 * 2
+        return total
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, kv_dtype={self.kv_dtype!r}, "
+            f"key_smoothing={self.key_smoothing!r}, device={str(self.device)!r})"
+        )
+
+
+@dataclass
+class BlockAllocator:
+    """Hands out physical blocks to sequences and builds ``block_table`` / ``slot_mapping``.
+
+    Host-side bookkeeping only (a free list and per-sequence block lists), meant for
+    tests, benchmarks and integrations that run without a serving engine.
+    """
+
+    num_blocks: int
+    block_size: int
+    _free: list[int] = field(default_factory=list, repr=False)
+    _blocks: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _lengths: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        # Pop from the end: blocks are handed out in ascending order.
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    @classmethod
+    def for_cache(cls, cache: PagedKVCache) -> "BlockAllocator":
+        return cls(cache.num_blocks, cache.block_size)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def seq_len(self, seq_id: int) -> int:
+        return self._lengths.get(seq_id, 0)
+
+    def blocks(self, seq_id: int) -> list[int]:
+        return list(self._blocks.get(seq_id, ()))
+
+    def allocate(self, seq_id: int, num_new_tokens: int) -> list[int]:
+        """Reserve room for ``num_new_tokens`` more tokens of ``seq_id``; return their slots."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        start = self._lengths.get(seq_id, 0)
+        end = start + num_new_tokens
+        blocks = self._blocks.setdefault(seq_id, [])
+        needed = -(-end // self.block_size) - len(blocks)
+        if needed > len(self._free):
+            raise RuntimeError(
+                f"out of KV cache blocks: sequence {seq_id} needs {needed} more, {len(self._free)} free"
+            )
+        for _ in range(needed):
+            blocks.append(self._free.pop())
+        self._lengths[seq_id] = end
+        bs = self.block_size
+        return [blocks[pos // bs] * bs + pos % bs for pos in range(start, end)]
+
+    def free(self, seq_id: int) -> None:
+        """Return every block of ``seq_id`` to the pool."""
+        for block in reversed(self._blocks.pop(seq_id, [])):
+            self._free.append(block)
+        self._lengths.pop(seq_id, None)
+
+    def slot_mapping(self, seq_id: int, num_new_tokens: int, device=None) -> torch.Tensor:
+        """``allocate`` and return the slots as an int64 tensor."""
+        return torch.tensor(self.allocate(seq_id, num_new_tokens), dtype=torch.int64, device=device)
+
+    def block_table(self, seq_ids, device=None, max_blocks_per_seq: int | None = None) -> torch.Tensor:
+        """[len(seq_ids), max_blocks_per_seq] int32, rows padded with block 0 (never read:
+        kernels stop at seq_len)."""
+        rows = [self._blocks.get(s, []) for s in seq_ids]
+        width = max([len(r) for r in rows] + [1])
+        if max_blocks_per_seq is not None:
+            if max_blocks_per_seq < width:
+                raise ValueError(f"max_blocks_per_seq={max_blocks_per_seq} < {width} blocks in use")
+            width = max_blocks_per_seq
+        table = torch.zeros((len(rows), width), dtype=torch.int32)
+        for i, r in enumerate(rows):
+            if r:
+                table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+        return table.to(device) if device is not None else table
+
+    def seq_lens(self, seq_ids, device=None) -> torch.Tensor:
+        return torch.tensor([self.seq_len(s) for s in seq_ids], dtype=torch.int32, device=device)

@@ -1,0 +1,165 @@
+"""Test and benchmark helpers: realistic random data, paged batches, verbose comparison.
+
+Shipped with the package so that tests, benchmarks, the gate and users' own checks build
+inputs the same way.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import reference
+from .cache import BlockAllocator, PagedKVCache
+
+POISON = float("nan")
+
+
+def interpret_mode() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() and not interpret_mode() else "cpu"
+
+
+def make_keys(
+    num_tokens: int,
+    num_heads: int,
+    head_dim: int,
+    *,
+    outliers: bool = True,
+    num_outlier_channels: int = 4,
+    outlier_scale: tuple[float, float] = (10.0, 30.0),
+    generator: torch.Generator | None = None,
+    device="cpu",
+    dtype=torch.bfloat16,
+) -> torch.Tensor:
+    """Keys as attention sees them after RoPE: N(0, 1) plus, with ``outliers``, a few
+    channels per head carrying a large consistent offset (10-30x the rest, sign fixed per
+    channel), the pattern real LLM keys show. [num_tokens, num_heads, head_dim]."""
+    k = torch.randn(num_tokens, num_heads, head_dim, generator=generator, dtype=torch.float32)
+    if outliers and num_outlier_channels:
+        for h in range(num_heads):
+            channels = torch.randperm(head_dim, generator=generator)[:num_outlier_channels]
+            lo, hi = outlier_scale
+            mag = lo + (hi - lo) * torch.rand(num_outlier_channels, generator=generator)
+            sign = torch.where(torch.rand(num_outlier_channels, generator=generator) < 0.5, -1.0, 1.0)
+            k[:, h, channels] = k[:, h, channels] * 2.0 + mag * sign
+    return k.to(device=device, dtype=dtype)
+
+
+def make_normal(shape, *, generator=None, device="cpu", dtype=torch.bfloat16, std: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=generator, dtype=torch.float32) * std).to(device=device, dtype=dtype)
+
+
+@dataclass
+class PagedBatch:
+    """A ready-to-run attention batch over a randomly paged cache."""
+
+    cache: PagedKVCache
+    query: torch.Tensor  # [num_tokens, num_q_heads, head_dim] bf16
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    key: torch.Tensor  # the raw keys written, [total_kv_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.numel()
+
+
+def make_paged_batch(
+    seq_lens,
+    q_lens,
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int = 16,
+    kv_dtype: str = "int8",
+    outliers: bool = True,
+    key_smoothing: str = "auto",
+    shuffle_blocks: bool = True,
+    extra_blocks: int = 3,
+    seed: int = 0,
+    device=None,
+    writer=None,
+) -> PagedBatch:
+    """Build a cache holding ``seq_lens[i]`` tokens of sequence i (in randomly permuted
+    physical blocks) and ``q_lens[i]`` query tokens per sequence.
+
+    ``writer(cache, key, value, slot_mapping)`` fills the cache; the default is the
+    plain-PyTorch :func:`int8attn.reference.write_kv_reference`, so attention tests do not
+    depend on the write kernel.
+    """
+    device = device or default_device()
+    seq_lens = [int(x) for x in seq_lens]
+    q_lens = [int(x) for x in q_lens]
+    if len(seq_lens) != len(q_lens) or any(q > s for q, s in zip(q_lens, seq_lens)):
+        raise ValueError("need one q_len per sequence, each <= its seq_len")
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = sum(-(-s // block_size) for s in seq_lens)
+    num_blocks = blocks_needed + extra_blocks
+    cache = PagedKVCache(num_blocks, block_size, num_kv_heads, head_dim, kv_dtype=kv_dtype, device=device,
+                         key_smoothing=key_smoothing)
+    alloc = BlockAllocator.for_cache(cache)
+    if shuffle_blocks:
+        alloc._free = torch.randperm(num_blocks, generator=gen).tolist()
+    slots = []
+    for i, s in enumerate(seq_lens):
+        slots.extend(alloc.allocate(i, s))
+    total = len(slots)
+    key = make_keys(total, num_kv_heads, head_dim, outliers=outliers, generator=gen)
+    value = make_normal((total, num_kv_heads, head_dim), generator=gen)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    key, value, slot_mapping = key.to(device), value.to(device), slot_mapping.to(device)
+    (writer or reference.write_kv_reference)(cache, key, value, slot_mapping)
+    query = make_normal((sum(q_lens), num_q_heads, head_dim), generator=gen, device=device)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    return PagedBatch(
+        cache=cache,
+        query=query,
+        block_table=alloc.block_table(range(len(seq_lens)), device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=qsl.to(device),
+        key=key,
+        value=value,
+        slot_mapping=slot_mapping,
+    )
+
+
+def poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    """A tensor shaped like ``t`` filled with NaN, to prove a kernel wrote every element."""
+    return torch.full_like(t, POISON)
+
+
+def assert_close_verbose(out: torch.Tensor, ref: torch.Tensor, *, rel_l2: float, max_abs: float | None = None,
+                         name: str = "output", top: int = 8) -> dict:
+    """Assert ``out`` matches ``ref`` (relative L2 <= rel_l2, optional max abs), printing
+    the worst elements and any NaN/inf first. Returns the error stats."""
+    stats = reference.error_stats(out, ref)
+    ok = stats["finite"] and stats["rel_l2"] <= rel_l2 and (max_abs is None or stats["max_abs"] <= max_abs)
+    if not ok:
+        o = out.detach().to("cpu", torch.float64)
+        r = ref.detach().to("cpu", torch.float64)
+        lines = [f"{name}: {stats} (allowed rel_l2 <= {rel_l2}, max_abs <= {max_abs})"]
+        bad = ~torch.isfinite(o)
+        if bad.any():
+            idx = bad.nonzero()[:top].tolist()
+            lines.append(f"  {int(bad.sum())} non-finite elements, first at {idx}")
+        diff = torch.nan_to_num((o - r).abs(), nan=float("inf"))
+        flat = diff.flatten()
+        k = min(top, flat.numel())
+        vals, pos = flat.topk(k)
+        for v, p in zip(vals.tolist(), pos.tolist()):
+            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(p), diff.shape))
+            lines.append(f"  at {index}: got {o[index].item():.6g}, want {r[index].item():.6g}, |diff| {v:.3g}")
+        raise AssertionError("\n".join(lines))
+    return stats
