@@ -1,0 +1,113 @@
+"""The one timing and recording harness, used by benchmarks/ scripts and the gate.
+
+* :func:`time_eager` / :func:`time_graph` -- median of many runs (CUDA events through
+  ``triton.testing.do_bench`` / CUDA-graph replay), in microseconds.
+* :func:`copy_bandwidth` -- measured device-to-device copy bandwidth (bytes read + written
+  per second), the ceiling memory-bound kernels are compared against.
+* :func:`environment` and :class:`Recorder` -- every figure is stored as a JSON row with
+  GPU name, torch/Triton versions, date and the command that produced it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def environment() -> dict:
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)"
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "interpreter": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+    }
+
+
+class Recorder:
+    """Collects result rows and appends them as JSON lines to ``benchmarks/results/<name>.jsonl``
+    (or ``path``). Each row carries :func:`environment`."""
+
+    def __init__(self, name: str, path: str | os.PathLike | None = None):
+        self.env = environment()
+        self.path = Path(path) if path else RESULTS_DIR / f"{name}.jsonl"
+        self.rows: list[dict] = []
+
+    def add(self, **row) -> dict:
+        full = {**row, **self.env}
+        self.rows.append(full)
+        return full
+
+    def save(self) -> Path:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f:
+            for row in self.rows:
+                f.write(json.dumps(row, sort_keys=True) + "\n")
+        return self.path
+
+
+def time_eager(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 200) -> float:
+    """Median time of ``fn()`` in microseconds (CUDA events; L2 flushed between runs)."""
+    import triton.testing
+
+    return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def time_graph(fn: Callable[[], object], replays: int = 50, repeats: int = 15, warmup: int = 3) -> float:
+    """Median time per call in microseconds when ``fn`` is captured in a CUDA graph
+    ``replays`` times back to back and the graph is replayed ``repeats`` times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(replays):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / replays)
+    del graph
+    return statistics.median(times)
+
+
+_COPY_BW: dict[str, float] = {}
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted), measured once."""
+    key = torch.cuda.get_device_name()
+    if key not in _COPY_BW:
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+        src.random_(0, 255)
+        dst = torch.empty_like(src)
+        us = time_eager(lambda: dst.copy_(src), rep_ms=300)
+        _COPY_BW[key] = nbytes / (us * 1e-6)
+        del src, dst
+    return _COPY_BW[key]
