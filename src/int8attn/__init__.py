@@ -3,11 +3,18 @@ tensor-core dots, and a gate that measures whether a low-precision path pays off
 
 from . import reference
 from .cache import BlockAllocator, PagedKVCache
+from .ops.producer import quantize_query, rope_quantize_and_write
+from .ops.write import write_kv
+from .reference import rope_cos_sin_cache
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockAllocator",
     "PagedKVCache",
+    "quantize_query",
     "reference",
+    "rope_cos_sin_cache",
+    "rope_quantize_and_write",
+    "write_kv",
 ]

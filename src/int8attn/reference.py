@@ -79,7 +79,8 @@ def write_kv_reference(cache, key: torch.Tensor, value: torch.Tensor, slot_mappi
     "first_write" smoothing and has none yet). Mutates ``cache``."""
     slots = slot_mapping.to(cache.key.device).long()
     valid = slots >= 0
-    if cache.key_smoothing == "first_write" and cache.key_mean is None:
+    if cache.key_smoothing == "first_write" and cache.key_mean is None and bool(valid.any()):
+        # an all-padding write (a warm-up run) leaves the mean to the first real write
         cache.set_key_mean(key_mean_reference(key, slot_mapping))
     key = key.to(torch.float32)
     if cache.key_mean is not None:

@@ -1,0 +1,335 @@
+"""Input validation shared by every launcher.
+
+Every public op calls one of the ``check_*`` functions first, so bad input raises a clear
+``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong shape, stride,
+device or value) *before* any kernel launch and before the cache is touched.
+
+Two tiers of checks:
+
+* metadata checks (type, dtype, shape, stride, device) cost nothing and always run;
+* value checks (block ids in range, sequence lengths, slots, positions) read device tensors
+  back to the host. They run by default, but are skipped while a CUDA graph is being
+  captured (a capture must not synchronize) or when the environment variable
+  ``INT8ATTN_CHECK_VALUES=0`` is set (serving loops that trust their metadata). See
+  :func:`value_checks_enabled`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .cache import KV_DTYPES, PagedKVCache
+
+#: Query / new K / V dtypes the launchers accept; bf16 is the contract, fp16 and fp32 are
+#: loaded and converted in-kernel.
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# --------------------------------------------------------------------------- policy
+def value_checks_enabled() -> bool:
+    """True when checks that read device values back to the host should run.
+
+    False while the current CUDA stream is capturing a graph (a host sync would break
+    the capture) or when ``INT8ATTN_CHECK_VALUES=0``.
+    """
+    if os.environ.get("INT8ATTN_CHECK_VALUES", "1").strip() in ("0", "false", "False", "no"):
+        return False
+    if torch.cuda.is_available():
+        try:
+            if torch.cuda.is_current_stream_capturing():
+                return False
+        except RuntimeError:
+            pass
+    return True
+
+
+# --------------------------------------------------------------------------- helpers
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Device equality where "cuda" (no index) means the current CUDA device."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        cur = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return (cur if a.index is None else a.index) == (cur if b.index is None else b.index)
+    return True
+
+
+def _dtype_names(dtypes) -> str:
+    return " / ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_cache(cache) -> None:
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be an int8attn.PagedKVCache, got {type(cache).__name__}")
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    dtypes,
+    ndim: int | None = None,
+    shape: tuple | None = None,
+    device: torch.device | None = None,
+    last_dim_contiguous: bool = True,
+    contiguous: bool = False,
+    optional: bool = False,
+) -> None:
+    """Generic metadata check of one tensor argument (shape entries of None are free)."""
+    if t is None:
+        if optional:
+            return
+        raise TypeError(f"{name} must be a torch.Tensor, got None")
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {_dtype_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+    if shape is not None:
+        ndim = len(shape)
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for want, got in zip(shape, t.shape):
+            if want is not None and want != got:
+                want_str = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+                raise ValueError(f"{name} must have shape {want_str}, got {tuple(t.shape)}")
+    if device is not None and not _same_device(t.device, device):
+        raise ValueError(f"{name} is on {t.device} but the cache is on {device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
+    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
+
+
+def _bad_first(mask: torch.Tensor) -> list[int]:
+    """Index of the first True of ``mask`` (host sync; error path only)."""
+    return mask.nonzero()[0].tolist()
+
+
+# --------------------------------------------------------------------------- attention
+def check_query(query, cache, name: str = "query") -> None:
+    """query [T, Hq, D] bf16 (fp16/fp32 accepted), D == cache.head_dim, Hq % Hkv == 0."""
+    check_tensor(name, query, dtypes=INPUT_DTYPES, ndim=3, device=cache.device)
+    _, num_q_heads, head_dim = query.shape
+    if head_dim != cache.head_dim:
+        raise ValueError(f"{name} head_dim {head_dim} != cache.head_dim {cache.head_dim}")
+    if num_q_heads < 1 or num_q_heads % cache.num_kv_heads:
+        raise ValueError(
+            f"{name} has {num_q_heads} heads, which is not a positive multiple of the cache's "
+            f"{cache.num_kv_heads} KV heads (GQA needs num_q_heads % num_kv_heads == 0)"
+        )
+
+
+def check_quantized_query(q_quant, q_scale, query_shape, cache) -> None:
+    """A pre-quantized query as :func:`int8attn.quantize_query` returns it for ``cache``:
+    q_quant [T, Hq, D] of the cache's storage dtype, q_scale [T, Hq] fp32 (None for bf16)."""
+    if q_quant is None:
+        if q_scale is not None:
+            raise ValueError("q_scale given without q_quant")
+        return
+    T, Hq, D = query_shape
+    check_tensor("q_quant", q_quant, dtypes=(cache.storage_dtype,), shape=(T, Hq, D), device=cache.device)
+    if cache.quantized:
+        check_tensor("q_scale", q_scale, dtypes=(torch.float32,), shape=(T, Hq), device=cache.device)
+    elif q_scale is not None:
+        raise ValueError("q_scale must be None for a bf16 cache (its query is not scaled)")
+
+
+def check_attention_inputs(
+    query,
+    cache,
+    block_table,
+    seq_lens,
+    query_start_loc,
+    out=None,
+    q_quant=None,
+    q_scale=None,
+) -> None:
+    """Validate the arguments of :func:`int8attn.attention` (DESIGN.md section 6).
+
+    * query [T, Hq, D] bf16 (fp16 / fp32 accepted), last dim contiguous, D ==
+      cache.head_dim, Hq a positive multiple of cache.num_kv_heads;
+    * block_table [num_seqs, max_blocks_per_seq] int32, last dim contiguous;
+    * seq_lens [num_seqs] int32; query_start_loc [num_seqs + 1] int32 (contiguous);
+    * out (optional) [T, Hq, D] bf16 or query.dtype, last dim contiguous;
+    * q_quant / q_scale (optional): the query pre-quantized for the cache's dtype;
+    * all on the cache's device.
+
+    Value checks (see :func:`value_checks_enabled`): query_start_loc starts at 0, is
+    non-decreasing and ends at T; q_len <= seq_len <= max_blocks_per_seq * block_size;
+    every block id a sequence uses lies in [0, num_blocks).
+    """
+    check_cache(cache)
+    check_query(query, cache)
+    dev = cache.device
+    check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
+    num_seqs = block_table.shape[0]
+    check_tensor("seq_lens", seq_lens, dtypes=(torch.int32,), shape=(num_seqs,), device=dev, contiguous=True)
+    check_tensor("query_start_loc", query_start_loc, dtypes=(torch.int32,), shape=(num_seqs + 1,), device=dev,
+                 contiguous=True)
+    if out is not None:
+        out_dtypes = (torch.bfloat16,) if query.dtype == torch.bfloat16 else (torch.bfloat16, query.dtype)
+        check_tensor("out", out, dtypes=out_dtypes, shape=tuple(query.shape), device=dev)
+    check_quantized_query(q_quant, q_scale, tuple(query.shape), cache)
+    if value_checks_enabled() and num_seqs > 0:
+        check_attention_values(query.shape[0], cache, block_table, seq_lens, query_start_loc)
+
+
+def check_attention_values(num_tokens: int, cache, block_table, seq_lens, query_start_loc) -> None:
+    """The value half of :func:`check_attention_inputs` (one host sync)."""
+    bs = cache.block_size
+    max_blocks = block_table.shape[1]
+    qsl = query_start_loc.long()
+    lens = seq_lens.long()
+    q_lens = qsl[1:] - qsl[:-1]
+    blocks_used = (lens + bs - 1) // bs
+    used = torch.arange(max_blocks, device=block_table.device)[None, :] < blocks_used[:, None]
+    bad_block = used & ((block_table < 0) | (block_table >= cache.num_blocks))
+    flags = torch.stack([
+        qsl[0] != 0,
+        qsl[-1] != num_tokens,
+        (q_lens < 0).any(),
+        (lens < q_lens).any(),
+        (lens > max_blocks * bs).any(),
+        bad_block.any(),
+    ]).tolist()
+    if flags[0] or flags[1]:
+        raise ValueError(
+            f"query_start_loc must start at 0 and end at num_tokens={num_tokens}, "
+            f"got first {int(qsl[0])}, last {int(qsl[-1])}"
+        )
+    if flags[2]:
+        s = _bad_first(q_lens < 0)[0]
+        raise ValueError(f"query_start_loc must be non-decreasing; it drops after sequence {s}")
+    if flags[3]:
+        s = _bad_first(lens < q_lens)[0]
+        raise ValueError(
+            f"seq_lens[{s}]={int(lens[s])} is smaller than its query length {int(q_lens[s])} "
+            "(seq_lens counts the new tokens too)"
+        )
+    if flags[4]:
+        s = _bad_first(lens > max_blocks * bs)[0]
+        raise ValueError(
+            f"seq_lens[{s}]={int(lens[s])} exceeds block_table capacity {max_blocks} blocks x {bs} tokens"
+        )
+    if flags[5]:
+        s, j = _bad_first(bad_block)
+        raise ValueError(
+            f"block_table[{s}, {j}]={int(block_table[s, j])} is outside [0, num_blocks={cache.num_blocks})"
+        )
+
+
+# --------------------------------------------------------------------------- writes
+def check_kv(key, value, cache) -> None:
+    """key, value [N, Hkv, D] bf16 (fp16 / fp32 accepted), same shape, matching the cache."""
+    dev = cache.device
+    check_tensor("key", key, dtypes=INPUT_DTYPES, ndim=3, device=dev)
+    check_tensor("value", value, dtypes=INPUT_DTYPES, ndim=3, device=dev)
+    if key.shape != value.shape:
+        raise ValueError(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
+    _, num_kv_heads, head_dim = key.shape
+    if num_kv_heads != cache.num_kv_heads:
+        raise ValueError(f"key has {num_kv_heads} KV heads but the cache has {cache.num_kv_heads}")
+    if head_dim != cache.head_dim:
+        raise ValueError(f"key head_dim {head_dim} != cache.head_dim {cache.head_dim}")
+
+
+def _slot_bad(slot_mapping, cache) -> torch.Tensor:
+    return (slot_mapping < -1) | (slot_mapping >= cache.num_slots)
+
+
+def _raise_bad_slot(slot_mapping, cache) -> None:
+    i = _bad_first(_slot_bad(slot_mapping, cache))[0]
+    raise ValueError(
+        f"slot_mapping[{i}]={int(slot_mapping[i])} is outside [-1, num_slots={cache.num_slots}) "
+        "(-1 marks a padding token)"
+    )
+
+
+def check_slot_mapping(slot_mapping, num_tokens: int, cache, values: bool = True) -> None:
+    """slot_mapping [N] int32 / int64 on the cache's device; with ``values`` (and value
+    checks enabled) every slot in [-1, num_slots)."""
+    check_tensor("slot_mapping", slot_mapping, dtypes=INDEX_DTYPES, shape=(num_tokens,), device=cache.device,
+                 last_dim_contiguous=False)
+    if values and value_checks_enabled() and num_tokens > 0:
+        if bool(_slot_bad(slot_mapping, cache).any()):
+            _raise_bad_slot(slot_mapping, cache)
+
+
+def check_write_inputs(cache, key, value, slot_mapping) -> None:
+    """Validate the arguments of :func:`int8attn.write_kv`.
+
+    key, value [N, Hkv, D] bf16 (fp16 / fp32 accepted), same shape, last dim contiguous,
+    Hkv == cache.num_kv_heads, D == cache.head_dim; slot_mapping [N] int32 / int64 with
+    values in [-1, cache.num_slots) (value check); all on the cache's device.
+    """
+    check_cache(cache)
+    check_kv(key, value, cache)
+    check_slot_mapping(slot_mapping, key.shape[0], cache)
+
+
+# --------------------------------------------------------------------------- producer
+def kv_dtype_of(kv_dtype) -> str:
+    if kv_dtype not in ("int8", "fp8", "bf16"):
+        raise ValueError(f"kv_dtype must be 'int8', 'fp8' or 'bf16', got {kv_dtype!r}")
+    return kv_dtype
+
+
+def check_quantize_query_inputs(query, kv_dtype: str, out=None, out_scale=None) -> None:
+    """query [T, Hq, D] bf16 / fp16 / fp32, last dim contiguous; out [T, Hq, D] int8 /
+    float8_e4m3fn (as kv_dtype) and out_scale [T, Hq] fp32, last dims contiguous."""
+    kv_dtype_of(kv_dtype)
+    check_tensor("query", query, dtypes=INPUT_DTYPES, ndim=3)
+    if kv_dtype == "bf16":
+        if out is not None or out_scale is not None:
+            raise ValueError("out/out_scale are not used for kv_dtype 'bf16' (the query is returned as bf16)")
+        return
+    T, H, D = query.shape
+    check_tensor("out", out, dtypes=(KV_DTYPES[kv_dtype],), shape=(T, H, D), device=query.device, optional=True)
+    check_tensor("out_scale", out_scale, dtypes=(torch.float32,), shape=(T, H), device=query.device, optional=True)
+
+
+def check_producer_inputs(query, key, value, positions, cos_sin_cache, cache, slot_mapping,
+                          out_q=None, out_q_scale=None) -> None:
+    """Validate the arguments of :func:`int8attn.rope_quantize_and_write`.
+
+    query [N, Hq, D]; key, value [N, Hkv, D] (bf16; fp16 / fp32 accepted), last dims
+    contiguous; positions [N] int32 / int64 in [0, max_position) (value check);
+    cos_sin_cache [max_position, rotary_dim] fp32, contiguous, rotary_dim even and
+    <= D; slot_mapping [N] as for write_kv; out_q [N, Hq, D] of the cache's storage dtype
+    and out_q_scale [N, Hq] fp32 (quantized caches only).
+    """
+    check_cache(cache)
+    check_query(query, cache)
+    check_kv(key, value, cache)
+    n = query.shape[0]
+    if key.shape[0] != n:
+        raise ValueError(f"query has {n} tokens but key/value have {key.shape[0]}")
+    dev = cache.device
+    check_tensor("cos_sin_cache", cos_sin_cache, dtypes=(torch.float32,), ndim=2, device=dev, contiguous=True)
+    max_pos, rotary_dim = cos_sin_cache.shape
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > cache.head_dim:
+        raise ValueError(
+            f"cos_sin_cache.shape[1] (rotary_dim) must be even and in [2, head_dim={cache.head_dim}], got {rotary_dim}"
+        )
+    check_tensor("positions", positions, dtypes=INDEX_DTYPES, shape=(n,), device=dev, last_dim_contiguous=False)
+    if out_q is not None:
+        check_tensor("out_q", out_q, dtypes=(cache.storage_dtype,), shape=tuple(query.shape), device=dev)
+    if cache.quantized:
+        check_tensor("out_q_scale", out_q_scale, dtypes=(torch.float32,), shape=(n, query.shape[1]), device=dev,
+                     optional=True)
+    elif out_q_scale is not None:
+        raise ValueError("out_q_scale must be None for a bf16 cache (its query is not scaled)")
+    check_slot_mapping(slot_mapping, n, cache, values=False)
+    if value_checks_enabled() and n > 0:
+        pos_bad = (positions < 0) | (positions >= max_pos)
+        slot_flag, pos_flag = torch.stack([_slot_bad(slot_mapping, cache).any(), pos_bad.any()]).tolist()  # one sync
+        if slot_flag:
+            _raise_bad_slot(slot_mapping, cache)
+        if pos_flag:
+            i = _bad_first(pos_bad)[0]
+            raise ValueError(f"positions[{i}]={int(positions[i])} is outside [0, max_position={max_pos})")

@@ -1,0 +1,160 @@
+"""Query quantization and the fused producer (RoPE + K/V cache write + Q quantization).
+
+* :func:`quantize_query` -- per (token, head) quantization of a query for a cache dtype,
+  the input of the attention kernels when they are given a pre-quantized query.
+* :func:`rope_quantize_and_write` -- one kernel per step of new tokens: NeoX RoPE on Q and
+  K, K/V quantized into the paged cache, Q quantized once per (token, head) so every
+  split-K segment of the attention reuses it.
+* :func:`apply_rope_torch` -- plain-PyTorch NeoX RoPE in fp32 (used once per cache to
+  take the key-smoothing mean, and as the unfused baseline in benchmarks).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .. import _checks
+from ..cache import KV_DTYPES, PagedKVCache
+from ..kernels.quantize import _quantize_query_kernel, _rope_quantize_write_kernel
+from ..testing import interpret_mode
+from .write import KV_KIND, TILE_ELEMS, device_guard, heads_per_program
+
+
+def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tensor | None = None,
+                   out_scale: torch.Tensor | None = None):
+    """Quantize ``query`` per (token, head) for a cache of ``kv_dtype``.
+
+    Args:
+        query: [T, Hq, D] bf16 (fp16 / fp32 accepted), unit stride on D.
+        kv_dtype: "int8" | "fp8" | "bf16".
+        out, out_scale: optional outputs ([T, Hq, D] int8 / float8_e4m3fn, [T, Hq] fp32).
+
+    Returns:
+        ``(q_quant, q_scale)``: int8 or float8_e4m3fn [T, Hq, D] and fp32 [T, Hq],
+        bit for bit :func:`int8attn.reference.quantize_rows`; for "bf16",
+        ``(query as bf16, None)``.
+    """
+    _checks.check_quantize_query_inputs(query, kv_dtype, out, out_scale)
+    if kv_dtype == "bf16":
+        return query.to(torch.bfloat16), None
+    num_tokens, num_heads, head_dim = query.shape
+    if out is None:
+        out = torch.empty(query.shape, dtype=KV_DTYPES[kv_dtype], device=query.device)
+    if out_scale is None:
+        out_scale = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=query.device)
+    num_rows = num_tokens * num_heads
+    if num_rows == 0:
+        return out, out_scale
+    block_d = triton.next_power_of_2(head_dim)
+    block_r = max(1, min(TILE_ELEMS // block_d, triton.next_power_of_2(num_rows)))
+    with device_guard(query.device):
+        _quantize_query_kernel[(triton.cdiv(num_rows, block_r),)](
+            query, out, out_scale,
+            num_rows, num_heads,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), out_scale.stride(0), out_scale.stride(1),
+            HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=block_d,
+            KIND=KV_KIND[kv_dtype], INTERPRET=interpret_mode(),
+            num_warps=4,
+        )
+    return out, out_scale
+
+
+def apply_rope_torch(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
+    """NeoX RoPE on the first ``cos_sin_cache.shape[1]`` channels, plain PyTorch, fp32.
+
+    x [N, H, D]; positions [N]; cos_sin_cache [max_position, rotary_dim] (cos half, then
+    sin half). Returns fp32 [N, H, D].
+    """
+    rotary_dim = cos_sin_cache.shape[1]
+    half = rotary_dim // 2
+    x = x.to(torch.float32)
+    cs = cos_sin_cache[positions.long()]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rotary_dim:]], dim=-1)
+
+
+def rope_quantize_and_write(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    cache: PagedKVCache,
+    slot_mapping: torch.Tensor,
+    *,
+    out_q: torch.Tensor | None = None,
+    out_q_scale: torch.Tensor | None = None,
+    _launch: dict | None = None,
+):
+    """The fused producer: one kernel that reads each new token's Q, K, V once.
+
+    Args:
+        query: [N, Hq, D]; key, value: [N, Hkv, D]; bf16 (fp16 / fp32 accepted), unit
+            stride on D; Hq a multiple of Hkv.
+        positions: [N] int32 / int64, the token positions (rows of ``cos_sin_cache``).
+        cos_sin_cache: [max_position, rotary_dim] fp32, cos of the rotary_dim/2
+            frequencies then sin (:func:`int8attn.reference.rope_cos_sin_cache`);
+            rotary_dim even and <= D: partial rotary rotates only the first rotary_dim
+            channels (NeoX pairing: channel i with i + rotary_dim/2).
+        cache: the paged cache; slot_mapping: [N] as for :func:`int8attn.write_kv`
+            (-1 skips the K/V write of a padding token; its Q is still emitted).
+        out_q, out_q_scale: optional outputs.
+
+    Effect and result: RoPE'd K (minus ``cache.key_mean`` when smoothing) and V are
+    quantized into the cache exactly as :func:`int8attn.write_kv` would store them (up to
+    the fp32 RoPE arithmetic); returns ``(q_out, q_scale)``: RoPE'd Q quantized per
+    (token, head) for the cache's dtype -- int8 / float8_e4m3fn [N, Hq, D] and fp32
+    [N, Hq] -- or, for a bf16 cache, RoPE'd bf16 Q and None.
+    """
+    _checks.check_producer_inputs(query, key, value, positions, cos_sin_cache, cache, slot_mapping,
+                                  out_q, out_q_scale)
+    num_tokens, num_q_heads, head_dim = query.shape
+    if out_q is None:
+        out_q = torch.empty(query.shape, dtype=cache.storage_dtype, device=query.device)
+    if cache.quantized and out_q_scale is None:
+        out_q_scale = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=query.device)
+    if num_tokens == 0:
+        return out_q, out_q_scale
+    if cache.key_smoothing == "first_write" and cache.key_mean is None:
+        # Once per cache: the mean of the RoPE'd keys of the first real write.
+        _first_write_mean_after_rope(cache, key, positions, cos_sin_cache, slot_mapping)
+    rotary_dim = cos_sin_cache.shape[1]
+    has_mean = cache.key_mean is not None
+    mean = cache.key_mean if has_mean else cache.key
+    kscale = cache.key_scale if cache.quantized else cache.key
+    vscale = cache.value_scale if cache.quantized else cache.value
+    sscale = cache.key_scale.stride() if cache.quantized else (0, 0, 0)
+    qscale = out_q_scale if cache.quantized else out_q
+    qscale_strides = out_q_scale.stride() if cache.quantized else (0, 0)
+    launch = {
+        "BLOCK_HQ": heads_per_program(num_q_heads, head_dim),
+        "BLOCK_HKV": heads_per_program(cache.num_kv_heads, head_dim),
+        "num_warps": 4,
+    }
+    launch.update(_launch or {})
+    with device_guard(cache.device):
+        _rope_quantize_write_kernel[(num_tokens,)](
+            query, key, value, positions, cos_sin_cache, slot_mapping,
+            out_q, qscale,
+            cache.key, cache.value, kscale, vscale, mean,
+            num_q_heads, cache.num_kv_heads,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            out_q.stride(0), out_q.stride(1), qscale_strides[0], qscale_strides[1],
+            cache.key.stride(0), cache.key.stride(1), cache.key.stride(2),
+            sscale[0], sscale[1], sscale[2],
+            BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim,
+            BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+            BLOCK_REST=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            KIND=KV_KIND[cache.kv_dtype], HAS_MEAN=has_mean, INTERPRET=interpret_mode(),
+            **launch,
+        )
+    return out_q, (out_q_scale if cache.quantized else None)
+
+
+def _first_write_mean_after_rope(cache, key, positions, cos_sin_cache, slot_mapping) -> None:
+    from .write import key_mean_of_first_write
+
+    key_mean_of_first_write(cache, apply_rope_torch(key, positions, cos_sin_cache), slot_mapping)

@@ -1,0 +1,99 @@
+"""``write_kv``: quantize new K/V tokens into the paged cache (one Triton kernel)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+
+from .. import _checks
+from ..cache import PagedKVCache
+from ..kernels.quantize import KIND_BF16, KIND_FP8, KIND_INT8, _write_kv_kernel
+from ..testing import interpret_mode
+
+KV_KIND = {"int8": KIND_INT8, "fp8": KIND_FP8, "bf16": KIND_BF16}
+#: Elements per program tile; 2048 fp32 values = 16 per thread at 4 warps.
+TILE_ELEMS = 2048
+
+
+def device_guard(device: torch.device):
+    """Make ``device`` current for the launch (Triton launches on the current device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def heads_per_program(num_heads: int, head_dim: int) -> int:
+    """Rows (heads) per program tile: all heads of a token up to TILE_ELEMS elements."""
+    block_d = triton.next_power_of_2(head_dim)
+    return max(1, min(triton.next_power_of_2(num_heads), TILE_ELEMS // block_d))
+
+
+def key_mean_of_first_write(cache: PagedKVCache, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Set ``cache.key_mean`` from this write when the cache smooths keys "first_write"
+    and has no mean yet: per (KV head, channel) mean of the written (slot >= 0) keys, in
+    fp32 -- the same computation as :func:`int8attn.reference.key_mean_reference`.
+
+    A write with no valid token (all padding, e.g. a warm-up run) leaves the mean unset,
+    so it is taken from the first write of real tokens. Needs a host sync, once per cache.
+    """
+    if cache.key_smoothing != "first_write" or cache.key_mean is not None:
+        return
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "key smoothing 'first_write' takes cache.key_mean from the first write, which needs a host "
+            "sync: write real tokens eagerly (or call cache.set_key_mean) before capturing a CUDA graph"
+        )
+    valid = slot_mapping >= 0
+    if not bool(valid.any()):
+        return
+    cache.set_key_mean(key[valid].to(torch.float32).mean(dim=0))
+
+
+def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantize ``key`` / ``value`` rows into ``cache`` at ``slot_mapping``.
+
+    Args:
+        cache: the paged cache (layout in :class:`int8attn.PagedKVCache`).
+        key, value: [N, num_kv_heads, head_dim] bf16 (fp16 / fp32 accepted), unit
+            stride on head_dim.
+        slot_mapping: [N] int32 / int64; ``slot = block_id * block_size + offset``;
+            -1 skips the token (padding).
+
+    Per (token, KV head) symmetric quantization (int8: ``amax/127``, round half away
+    from zero; fp8 e4m3: ``amax/448``, round to nearest even; an all-zero row gets scale
+    1), bit for bit as :func:`int8attn.reference.write_kv_reference`; a bf16 cache stores
+    the values as bf16. Key smoothing: ``cache.key_mean`` ([Hkv, D] fp32) is subtracted
+    from the keys before quantizing; with ``key_smoothing="first_write"`` and no mean
+    yet, the mean of this write's valid keys becomes ``cache.key_mean`` first.
+
+    Bad input raises ``TypeError`` / ``ValueError`` before the cache is touched.
+    """
+    _checks.check_write_inputs(cache, key, value, slot_mapping)
+    num_tokens = key.shape[0]
+    if num_tokens == 0:
+        return
+    key_mean_of_first_write(cache, key, slot_mapping)
+    kind = KV_KIND[cache.kv_dtype]
+    has_mean = cache.key_mean is not None
+    mean = cache.key_mean if has_mean else cache.key  # dummy pointer when unused
+    kscale = cache.key_scale if cache.quantized else cache.key
+    vscale = cache.value_scale if cache.quantized else cache.value
+    sscale = cache.key_scale.stride() if cache.quantized else (0, 0, 0)
+    head_dim = cache.head_dim
+    with device_guard(cache.device):
+        _write_kv_kernel[(num_tokens,)](
+            key, value, slot_mapping,
+            cache.key, cache.value, kscale, vscale, mean,
+            cache.num_kv_heads,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            cache.key.stride(0), cache.key.stride(1), cache.key.stride(2),
+            sscale[0], sscale[1], sscale[2],
+            BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim,
+            BLOCK_H=heads_per_program(cache.num_kv_heads, head_dim),
+            BLOCK_D=triton.next_power_of_2(head_dim),
+            KIND=kind, HAS_MEAN=has_mean, INTERPRET=interpret_mode(),
+            num_warps=4,
+        )

@@ -1,0 +1,134 @@
+"""Input validation shared by the launchers (int8attn._checks)."""
+
+import pytest
+import torch
+
+from int8attn import _checks
+from int8attn.cache import PagedKVCache
+
+
+def attention_args(device, kv_dtype="int8", num_seqs=3, q_lens=(1, 4, 2), seq_lens=(5, 30, 16)):
+    cache = PagedKVCache(16, 8, 2, 64, kv_dtype=kv_dtype, device=device)
+    t = sum(q_lens)
+    query = torch.randn(t, 6, 64, device=device).to(torch.bfloat16)
+    block_table = torch.randperm(16, dtype=torch.int32).view(4, 4)[:num_seqs].contiguous().to(device)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return dict(query=query, cache=cache, block_table=block_table, seq_lens=lens, query_start_loc=qsl)
+
+
+def test_valid_inputs_pass(device):
+    args = attention_args(device)
+    _checks.check_attention_inputs(**args)
+    q = args["query"]
+    _checks.check_attention_inputs(**args, out=torch.empty_like(q),
+                                   q_quant=torch.empty(q.shape, dtype=torch.int8, device=device),
+                                   q_scale=torch.empty(q.shape[:2], device=device))
+    bf16 = attention_args(device, "bf16")
+    _checks.check_attention_inputs(**bf16, q_quant=bf16["query"])
+    fp8 = attention_args(device, "fp8")
+    _checks.check_attention_inputs(**fp8, q_quant=torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=device),
+                                   q_scale=torch.empty(q.shape[:2], device=device))
+
+
+def _mutations(args, device):
+    q = args["query"]
+    bt, lens, qsl = args["block_table"], args["seq_lens"], args["query_start_loc"]
+    T, H, D = q.shape
+    yield "query dtype", TypeError, dict(query=q.to(torch.int8)), "dtype"
+    yield "query not a tensor", TypeError, dict(query=q.tolist()), "torch.Tensor"
+    yield "query 2-D", ValueError, dict(query=q[:, 0]), "3-D"
+    yield "head_dim", ValueError, dict(query=q[..., :32]), "head_dim"
+    yield "gqa ratio", ValueError, dict(query=q[:, :3]), "multiple"
+    yield "query last dim strided", ValueError, dict(query=q.transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"
+    yield "block_table dtype", TypeError, dict(block_table=bt.long()), "int32"
+    yield "block_table 1-D", ValueError, dict(block_table=bt[0]), "2-D"
+    yield "seq_lens dtype", TypeError, dict(seq_lens=lens.long()), "int32"
+    yield "seq_lens count", ValueError, dict(seq_lens=lens[:-1]), "shape"
+    yield "qsl count", ValueError, dict(query_start_loc=qsl[:-1]), "shape"
+    yield "out dtype", TypeError, dict(out=torch.empty(T, H, D, dtype=torch.float16, device=device)), "dtype"
+    yield "out shape", ValueError, dict(out=torch.empty(T, H, D + 1, dtype=torch.bfloat16, device=device)), "shape"
+    yield "q_quant dtype", TypeError, dict(q_quant=torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=device),
+                                           q_scale=torch.empty(T, H, device=device)), "int8"
+    yield "q_scale missing", TypeError, dict(q_quant=torch.empty(T, H, D, dtype=torch.int8, device=device)), "q_scale"
+    yield "q_scale shape", ValueError, dict(q_quant=torch.empty(T, H, D, dtype=torch.int8, device=device),
+                                            q_scale=torch.empty(T, H - 1, device=device)), "shape"
+    yield "q_scale alone", ValueError, dict(q_scale=torch.empty(T, H, device=device)), "q_quant"
+    # value checks
+    bad = bt.clone()
+    bad[1, 2] = 16
+    yield "block id >= num_blocks", ValueError, dict(block_table=bad), r"block_table\[1, 2\]"
+    bad = bt.clone()
+    bad[0, 0] = -1
+    yield "negative block id", ValueError, dict(block_table=bad), "outside"
+    yield "seq_len < q_len", ValueError, dict(seq_lens=torch.tensor([5, 3, 16], dtype=torch.int32,
+                                                                     device=device)), "smaller"
+    yield "seq_len > capacity", ValueError, dict(seq_lens=torch.tensor([5, 33, 16], dtype=torch.int32,
+                                                                        device=device)), "capacity"
+    yield "qsl start", ValueError, dict(query_start_loc=qsl + 1), "start at 0"
+    yield "qsl end", ValueError, dict(query_start_loc=torch.tensor([0, 1, 5, 6], dtype=torch.int32,
+                                                                   device=device)), "end at"
+    yield "qsl decreasing", ValueError, dict(query_start_loc=torch.tensor([0, 5, 1, 7], dtype=torch.int32,
+                                                                          device=device)), "non-decreasing"
+    if device == "cpu":
+        yield "device", ValueError, dict(query=q.to("meta")), "cache is on"
+
+
+def test_each_bad_input_raises_clearly(device):
+    args = attention_args(device)
+    for what, exc, change, match in _mutations(args, device):
+        with pytest.raises(exc, match=match):
+            _checks.check_attention_inputs(**{**args, **change})
+
+
+def test_padding_blocks_past_seq_len_are_not_checked(device):
+    args = attention_args(device)
+    bt = args["block_table"].clone()
+    bt[0, 3] = 10 ** 6  # seq 0 has 5 tokens = 1 block of 8: column 3 is never read
+    _checks.check_attention_inputs(**{**args, "block_table": bt})
+
+
+def test_value_checks_policy(device, monkeypatch):
+    assert _checks.value_checks_enabled()
+    args = attention_args(device)
+    bad = args["block_table"].clone()
+    bad[0, 0] = 99
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    assert not _checks.value_checks_enabled()
+    _checks.check_attention_inputs(**{**args, "block_table": bad})  # skipped
+    with pytest.raises(TypeError):  # metadata checks always run
+        _checks.check_attention_inputs(**{**args, "block_table": bad.long()})
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")
+    with pytest.raises(ValueError):
+        _checks.check_attention_inputs(**{**args, "block_table": bad})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA graph capture")
+def test_value_checks_skipped_under_graph_capture():
+    args = attention_args("cuda")
+    s = torch.cuda.Stream()
+    seen = []
+    with torch.cuda.stream(s):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            seen.append(_checks.value_checks_enabled())
+            _checks.check_attention_inputs(**args)  # must not sync
+    assert seen == [False]
+
+
+def test_write_checks(device):
+    cache = PagedKVCache(4, 8, 2, 64, device=device)
+    key = torch.randn(5, 2, 64, device=device)
+    slots = torch.tensor([0, 1, -1, 31, 9], device=device)
+    _checks.check_write_inputs(cache, key, key, slots)
+    _checks.check_write_inputs(cache, key, key.half(), slots.int())
+    with pytest.raises(ValueError, match="outside"):
+        _checks.check_write_inputs(cache, key, key, torch.tensor([0, 1, -1, 32, 9], device=device))
+    with pytest.raises(ValueError, match="KV heads"):
+        _checks.check_write_inputs(cache, key[:, :1], key[:, :1], slots)
+    with pytest.raises(ValueError, match="same shape"):
+        _checks.check_write_inputs(cache, key, key[:4], slots)
+    with pytest.raises(TypeError, match="int32 / int64"):
+        _checks.check_write_inputs(cache, key, key, slots.to(torch.int16))
+    with pytest.raises(TypeError, match="PagedKVCache"):
+        _checks.check_write_inputs(None, key, key, slots)
