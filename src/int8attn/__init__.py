@@ -3,6 +3,7 @@ tensor-core dots, and a gate that measures whether a low-precision path pays off
 
 from . import reference
 from .cache import BlockAllocator, PagedKVCache
+from .ops.attention import AttentionPlan, attention, plan_attention
 from .ops.producer import quantize_query, rope_quantize_and_write
 from .ops.write import write_kv
 from .reference import rope_cos_sin_cache
@@ -10,6 +11,9 @@ from .reference import rope_cos_sin_cache
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionPlan",
+    "attention",
+    "plan_attention",
     "BlockAllocator",
     "PagedKVCache",
     "quantize_query",

@@ -1,0 +1,380 @@
+"""Chunked-prefill attention over a paged INT8 / FP8 / BF16 cache (varlen, causal).
+
+One program of :func:`_prefill_kernel` owns one (query tile, KV head). Its ``BLOCK_M`` rows
+pack the ``GROUP`` query heads of the KV head times ``BLOCK_Q = BLOCK_M // GROUP``
+consecutive query tokens of one sequence (row ``r`` = token ``r // GROUP`` of the tile,
+query head ``kv_head * GROUP + r % GROUP``), so each K/V tile is read once for the whole
+GQA group; rows past ``BLOCK_Q * GROUP`` are padding. Query token ``j`` of a sequence sits
+at position ``seq_len - q_len + j`` and sees keys at positions ``<=`` its own.
+
+The program walks the keys in tiles of ``BLOCK_N`` (any multiple of 16; every key row is
+gathered through the block table, so tiles may span or split pages): first the tiles
+every row of the tile sees in full (no mask arithmetic), then the diagonal tiles
+(causal mask); tiles past the last row's position are never visited.
+
+Per KV tile:
+
+* QK natively in the cache's precision. INT8: ``tl.dot(int8, int8)`` into an int32
+  accumulator that *starts at* ``0x4B400000``: the sum ``2**23 + 2**22 + dot`` then reads
+  as an fp32 bit pattern equal to ``12582912.0 + dot`` exactly (|dot| <= 256*127*127 <
+  2**22), which replaces a slow int->float conversion by a free bitcast; the per-key
+  scale goes in as ``t = (x - 12582912) * sK`` (the subtraction is exact). FP8: e4m3 x
+  e4m3 -> fp32, ``t = acc * sK``. BF16: ``t = acc``. Scores in base 2 are ``t * row_scale`` with
+  ``row_scale = sQ * softmax_scale * log2(e)``: each key's scale is applied per column
+  before the online softmax.
+* P: ``p = exp2(t * row_scale - m)``; the V scale of each key is folded in, ``p * sV``.
+  ``PV_INT8``: quantized per row per tile, ``u = round(p * sV / r)`` with
+  ``r = rowmax / 127`` (``P_SHIFT``: ``r = rowmax / 255`` and ``u - 128`` stored, the
+  shift added back as ``128 * colsum(V)``); rounding is a float add of ``1.5 * 2**23``
+  whose low byte is the int8 (no float->int conversion). The int8 x int8 PV dot again
+  starts at ``0x4B400000``. ``PV_FP8``: ``p * sV / r`` with ``r = rowmax / 448`` cast to
+  e4m3, fp8 dot into the fp32 accumulator. ``PV_BF16``: 16-bit P times V in the same
+  precision -- bf16 for a bf16 cache; fp16 for 8-bit caches (``r`` = the tile's largest
+  V scale; int8 V becomes fp16 exactly by a bit trick, without a conversion instruction).
+* The output accumulator is kept in units of the current tile's ``r``: one FMA per
+  element and tile (after the exact bias subtraction for int8 PV; inside the dot for
+  16-bit and fp8 PV), ``acc = acc * (alpha * r_old / r_new) + pv`` (alpha the online
+  softmax rescale); for 8-bit P, ``r`` is bounded below by ``max(sV) * 2**-20 / levels``
+  so the units never run away on tiles with negligible weight.
+* ``DV``: the PV product and accumulator are split in ``HEAD_DIM // DV`` column chunks
+  (one dot each), which bounds the live int32 PV tile at head_dim 256.
+
+Tensor layouts (last dims unit stride, other strides passed explicitly):
+
+* q [T, Hq, D]: bf16/fp16/fp32 (quantized in-kernel when ``Q_QUANTIZED`` is False, bit
+  for bit as :func:`int8attn.reference.quantize_rows`), or int8 / e4m3 (as uint8) with
+  q_scale [T, Hq] fp32 when ``Q_QUANTIZED``;
+* cache key/value [num_blocks, Hkv, PAGE, D] (e4m3 data passed as uint8),
+  key_scale/value_scale [num_blocks, Hkv, PAGE] fp32 (unused for bf16);
+* block_table [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32;
+  query_start_loc [num_seqs + 1] int32;
+* out [T, Hq, D] (bf16, or the query's dtype).
+
+Grid: (query tiles, Hkv). With ``SEARCH`` the query tiles are numbered as in vLLM's
+unified attention: sequence ``s`` owns tiles ``qsl[s] // BLOCK_Q + s`` onwards and a
+program finds its sequence by binary search over ``query_start_loc``, so
+``T // BLOCK_Q + num_seqs`` programs cover any batch without the host knowing the
+lengths; otherwise sequence ``s`` owns tiles ``[s * tiles_per_seq, (s + 1) *
+tiles_per_seq)``. Tiles are taken in reverse order so the longest (last) tiles of a
+sequence start first. Programs whose tile holds no token, or whose sequence has
+``q_len <= min_query_len``, exit at once (their rows are not written).
+"""
+
+import triton
+import triton.language as tl
+
+from . import quantize as _q
+from .quantize import _amax_rows, _quantize, _round_to_e4m3_grid, _row_scale
+
+# Cache kinds (values shared with the quantize kernels) and PV precisions, as constexprs.
+KIND_INT8 = tl.constexpr(getattr(_q.KIND_INT8, "value", _q.KIND_INT8))
+KIND_FP8 = tl.constexpr(getattr(_q.KIND_FP8, "value", _q.KIND_FP8))
+KIND_BF16 = tl.constexpr(getattr(_q.KIND_BF16, "value", _q.KIND_BF16))
+PV_INT8 = tl.constexpr(0)
+PV_FP8 = tl.constexpr(1)
+PV_BF16 = tl.constexpr(2)
+
+#: 1.5 * 2**23 as fp32, and its bit pattern: x + MAGIC_F has the integer round(x) in its
+#: low mantissa bits for |x| < 2**22.
+MAGIC_F = tl.constexpr(12582912.0)
+MAGIC_I = tl.constexpr(0x4B400000)
+#: Running-max start: finite, so rows that see no key keep exp2(-inf - NEG_BIG) = 0.
+NEG_BIG = tl.constexpr(-1.0e30)
+#: Lower bound of the P quantization step relative to the tile's largest V scale (2**-20).
+MIN_REL_STEP = tl.constexpr(9.5367431640625e-07)
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest ``s`` with ``qsl[s] // BLOCK_Q + s <= tile`` (binary search)."""
+    lo = tl.zeros([], tl.int32)
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _as_storage(x, KV_KIND: tl.constexpr):
+    """e4m3 data travels as uint8 (so masked lanes can load a plain 0); view it as fp8."""
+    if KV_KIND == KIND_FP8:
+        return x.to(tl.float8e4nv, bitcast=True)
+    else:
+        return x
+
+
+@triton.jit
+def _load_v(v_ptr, row_off, col0, offs_dv, in_seq, MASKED: tl.constexpr, KV_KIND: tl.constexpr):
+    ptrs = v_ptr + row_off[:, None] + (col0 + offs_dv)[None, :]
+    if MASKED:
+        v = tl.load(ptrs, mask=in_seq[:, None], other=0)
+    else:
+        v = tl.load(ptrs)
+    return _as_storage(v, KV_KIND)
+
+
+@triton.jit
+def _pv_chunk(acc, p_op, factor, v,
+              BLOCK_M: tl.constexpr, DV: tl.constexpr,
+              KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc * factor + P . v`` for one column chunk ``v`` [BLOCK_N, DV] of the V tile."""
+    if PV_KIND == PV_INT8:
+        start = tl.full([BLOCK_M, DV], MAGIC_I, tl.int32)
+        o = tl.dot(p_op, v, acc=start, out_dtype=tl.int32).to(tl.float32, bitcast=True)
+        if P_SHIFT:
+            bias = MAGIC_F - 128.0 * tl.sum(v.to(tl.int32), 0).to(tl.float32)
+            acc = acc * factor[:, None] + (o - bias[None, :])
+        else:
+            acc = acc * factor[:, None] + (o - MAGIC_F)
+    elif PV_KIND == PV_FP8:
+        acc = tl.dot(p_op, v, acc * factor[:, None])
+    else:
+        if INTERPRET:
+            v = v.to(tl.float32)
+        elif KV_KIND == KIND_INT8:
+            # int8 -> fp16 without a conversion instruction: the fp16 with bits
+            # 0x6400 + (v + 128) is 1024 + 128 + v exactly.
+            v = (v.to(tl.int16) + (0x6400 + 128)).to(tl.float16, bitcast=True) - 1152.0
+        elif KV_KIND == KIND_FP8:
+            v = v.to(tl.float16)
+        acc = tl.dot(p_op, v, acc * factor[:, None])
+    return acc
+
+
+@triton.jit
+def _attend_tile(
+    start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
+    q, row_scale, row_limit, kv_end,
+    bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+    offs_n, offs_d, offs_dv,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DV: tl.constexpr,
+    PAGE: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
+    MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One KV tile of keys ``[start, start + BLOCK_N)`` folded into the running state."""
+    pos = start + offs_n
+    in_seq = pos < kv_end
+    if MASKED:
+        blk = tl.load(bt_row + pos // PAGE, mask=in_seq, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row + pos // PAGE).to(tl.int64)
+    slot = pos % PAGE
+    row_off = blk * stride_cb + data_head + slot * HEAD_DIM
+    scale_off = blk * stride_sb + scale_head + slot
+    NUM_DV: tl.constexpr = HEAD_DIM // DV
+    # 8-bit V reaches the tensor cores through registers (the dot wants it K-major, the
+    # cache stores it row-major): issue its loads first so they overlap QK and softmax.
+    v0 = _load_v(v_ptr, row_off, 0, offs_dv, in_seq, MASKED, KV_KIND)
+    if NUM_DV > 1:
+        v1 = _load_v(v_ptr, row_off, DV, offs_dv, in_seq, MASKED, KV_KIND)
+    else:
+        v1 = v0
+    if NUM_DV > 2:
+        v2 = _load_v(v_ptr, row_off, 2 * DV, offs_dv, in_seq, MASKED, KV_KIND)
+        v3 = _load_v(v_ptr, row_off, 3 * DV, offs_dv, in_seq, MASKED, KV_KIND)
+    else:
+        v2 = v0
+        v3 = v0
+    if MASKED:
+        k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0)
+    else:
+        k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :])
+    k = _as_storage(k, KV_KIND)
+
+    # ---- scores t (base-2 score = t * row_scale), per-key K scale applied here
+    if KV_KIND == KIND_INT8:
+        if MASKED:
+            k_scale = tl.load(k_scale_ptr + scale_off, mask=in_seq, other=0.0)
+        else:
+            k_scale = tl.load(k_scale_ptr + scale_off)
+        start_acc = tl.full([BLOCK_M, BLOCK_N], MAGIC_I, tl.int32)
+        x = tl.dot(q, tl.trans(k), acc=start_acc, out_dtype=tl.int32).to(tl.float32, bitcast=True)
+        t = (x - MAGIC_F) * k_scale[None, :]
+    elif KV_KIND == KIND_FP8:
+        if MASKED:
+            k_scale = tl.load(k_scale_ptr + scale_off, mask=in_seq, other=0.0)
+        else:
+            k_scale = tl.load(k_scale_ptr + scale_off)
+        t = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * k_scale[None, :]
+    else:
+        if INTERPRET:
+            k = k.to(tl.float32)
+        t = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+    if MASKED:
+        t = tl.where(pos[None, :] <= row_limit[:, None], t, float("-inf"))
+
+    # ---- online softmax (base 2)
+    m_new = tl.maximum(m_i, tl.max(t, 1) * row_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(t * row_scale[:, None] - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+
+    # ---- P operand (V scale folded in) and the accumulator's rescale factor
+    pv = p
+    if KV_KIND != KIND_BF16:
+        if MASKED:
+            v_scale = tl.load(v_scale_ptr + scale_off, mask=in_seq, other=0.0)
+        else:
+            v_scale = tl.load(v_scale_ptr + scale_off)
+        if PV_KIND != PV_BF16:
+            pv = p * v_scale[None, :]
+    if PV_KIND == PV_BF16:
+        if KV_KIND == KIND_BF16:
+            factor = alpha
+            p_op = pv.to(tl.bfloat16)
+        else:
+            # fp16 P scaled by the tile's largest V scale, so small V scales never push
+            # P into fp16 subnormals; the accumulator follows in units of that scale.
+            r_new = tl.full([BLOCK_M], 1.0, tl.float32) * tl.max(v_scale, 0)
+            factor = alpha * (r_i / r_new)
+            r_i = r_new
+            p_op = (p * (v_scale * (1.0 / tl.max(v_scale, 0)))[None, :]).to(tl.float16)
+        if INTERPRET:
+            p_op = p_op.to(tl.float32)
+    else:
+        if PV_KIND == PV_FP8:
+            levels = 448.0
+        elif P_SHIFT:
+            levels = 255.0
+        else:
+            levels = 127.0
+        floor = tl.max(v_scale, 0) * MIN_REL_STEP
+        r_new = tl.maximum(tl.max(pv, 1), floor) * (1.0 / levels)
+        inv_r = 1.0 / r_new
+        factor = alpha * (r_i / r_new)
+        r_i = r_new
+        if PV_KIND == PV_FP8:
+            u = tl.minimum(pv * inv_r[:, None], 448.0)
+            if INTERPRET:
+                u = _round_to_e4m3_grid(u)
+            p_op = u.to(tl.float8e4nv)
+        else:
+            if P_SHIFT:
+                u = pv * inv_r[:, None] + (MAGIC_F - 128.0)
+            else:
+                u = pv * inv_r[:, None] + MAGIC_F
+            p_op = u.to(tl.int32, bitcast=True).to(tl.int8)
+
+    acc0 = _pv_chunk(acc0, p_op, factor, v0, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, INTERPRET)
+    if NUM_DV > 1:
+        acc1 = _pv_chunk(acc1, p_op, factor, v1, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, INTERPRET)
+    if NUM_DV > 2:
+        acc2 = _pv_chunk(acc2, p_op, factor, v2, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, INTERPRET)
+        acc3 = _pv_chunk(acc3, p_op, factor, v3, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, INTERPRET)
+    return m_new, l_i, r_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _store_chunk(out_ptr, out_rows, col0, offs_dv, acc, norm, row_valid):
+    o = acc * norm[:, None]
+    tl.store(out_ptr + out_rows[:, None] + (col0 + offs_dv)[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=row_valid[:, None])
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, q_scale_ptr, out_ptr,
+    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, num_seqs, min_query_len, tiles_per_seq, num_tiles,
+    stride_qt, stride_qh, stride_qst, stride_qsh,
+    stride_ot, stride_oh,
+    stride_cb, stride_ch, stride_sb, stride_sh,
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
+    Q_QUANTIZED: tl.constexpr, SEARCH: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    tile = num_tiles - 1 - tl.program_id(0)  # longest tiles first
+    kv_head = tl.program_id(1)
+    if SEARCH:
+        seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_tile = tile - (q_start // BLOCK_Q + seq)
+    else:
+        seq = tile // tiles_per_seq
+        q_tile = tile % tiles_per_seq
+        q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if (q_len <= min_query_len) | (q_tile * BLOCK_Q >= q_len):
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, DV)
+    row_tok = offs_m // GROUP
+    row_head = kv_head * GROUP + offs_m % GROUP
+    tok = q_tile * BLOCK_Q + row_tok
+    row_valid = (row_tok < BLOCK_Q) & (tok < q_len)
+    q_row = (q_start + tok).to(tl.int64)
+
+    q = tl.load(q_ptr + q_row[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None], other=0)
+    if KV_KIND == KIND_BF16:
+        if INTERPRET:
+            q = q.to(tl.float32)
+        else:
+            q = q.to(tl.bfloat16)
+        row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
+    elif Q_QUANTIZED:
+        q = _as_storage(q, KV_KIND)
+        q_scale = tl.load(q_scale_ptr + q_row * stride_qst + row_head * stride_qsh, mask=row_valid, other=1.0)
+        row_scale = q_scale * qk_scale
+    else:
+        x = q.to(tl.float32)
+        q_scale = _row_scale(_amax_rows(x), KV_KIND)
+        q = _quantize(x, q_scale, KV_KIND, INTERPRET)
+        row_scale = q_scale * qk_scale
+
+    # Keys [0, full_end) are visible to every row of the tile; [full_end, kv_end) is the
+    # diagonal band; nothing past the last row's position is visited.
+    first_tok = q_tile * BLOCK_Q
+    last_tok = tl.minimum(q_len, first_tok + BLOCK_Q) - 1
+    kv_end = ctx + last_tok + 1
+    full_end = ((ctx + first_tok + 1) // BLOCK_N) * BLOCK_N
+    row_limit = tl.minimum(ctx + tok, kv_end - 1)
+
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    data_head = kv_head.to(tl.int64) * stride_ch
+    scale_head = kv_head.to(tl.int64) * stride_sh
+
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    r_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    acc0 = tl.zeros([BLOCK_M, DV], tl.float32)
+    acc1 = tl.zeros([BLOCK_M, DV], tl.float32)
+    acc2 = tl.zeros([BLOCK_M, DV], tl.float32)
+    acc3 = tl.zeros([BLOCK_M, DV], tl.float32)
+    for start in range(0, full_end, BLOCK_N):
+        m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
+            start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
+            q, row_scale, row_limit, kv_end,
+            bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+            offs_n, offs_d, offs_dv,
+            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, INTERPRET)
+    for start in range(full_end, kv_end, BLOCK_N):
+        m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
+            start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
+            q, row_scale, row_limit, kv_end,
+            bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+            offs_n, offs_d, offs_dv,
+            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, INTERPRET)
+
+    norm = tl.where(l_i > 0.0, r_i / l_i, 0.0)
+    out_rows = q_row * stride_ot + row_head * stride_oh
+    NUM_DV: tl.constexpr = HEAD_DIM // DV
+    _store_chunk(out_ptr, out_rows, 0, offs_dv, acc0, norm, row_valid)
+    if NUM_DV > 1:
+        _store_chunk(out_ptr, out_rows, DV, offs_dv, acc1, norm, row_valid)
+    if NUM_DV > 2:
+        _store_chunk(out_ptr, out_rows, 2 * DV, offs_dv, acc2, norm, row_valid)
+        _store_chunk(out_ptr, out_rows, 3 * DV, offs_dv, acc3, norm, row_valid)

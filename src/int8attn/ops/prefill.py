@@ -1,0 +1,243 @@
+"""``prefill_attention``: chunked prefill (many new query tokens per sequence) over the
+paged cache, causal inside the chunk, many sequences of different prefix and chunk
+lengths in one launch.
+
+Launches :func:`int8attn.kernels.prefill._prefill_kernel` over (query tiles, KV heads).
+The grid comes from host-known sizes only (``T // BLOCK_Q + num_seqs`` tiles, or
+``num_seqs * cdiv(max_query_len, BLOCK_Q)`` when the caller knows ``max_query_len`` and
+that is fewer); each program finds its sequence on the device. No host sync, so the
+launch can be captured in a CUDA graph (value checks are skipped during capture, see
+:mod:`int8attn._checks`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+
+from .. import _checks
+from ..cache import PagedKVCache
+from ..kernels.prefill import PV_BF16, PV_FP8, PV_INT8, _prefill_kernel
+from ..testing import interpret_mode
+from .write import KV_KIND, device_guard
+
+#: PV precisions each cache dtype accepts. "bf16" means a 16-bit float PV product (fp16
+#: for 8-bit caches: their V values are exact in it).
+PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
+#: Default PV precision per cache dtype. On the H200 (benchmarks/notes/prefill.md) the
+#: 16-bit PV was both faster and more accurate than 8-bit PV for 8-bit caches: INT8 cache
+#: 9.5 ms (fp16 PV) vs 14.4 ms (int8 PV) at 4096 tokens over 28672, end-to-end rel-L2
+#: 0.013 vs 0.018. 8-bit PV needs V K-major in shared memory, which this cache layout
+#: only gives through registers and byte-wise transposing stores.
+DEFAULT_PV = {"int8": "bf16", "fp8": "bf16", "bf16": "bf16"}
+_PV_KIND = {"int8": PV_INT8.value, "fp8": PV_FP8.value, "bf16": PV_BF16.value}
+
+#: The compiled kernel of the latest launch (benchmarks read its SASS); None in the
+#: interpreter.
+last_compiled_kernel = None
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Kernel tiling.
+
+    block_m: rows per program (query tokens x GQA group, padded); block_n: keys per KV
+    tile; dv: output columns per PV dot (head_dim // dv dots per tile); p_shift: INT8 PV
+    with P on 0..255 (stored minus 128, shift added back as 128 * colsum(V)) instead of
+    0..127; num_warps / num_stages: Triton launch options.
+    """
+
+    block_m: int = 128
+    block_n: int = 64
+    dv: int | None = None
+    p_shift: bool = False
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> PrefillConfig:
+    """Tile / warps / stages per cache dtype, PV precision and head_dim: the fastest of the
+    H200 sweep in benchmarks/bench_prefill.py (benchmarks/notes/prefill.md); the
+    interpreter gets small tiles."""
+    if interpret_mode():
+        return PrefillConfig(block_m=32, block_n=32, dv=None, num_warps=4, num_stages=1)
+    if kv_dtype == "bf16":
+        if head_dim > 128:
+            return PrefillConfig(block_m=128, block_n=64, dv=head_dim, num_warps=8, num_stages=2)
+        return PrefillConfig(block_m=128, block_n=128, dv=head_dim, num_warps=8, num_stages=2)
+    if pv_mode == "bf16":
+        return PrefillConfig(block_m=128, block_n=64, dv=min(head_dim, 128), num_warps=8, num_stages=2)
+    # 8-bit PV: a fresh int32 (or fp8 partial) PV tile per dot; column chunks keep the
+    # live registers within budget at head_dim 256.
+    if head_dim > 128:
+        return PrefillConfig(block_m=128, block_n=64, dv=64, num_warps=8, num_stages=2)
+    return PrefillConfig(block_m=128, block_n=128, dv=head_dim, num_warps=8, num_stages=2)
+
+
+def resolve_pv_mode(kv_dtype: str, pv_mode: str | None) -> str:
+    allowed = PV_MODES[kv_dtype]
+    if pv_mode is None:
+        return DEFAULT_PV[kv_dtype]
+    if pv_mode not in allowed:
+        raise ValueError(f"pv_mode for a {kv_dtype!r} cache must be one of {allowed}, got {pv_mode!r}")
+    return pv_mode
+
+
+def _check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) -> None:
+    d = cache.head_dim
+    if d & (d - 1) or not 16 <= d <= 256:
+        raise ValueError(f"prefill_attention needs a power-of-two head_dim in [16, 256], got {d}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
+    if isinstance(min_query_len, bool) or not isinstance(min_query_len, int) or min_query_len < 0:
+        raise ValueError(f"min_query_len must be an int >= 0, got {min_query_len!r}")
+    if max_query_len is not None and (
+        isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0
+    ):
+        raise ValueError(f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
+
+
+def _check_config(config: PrefillConfig, cache: PagedKVCache, group: int) -> PrefillConfig:
+    d = cache.head_dim
+    dv = config.dv or d
+    for name, value in (("block_m", config.block_m), ("block_n", config.block_n), ("dv", dv)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name}={value} must be a power of two >= 16")
+    if config.block_n > 256:
+        raise ValueError(f"block_n={config.block_n} must be <= 256 (int32 PV headroom)")
+    if d % dv or d // dv not in (1, 2, 4):
+        raise ValueError(f"dv={dv} must split head_dim={d} into 1, 2 or 4 chunks")
+    block_m = max(config.block_m, triton.next_power_of_2(group))
+    return replace(config, dv=dv, block_m=block_m)
+
+
+def _check_cache_layout(cache: PagedKVCache) -> None:
+    """The kernel addresses a token row as ``page * stride(0) + head * stride(1) + slot * D``."""
+    want = (cache.block_size * cache.head_dim, cache.head_dim, 1)
+    for name, t in (("key", cache.key), ("value", cache.value)):
+        if t.stride()[1:] != want or t.stride() != cache.key.stride():
+            raise ValueError(f"cache.{name} must be laid out [num_blocks, Hkv, block_size, D] with unit stride "
+                             f"on D and contiguous pages, got strides {t.stride()}")
+    if cache.quantized:
+        for name, t in (("key_scale", cache.key_scale), ("value_scale", cache.value_scale)):
+            if t.stride(2) != 1 or t.stride() != cache.key_scale.stride():
+                raise ValueError(f"cache.{name} must have unit stride on the slot axis, got {t.stride()}")
+
+
+def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, softmax_scale=None, out=None,
+                      q_quant=None, q_scale=None, pv_mode=None, min_query_len=0, max_query_len=None,
+                      config: PrefillConfig | None = None) -> torch.Tensor:
+    """Causal attention of every sequence with ``q_len > min_query_len`` new tokens.
+
+    Args:
+        query: [T, Hq, D] bf16 (fp16 / fp32 accepted), last dim contiguous. Query token j
+            of sequence s sits at position ``seq_lens[s] - q_len_s + j`` and sees every
+            cached key at a position <= its own.
+        cache: :class:`int8attn.PagedKVCache` ("int8", "fp8" or "bf16"); head_dim a power
+            of two in [16, 256]; the chunk's own K/V must already be in the cache.
+        block_table: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (new tokens
+            included); query_start_loc: [num_seqs + 1] int32 (cumulative q_lens).
+        softmax_scale: defaults to ``head_dim ** -0.5``.
+        out: optional [T, Hq, D] output (bf16, or the query's dtype); rows of skipped
+            sequences are left untouched.
+        q_quant, q_scale: the query already quantized for the cache
+            (:func:`int8attn.ops.producer.quantize_query`): [T, Hq, D] int8 |
+            float8_e4m3fn and [T, Hq] fp32. When omitted, the kernel quantizes each
+            (token, head) row of Q itself, once, as it loads it (same arithmetic).
+        pv_mode: PV precision: "int8" | "bf16" for an INT8 cache, "fp8" | "bf16" for an
+            FP8 cache, "bf16" for a BF16 cache; default "bf16" (16-bit PV; fp16 for
+            8-bit caches), the faster and more accurate choice measured (DEFAULT_PV).
+        min_query_len: sequences with ``q_len <= min_query_len`` are skipped (the mixed
+            router passes the decode kernel's limit).
+        max_query_len: an upper bound of q_len the caller knows (host int), used only to
+            shrink the grid; a sequence longer than it would be cut short.
+        config: tiling override (:class:`PrefillConfig`), for benchmarks and tests.
+
+    Returns:
+        ``out``: [T, Hq, D] bf16.
+    """
+    _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
+                                   q_quant=q_quant, q_scale=q_scale)
+    _check_prefill_options(cache, softmax_scale, min_query_len, max_query_len)
+    _check_cache_layout(cache)
+    pv_mode = resolve_pv_mode(cache.kv_dtype, pv_mode)
+    if config is None:
+        config = default_config(cache.kv_dtype, cache.head_dim, pv_mode)
+    elif not isinstance(config, PrefillConfig):
+        raise TypeError(f"config must be a PrefillConfig, got {type(config).__name__}")
+    group = query.shape[1] // cache.num_kv_heads
+    config = _check_config(config, cache, group)
+    return _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
+                q_quant, q_scale, min_query_len, max_query_len)
+
+
+def launch_grid(num_tokens: int, num_seqs: int, block_q: int, max_query_len: int | None) -> tuple[int, int, bool]:
+    """(number of query tiles, tiles per sequence, search mode) from host-known sizes."""
+    searched = num_tokens // block_q + num_seqs
+    if max_query_len is not None:
+        per_seq = triton.cdiv(max(max_query_len, 1), block_q)
+        if num_seqs * per_seq < searched:
+            return num_seqs * per_seq, per_seq, False
+    return searched, 0, True
+
+
+def _run(config: PrefillConfig, pv_mode: str, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
+         out, q_quant, q_scale, min_query_len, max_query_len) -> torch.Tensor:
+    """Launch with a checked config (no validation)."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = block_table.shape[0]
+    if out is None:
+        out = torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is not None and max_query_len <= min_query_len:
+        return out  # no sequence qualifies
+    group = num_q_heads // cache.num_kv_heads
+    block_q = config.block_m // group
+    num_tiles, tiles_per_seq, search = launch_grid(num_tokens, num_seqs, block_q, max_query_len)
+
+    q_quantized = q_quant is not None
+    q_in = q_quant if q_quantized else query
+    key, value = cache.key, cache.value
+    if cache.kv_dtype == "fp8":
+        # e4m3 travels as uint8 so that masked lanes load a plain 0 (see the kernel)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+        if q_quantized:
+            q_in = q_in.view(torch.uint8)
+    if cache.quantized:
+        k_scale, v_scale, scale_strides = cache.key_scale, cache.value_scale, cache.key_scale.stride()
+        if q_quantized:
+            q_scale_in, q_scale_strides = q_scale, q_scale.stride()
+        else:
+            q_scale_in, q_scale_strides = cache.key_scale, (0, 0)
+    else:
+        k_scale, v_scale, scale_strides = cache.key, cache.value, (0, 0, 0)
+        q_scale_in, q_scale_strides = cache.key, (0, 0)
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5
+    qk_scale = float(softmax_scale) * math.log2(math.e)
+
+    global last_compiled_kernel
+    with device_guard(cache.device):
+        last_compiled_kernel = _prefill_kernel[(num_tiles, cache.num_kv_heads)](
+            q_in, q_scale_in, out,
+            key, value, k_scale, v_scale,
+            block_table, seq_lens, query_start_loc,
+            qk_scale, num_seqs, min_query_len, max(tiles_per_seq, 1), num_tiles,
+            q_in.stride(0), q_in.stride(1), q_scale_strides[0], q_scale_strides[1],
+            out.stride(0), out.stride(1),
+            cache.key.stride(0), cache.key.stride(1), scale_strides[0], scale_strides[1],
+            block_table.stride(0),
+            GROUP=group, HEAD_DIM=head_dim, DV=config.dv, PAGE=cache.block_size,
+            BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
+            KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=_PV_KIND[pv_mode], P_SHIFT=bool(config.p_shift),
+            Q_QUANTIZED=q_quantized or not cache.quantized, SEARCH=search, INTERPRET=interpret_mode(),
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
+    return out

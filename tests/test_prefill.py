@@ -1,0 +1,201 @@
+"""prefill_attention: chunked prefill vs the float64 references (both), chunk lengths
+crossing tiles, prefixes on and off page boundaries, GQA ratios, head dims, page sizes,
+every cache dtype and PV precision, varlen batches, skipped sequences, pre-quantized
+queries, and inputs rejected before any launch."""
+
+import math
+
+import pytest
+import torch
+
+from int8attn import reference, testing
+from int8attn.ops.prefill import DEFAULT_PV, PrefillConfig, launch_grid, prefill_attention
+from int8attn.ops.producer import quantize_query
+
+# Tight bounds vs the quantized-query reference (the gap is the P rounding and fp32 /
+# bf16 arithmetic) and end-to-end bounds vs the float64 reference over the dequantized
+# cache (the query quantization adds in). Measured worst cases on these data were about
+# half of each bound.
+TOL_QUANTIZED = {("int8", "int8"): 0.012, ("int8", "bf16"): 0.006, ("fp8", "fp8"): 0.03,
+                 ("fp8", "bf16"): 0.006, ("bf16", "bf16"): 0.008}
+TOL_REFERENCE = {("int8", "int8"): 0.016, ("int8", "bf16"): 0.012, ("fp8", "fp8"): 0.05,
+                 ("fp8", "bf16"): 0.045, ("bf16", "bf16"): 0.008}
+#: Small tiles so a few dozen tokens already cross several query and KV tiles.
+SMALL = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+def batch(seq_lens, q_lens, *, hq=4, hkv=2, d=64, bs=16, kv="int8", seed=0, device="cpu"):
+    return testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                    block_size=bs, kv_dtype=kv, seed=seed, device=device)
+
+
+def args_of(b):
+    return b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc
+
+
+def run_and_check(b, *, pv=None, config=SMALL, name="out", **kw):
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=b.query.device))
+    prefill_attention(*args_of(b), out=out, pv_mode=pv, config=config, **kw)
+    kv = b.cache.kv_dtype
+    key = (kv, pv or DEFAULT_PV[kv])
+    scale = kw.get("softmax_scale")
+    refq = reference.attention_reference_quantized(*args_of(b), softmax_scale=scale)
+    ref = reference.attention_reference(*args_of(b), softmax_scale=scale)
+    testing.assert_close_verbose(out, refq, rel_l2=TOL_QUANTIZED[key], name=f"{name} vs quantized-query ref")
+    testing.assert_close_verbose(out, ref, rel_l2=TOL_REFERENCE[key], name=f"{name} vs float64 ref")
+    return out
+
+
+# --------------------------------------------------------------------------- accuracy
+@pytest.mark.parametrize("q_len,prefix,pv", [(1, 0, "int8"), (9, 1, "bf16"), (17, 17, "int8"), (65, 16, "bf16"),
+                                           (130, 0, "int8")])
+def test_chunk_lengths_and_prefixes(q_len, prefix, pv, device):
+    """Chunks of 1..130 tokens over prefixes 0, 1, 17 and one page exactly (16)."""
+    b = batch([prefix + q_len], [q_len], seed=q_len, device=device)
+    run_and_check(b, pv=pv)
+
+
+@pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16"),
+                                   ("bf16", "bf16")])
+def test_cache_dtypes_and_pv_modes(kv, pv, device):
+    b = batch([40, 23], [30, 23], kv=kv, seed=3, device=device)
+    run_and_check(b, pv=pv)
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs", [(4, 4, 128, 32), (8, 2, 64, 64), (6, 1, 64, 16), (8, 1, 256, 16),
+                                         (12, 2, 64, 8)])
+def test_gqa_head_dims_page_sizes(hq, hkv, d, bs, device):
+    """GQA 1/4/6/8 (6: rows of the last GQA group pad the tile), head_dim 64/128/256,
+    pages of 8..64 tokens (KV tiles span several pages, or a fraction of one)."""
+    b = batch([33, 20], [21, 20], hq=hq, hkv=hkv, d=d, bs=bs, seed=hq + d, device=device)
+    run_and_check(b, pv="int8")
+
+
+@pytest.mark.parametrize("config,pv", [
+    (PrefillConfig(block_m=32, block_n=32, dv=32, num_warps=4, num_stages=1), "int8"),   # 2 PV column chunks
+    (PrefillConfig(block_m=16, block_n=64, dv=16, num_warps=4, num_stages=1), "int8"),   # 4 chunks, tile > page
+    (PrefillConfig(block_m=64, block_n=16, p_shift=True, num_warps=4, num_stages=1), "int8"),  # P on 0..255
+    (PrefillConfig(block_m=32, block_n=32, dv=16, num_warps=4, num_stages=1), "bf16"),   # 16-bit PV, 4 chunks
+], ids=["dv2", "dv4_n64", "shift", "pv16_dv4"])
+def test_kernel_variants(config, pv, device):
+    b = batch([97, 5], [60, 5], seed=11, device=device)
+    run_and_check(b, config=config, pv=pv)
+
+
+def test_varlen_batch(device):
+    """Many sequences of different prefix and chunk lengths (and an empty one) in one
+    launch (programs find their sequence by searching query_start_loc)."""
+    b = batch([50, 17, 3, 40, 1, 70], [33, 17, 0, 9, 1, 12], hq=6, hkv=2, seed=5, device=device)
+    run_and_check(b)
+
+
+def test_max_query_len_grid_matches_searched_grid(device):
+    """With max_query_len the grid is sequences x tiles (here smaller than the searched
+    one); both give bit-identical rows."""
+    q_lens = [20, 18, 20]
+    b = batch([25, 18, 40], q_lens, hq=6, hkv=2, seed=8, device=device)
+    block_q = SMALL.block_m // 3
+    assert launch_grid(b.query.shape[0], 3, block_q, max(q_lens))[2] is False
+    assert launch_grid(b.query.shape[0], 3, block_q, None)[2] is True
+    out = run_and_check(b)
+    dense = testing.poisoned_like(out)
+    prefill_attention(*args_of(b), out=dense, config=SMALL, max_query_len=max(q_lens))
+    assert torch.equal(out, dense)
+
+
+def test_min_query_len_skips_rows(device):
+    """Sequences with q_len <= min_query_len are left untouched (their rows stay NaN)."""
+    b = batch([20, 30, 12], [8, 20, 3], seed=9, device=device)
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
+    prefill_attention(*args_of(b), out=out, config=SMALL, min_query_len=8)
+    assert torch.isnan(out[:8].float()).all() and torch.isnan(out[28:].float()).all()
+    ref = reference.attention_reference(*args_of(b))
+    testing.assert_close_verbose(out[8:28], ref[8:28], rel_l2=TOL_REFERENCE[("int8", "int8")])
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_prequantized_query_matches_in_kernel_quantization(kv, device):
+    b = batch([45], [45], kv=kv, seed=2, device=device)
+    out = run_and_check(b)
+    q, s = quantize_query(b.query, kv)
+    out_pre = testing.poisoned_like(out)
+    prefill_attention(*args_of(b), out=out_pre, config=SMALL, q_quant=q, q_scale=s)
+    assert torch.equal(out, out_pre)
+
+
+def test_softmax_scale_and_default_config(device):
+    b = batch([26], [18], seed=4, device=device)
+    run_and_check(b, config=None, softmax_scale=0.3)
+
+
+def test_outlier_free_gaussian_and_tiny_values(device):
+    """Plain Gaussian keys, and values scaled down 1e-4 (P must not underflow)."""
+    b = testing.make_paged_batch([30], [30], num_q_heads=4, num_kv_heads=2, head_dim=64, outliers=False,
+                                 seed=6, device=device, writer=lambda c, k, v, s: reference.write_kv_reference(
+                                     c, k, v * 1e-4, s))
+    for pv in ("int8", "bf16"):
+        run_and_check(b, pv=pv)
+
+
+# --------------------------------------------------------------------------- bad input
+def _bad_calls(b):
+    q, cache, bt, sl, qsl = args_of(b)
+    return {
+        "query dtype": (TypeError, dict(query=q.to(torch.int32))),
+        "query heads": (ValueError, dict(query=q[:, :3])),
+        "block_table dtype": (TypeError, dict(block_table=bt.long())),
+        "seq_lens shape": (ValueError, dict(seq_lens=sl[:1])),
+        "qsl dtype": (TypeError, dict(query_start_loc=qsl.long())),
+        "seq shorter than chunk": (ValueError, dict(seq_lens=torch.tensor([3, 20], dtype=torch.int32))),
+        "block id out of range": (ValueError, dict(block_table=torch.full_like(bt, 10 ** 6))),
+        "pv_mode": (ValueError, dict(pv_mode="fp8")),
+        "min_query_len": (ValueError, dict(min_query_len=-1)),
+        "max_query_len": (ValueError, dict(max_query_len=2.5)),
+        "softmax_scale": (ValueError, dict(softmax_scale=-1.0)),
+        "softmax_scale type": (TypeError, dict(softmax_scale="0.1")),
+        "config type": (TypeError, dict(config={"block_m": 16})),
+        "config block_n": (ValueError, dict(config=PrefillConfig(block_n=24))),
+        "config dv": (ValueError, dict(config=PrefillConfig(dv=128))),
+        "q_scale without q_quant": (ValueError, dict(q_scale=torch.ones(q.shape[:2]))),
+        "out shape": (ValueError, dict(out=torch.empty(3, 4, 64, dtype=torch.bfloat16))),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls(batch([20, 20], [10, 10])).keys()))
+def test_bad_input_raises_before_launch(case, monkeypatch):
+    import int8attn.ops.prefill as ops
+
+    b = batch([20, 20], [10, 10])
+    err, change = _bad_calls(b)[case]
+
+    def no_launch(*a, **k):
+        raise AssertionError("kernel launched despite bad input")
+
+    monkeypatch.setattr(ops, "_run", no_launch)
+    kw = dict(zip(("query", "cache", "block_table", "seq_lens", "query_start_loc"), args_of(b)))
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16))
+    kw.update(out=out, config=SMALL)
+    kw.update(change)
+    with pytest.raises(err):
+        prefill_attention(**kw)
+    assert torch.isnan(out.float()).all()
+
+
+def test_non_power_of_two_head_dim_refused():
+    b = batch([20], [10], d=80, hq=2, hkv=1)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        prefill_attention(*args_of(b))
+
+
+# --------------------------------------------------------------------------- GPU
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv", ["int8", "fp8", "bf16"])
+def test_gpu_default_config(kv):
+    """Default tiles on the GPU: 24q/4kv/D256 and a long chunk over a prefix."""
+    b = batch([1500, 300], [700, 300], hq=24, hkv=4, d=256, kv=kv, seed=1, device="cuda")
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+    prefill_attention(*args_of(b), out=out)
+    ref = reference.attention_reference(*args_of(b))
+    key = (kv, DEFAULT_PV[kv])
+    testing.assert_close_verbose(out, ref, rel_l2=TOL_REFERENCE[key])
+    assert math.isfinite(float(out.float().abs().max()))
