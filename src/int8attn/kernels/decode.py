@@ -1,0 +1,303 @@
+"""Split-K paged decode attention (1..8 query tokens per sequence) and its merge kernel.
+
+One program of :func:`_decode_split_kernel` owns one (split, KV head, sequence). Its M
+rows pack every query head of the KV group times the query tokens of one pass
+(row ``r`` = token ``r // GROUP`` of the pass, head ``kv_head * GROUP + r % GROUP``),
+padded to ``BLOCK_M >= 16`` rows, so each K/V tile is read from memory once for all of
+them. The program walks its share of the sequence's KV tiles (``BLOCK_N`` keys, a
+multiple of the page size; every page of a tile is gathered through the block table):
+
+* QK: ``tl.dot(Q, K^T)`` in the cache's precision -- int8 x int8 -> int32 (IMMA with
+  16/32 rows, IGMMA with 64), e4m3 x e4m3 -> fp32 (QGMMA with 64 rows; with fewer rows
+  Triton 3.6 converts e4m3 to f16 for mma.sync on sm_90), or bf16 -- then
+  ``score = acc * sQ[row] * sK[col] * softmax_scale * log2(e)``: each key's scale is
+  applied per column *before* the online softmax (exp2 form);
+* masks: keys past ``seq_len`` (tile tail) and, for a multi-token step, keys after the
+  query token's own position ``seq_len - q_len + j`` (causal);
+* PV (``PV_KIND``): the V scale of each key is folded into P, then
+  ``PV_INT8``: P quantized per row per tile to 0..255, stored as ``u - 128`` in int8,
+  ``P . V = (u - 128) . V + 128 * colsum(V)`` with both products int8 -> int32 on the
+  tensor cores (the colsum is a dot of a ones tile with V); ``PV_INT8_SIGNED``: P
+  quantized to 0..127 (half the levels, a measurement variant); ``PV_FP8``: P
+  quantized per row to e4m3, fp8 dot; ``PV_BF16``: V converted to bf16 in registers.
+
+Splits: a sequence of ``num_tiles = cdiv(seq_len, BLOCK_N)`` tiles is cut into
+``n_active = min(num_splits, num_tiles)`` contiguous runs of tiles whose sizes differ by
+at most one; programs with ``split >= n_active`` exit at once. The sizes come from
+``seq_len`` on the device, so the host never reads lengths. A sequence with one active
+split writes its output directly; otherwise each split writes (running max, sum,
+unnormalized output) per row to the workspace and :func:`_decode_merge_kernel` combines
+them. Sequences with ``q_len == 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows
+are not written).
+
+Tensor layouts (strides passed explicitly, last dims unit stride):
+
+* q [T, Hq, D] (int8 | e4m3 | bf16/fp16/fp32 for the bf16 cache), q_scale [T, Hq] fp32;
+* cache key/value [num_blocks, Hkv, PAGE, D], key_scale/value_scale [num_blocks, Hkv, PAGE];
+* block_table [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32,
+  query_start_loc [num_seqs + 1] int32;
+* out [T, Hq, D]; part_acc [T, Hq, S, D] fp32; part_ml [T, Hq, S, 2] fp32 (max, sum).
+"""
+
+import triton
+import triton.language as tl
+
+from . import quantize as _quantize
+from .quantize import _round_to_e4m3_grid
+
+# Cache kinds (the same codes as the quantize kernels) and PV precisions; constexpr
+# globals so the jitted code may read them.
+KIND_INT8 = tl.constexpr(_quantize.KIND_INT8)
+KIND_FP8 = tl.constexpr(_quantize.KIND_FP8)
+KIND_BF16 = tl.constexpr(_quantize.KIND_BF16)
+PV_INT8 = tl.constexpr(0)
+PV_INT8_SIGNED = tl.constexpr(1)
+PV_FP8 = tl.constexpr(2)
+PV_BF16 = tl.constexpr(3)
+
+#: Running-max start value: finite, so a row that sees no key in a tile keeps
+#: ``exp2(-inf - NEG_BIG) = 0`` instead of ``exp2(-inf + inf) = NaN``.
+NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _num_active_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Splits that hold at least one tile: ``min(num_splits, cdiv(seq_len, BLOCK_N))``.
+
+    Shared by both kernels so they agree on which splits hold partials.
+    """
+    return tl.minimum(num_splits, tl.cdiv(seq_len, BLOCK_N))
+
+
+@triton.jit
+def _split_tiles(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """Tiles [lo, lo + count) of split ``split``: runs whose sizes differ by at most one,
+    the non-empty ones first."""
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    base = num_tiles // num_splits
+    rem = num_tiles % num_splits
+    lo = split * base + tl.minimum(split, rem)
+    count = base + (split < rem).to(tl.int32)
+    return lo, count
+
+
+# Integer arguments that only index scalars: not specialized, so one compiled kernel
+# serves every split count and batch width (the vector strides stay specialized).
+_SCALAR_ARGS = ["num_splits", "stride_qst", "stride_qsh", "stride_sb", "stride_sh", "stride_bt",
+                "stride_mt", "stride_mh", "stride_ms"]
+
+
+@triton.jit(do_not_specialize=_SCALAR_ARGS)
+def _decode_split_kernel(
+    q_ptr, q_scale_ptr,
+    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    qk_scale, num_splits,
+    stride_qt, stride_qh, stride_qst, stride_qsh,
+    stride_cb, stride_ch,
+    stride_sb, stride_sh,
+    stride_bt,
+    stride_ot, stride_oh,
+    stride_pt, stride_ph, stride_ps,
+    stride_mt, stride_mh, stride_ms,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
+    MAX_QUERY_LEN: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    split = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if (q_len <= 0) | (q_len > MAX_QUERY_LEN):
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    n_active = _num_active_splits(seq_len, num_splits, BLOCK_N)
+    if split >= n_active:
+        return
+
+    tile_lo, tile_count = _split_tiles(seq_len, split, num_splits, BLOCK_N)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    row_tok = offs_m // GROUP
+    row_head = kv_head * GROUP + offs_m % GROUP
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    data_head = kv_head.to(tl.int64) * stride_ch
+    scale_head = kv_head.to(tl.int64) * stride_sh
+
+    # One flat loop over (pass, tile). A pass attends TOKENS_PER_PASS query tokens of the
+    # sequence to this split's tiles; a single pass is the common case. Two things keep
+    # Triton's software pipeline intact (checked in the TTGIR: async waits leave tiles in
+    # flight): the tile and pass are pure functions of the induction variable, and the
+    # end-of-pass stores are masked stores, not a branch. (A pass loop around the tile
+    # loop made the INT8 kernel spill registers; a tile index carried through a select,
+    # or an `if` around the stores, left every load waited for in its own iteration.)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    num_iters = tl.cdiv(q_len, TOKENS_PER_PASS) * tile_count
+    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for it in range(0, num_iters):
+        pass_idx = it // tile_count
+        tile_idx = it - pass_idx * tile_count
+        tile = tile_lo + tile_idx
+        tok0 = pass_idx * TOKENS_PER_PASS
+        row_valid = (row_tok < TOKENS_PER_PASS) & (tok0 + row_tok < q_len)
+        tok = (q_start + tok0 + row_tok).to(tl.int64)
+        # Causal limit of each row: its own position; -1 hides every key from padding rows.
+        row_limit = tl.where(row_valid, seq_len - q_len + tok0 + row_tok, -1)
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_valid[:, None], other=0.0)
+        if KV_KIND == KIND_BF16:
+            q = q.to(tl.bfloat16)
+            if INTERPRET:
+                q = q.to(tl.float32)
+            row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
+        else:
+            q_scale = tl.load(q_scale_ptr + tok * stride_qst + row_head * stride_qsh, mask=row_valid, other=0.0)
+            row_scale = q_scale * qk_scale
+
+        pos = tile * BLOCK_N + offs_n
+        in_seq = pos < seq_len
+        blk = tl.load(bt_row + pos // PAGE, mask=in_seq, other=0).to(tl.int64)
+        slot = pos % PAGE
+        row_off = blk * stride_cb + data_head + slot * HEAD_DIM
+        scale_off = blk * stride_sb + scale_head + slot
+        k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+        if KV_KIND == KIND_INT8:
+            k_scale = tl.load(k_scale_ptr + scale_off, mask=in_seq, other=0.0)
+            qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+            s = qk * row_scale[:, None] * k_scale[None, :]
+        elif KV_KIND == KIND_FP8:
+            k_scale = tl.load(k_scale_ptr + scale_off, mask=in_seq, other=0.0)
+            qk = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+            s = qk * row_scale[:, None] * k_scale[None, :]
+        else:
+            if INTERPRET:
+                k = k.to(tl.float32)
+            qk = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+            s = qk * row_scale[:, None]
+        s = tl.where(pos[None, :] <= row_limit[:, None], s, float("-inf"))
+
+        # A new pass starts from an empty state: alpha = 0 drops the previous pass.
+        fresh = tile_idx == 0
+        m_i = tl.where(fresh, NEG_BIG, m_i)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.where(fresh, 0.0, tl.exp2(m_i - m_new))
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+        acc = acc * alpha[:, None]
+
+        v = tl.load(v_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+        if KV_KIND == KIND_BF16:
+            if INTERPRET:
+                acc += tl.dot(p, v.to(tl.float32))
+            else:
+                acc += tl.dot(p.to(tl.bfloat16), v)
+        else:
+            v_scale = tl.load(v_scale_ptr + scale_off, mask=in_seq, other=0.0)
+            acc += _pv_product(p * v_scale[None, :], v, BLOCK_M, BLOCK_N, PV_KIND, INTERPRET)
+
+        # Last tile of the pass: its rows go to out (one active split) or to the partials.
+        last = tile_idx == tile_count - 1
+        # (tl.where rather than `row_valid & last`: the interpreter mistypes that mask)
+        direct = tl.where(last & (n_active == 1), row_valid, False)
+        partial = tl.where(last & (n_active > 1), row_valid, False)
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + row_head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=direct[:, None])
+        part = tok * stride_pt + row_head * stride_ph + split * stride_ps
+        tl.store(part_acc_ptr + part[:, None] + offs_d[None, :], acc, mask=partial[:, None])
+        ml = tok * stride_mt + row_head * stride_mh + split * stride_ms
+        tl.store(part_ml_ptr + ml, m_i, mask=partial)
+        tl.store(part_ml_ptr + ml + 1, l_i, mask=partial)
+
+
+@triton.jit
+def _pv_product(pv, v, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_KIND: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """``pv . v`` in fp32 for a quantized V tile: ``pv`` [BLOCK_M, BLOCK_N] fp32 holds the
+    probabilities with each key's V scale folded in (>= 0); ``v`` [BLOCK_N, D] is int8 or
+    e4m3. P is quantized per row of this tile as ``PV_KIND`` says."""
+    if PV_KIND == PV_BF16:
+        if INTERPRET:
+            o = tl.dot(pv.to(tl.bfloat16).to(tl.float32), v.to(tl.float32))
+        else:
+            o = tl.dot(pv.to(tl.bfloat16), v.to(tl.bfloat16))
+    elif PV_KIND == PV_FP8:
+        p_max = tl.max(pv, 1)
+        p_inv = tl.where(p_max > 0.0, 448.0 / tl.maximum(p_max, 1e-30), 0.0)
+        r = tl.minimum(pv * p_inv[:, None], 448.0)
+        if INTERPRET:
+            r = _round_to_e4m3_grid(r)
+        o = tl.dot(r.to(tl.float8e4nv), v, out_dtype=tl.float32) * (p_max * (1.0 / 448.0))[:, None]
+    elif PV_KIND == PV_INT8_SIGNED:
+        p_max = tl.max(pv, 1)
+        p_inv = tl.where(p_max > 0.0, 127.0 / tl.maximum(p_max, 1e-30), 0.0)
+        p8 = (pv * p_inv[:, None] + 0.5).to(tl.int32).to(tl.int8)
+        o = tl.dot(p8, v, out_dtype=tl.int32).to(tl.float32) * (p_max * (1.0 / 127.0))[:, None]
+    else:
+        # PV_INT8: the full 0..255 range for P >= 0. u - 128 fits int8, and the shift
+        # comes back as 128 * colsum(V), itself an int8 dot of a ones tile with V.
+        p_max = tl.max(pv, 1)
+        p_inv = tl.where(p_max > 0.0, 255.0 / tl.maximum(p_max, 1e-30), 0.0)
+        u = (pv * p_inv[:, None] + 0.5).to(tl.int32)
+        p8 = (u - 128).to(tl.int8)
+        ones = tl.full([BLOCK_M, BLOCK_N], 1, tl.int8)
+        o_i32 = tl.dot(p8, v, out_dtype=tl.int32) + 128 * tl.dot(ones, v, out_dtype=tl.int32)
+        o = o_i32.to(tl.float32) * (p_max * (1.0 / 255.0))[:, None]
+    return o
+
+
+@triton.jit(do_not_specialize=["num_splits", "stride_mt", "stride_mh", "stride_ms"])
+def _decode_merge_kernel(
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    seq_lens_ptr, query_start_loc_ptr,
+    num_splits,
+    stride_ot, stride_oh,
+    stride_pt, stride_ph, stride_ps,
+    stride_mt, stride_mh, stride_ms,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MAX_QUERY_LEN: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+):
+    """One program per (query head, sequence): combine the split partials of each of the
+    sequence's query tokens into ``out`` (log-sum-exp weights in base 2)."""
+    head = tl.program_id(0)
+    seq = tl.program_id(1)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if (q_len <= 0) | (q_len > MAX_QUERY_LEN):
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    n_active = _num_active_splits(seq_len, num_splits, BLOCK_N)
+    if n_active <= 1:
+        return  # written directly by the split kernel
+
+    offs_c = tl.arange(0, SPLIT_CHUNK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for t in range(0, q_len):
+        tok = (q_start + t).to(tl.int64)
+        ml = part_ml_ptr + tok * stride_mt + head * stride_mh
+        part = part_acc_ptr + tok * stride_pt + head * stride_ph
+        m_run = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
+        for c0 in range(0, n_active, SPLIT_CHUNK):
+            sp = c0 + offs_c
+            m_run = tl.maximum(m_run, tl.load(ml + sp * stride_ms, mask=sp < n_active, other=float("-inf")))
+        m_max = tl.max(m_run, 0)
+        acc = tl.zeros([HEAD_DIM], tl.float32)
+        denom = tl.zeros([SPLIT_CHUNK], tl.float32)
+        for c0 in range(0, n_active, SPLIT_CHUNK):
+            sp = c0 + offs_c
+            live = sp < n_active
+            m_c = tl.load(ml + sp * stride_ms, mask=live, other=float("-inf"))
+            l_c = tl.load(ml + sp * stride_ms + 1, mask=live, other=0.0)
+            w = tl.where(live, tl.exp2(m_c - m_max), 0.0)
+            denom += w * l_c
+            a = tl.load(part + sp[:, None] * stride_ps + offs_d[None, :], mask=live[:, None], other=0.0)
+            acc += tl.sum(a * w[:, None], 0)
+        o = acc / tl.sum(denom, 0)
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))

@@ -1,0 +1,355 @@
+"""``decode_attention``: paged attention for sequences with 1..8 new query tokens.
+
+Launches :func:`int8attn.kernels.decode._decode_split_kernel` over a grid of
+(split, KV head, sequence) and, when more than one split is used,
+:func:`~int8attn.kernels.decode._decode_merge_kernel` over (query head, sequence). The
+launch path reads only host-known shapes (never ``seq_lens`` or ``query_start_loc``
+values), so it can be captured in a CUDA graph once value checks are off (they are
+skipped automatically during capture, see :mod:`int8attn._checks`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .. import _checks
+from ..cache import PagedKVCache
+from ..kernels.decode import (
+    PV_BF16,
+    PV_FP8,
+    PV_INT8,
+    PV_INT8_SIGNED,
+    _decode_merge_kernel,
+    _decode_split_kernel,
+)
+from ..testing import interpret_mode
+from .producer import quantize_query
+from .write import KV_KIND, device_guard
+
+#: Longest query (new tokens of one sequence) the decode kernel handles; sequences with
+#: more are skipped here and left to the prefill kernel.
+MAX_DECODE_QUERY_LEN = 8
+#: Upper bound of ``num_splits`` (split-K segments per sequence and KV head).
+MAX_NUM_SPLITS = 256
+#: Query heads x query tokens packed into one program's rows at most (more tokens are
+#: processed in further passes over the same KV range); a GQA group larger than this
+#: still gets all its heads in one program.
+MAX_BLOCK_M = 32
+
+#: PV precisions each cache dtype accepts; the first is the default. INT8 PV (shifted
+#: 0..255 P) is within the accuracy goal on the H200 (rel-L2 0.008 vs float64 on
+#: outlier keys) and compiles to fewer instructions per tile than the BF16-PV path; its
+#: speed advantage is not yet measured with the pipelined kernel (benchmarks/notes/decode.md).
+PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
+_PV_KIND = {"int8": PV_INT8.value, "int8_signed": PV_INT8_SIGNED.value, "fp8": PV_FP8.value, "bf16": PV_BF16.value}
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Kernel tiling: keys per KV tile, warps per program, software-pipeline depth and an
+    optional minimum of packed rows (64 puts the dots on Hopper's warpgroup MMA).
+
+    ``num_stages`` follows Triton's pipeliner, which splits the stages between the
+    block-table load and the K/V loads it feeds: ``(num_stages - 1) // 2`` K/V tiles are
+    buffered, so 5 means two tiles (one in flight while one is consumed).
+    """
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    min_block_m: int = 16
+
+
+#: Bytes of one K+V tile the default configs aim at, and the shared memory they may
+#: fill with buffered tiles (Hopper: 227 KB per block; ~36 KB go to Q, scales, P).
+TILE_BYTES = 32 * 1024
+BUFFER_BUDGET = 180 * 1024
+SMEM_OVERHEAD = 36 * 1024
+
+
+def default_config(kv_dtype: str, head_dim: int, block_m: int, block_size: int) -> DecodeConfig:
+    """Tile, warps and stages per cache dtype / head_dim: a K+V tile of ~TILE_BYTES
+    (64 keys at D=256 int8, 32 at D=256 bf16), as many buffered tiles as fit in
+    BUFFER_BUDGET (at most 4), 8 warps for D >= 128. Chosen from the H200 sweep in
+    benchmarks/bench_decode.py; ``block_n`` is raised to the page size if smaller."""
+    elem = 1 if kv_dtype in ("int8", "fp8") else 2
+    block_n = max(16, min(128, TILE_BYTES // (2 * head_dim * elem)), block_size)
+    buffers = max(1, min(4, BUFFER_BUDGET // (2 * block_n * head_dim * elem)))
+    num_warps = 8 if head_dim * block_m >= 128 * 16 else 4
+    return DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=2 * buffers + 1)
+
+
+#: What the latest launch ran: the compiled split / merge kernels (their ``asm`` holds the
+#: SASS on a GPU), the plan and the grid -- evidence for benchmarks and the gate that the
+#: intended kernel is the one that ran.
+LAST_LAUNCH: dict = {}
+
+_SM_COUNT: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (a fixed 8 on the CPU interpreter); cached, no sync."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def _programs_per_sm(config: DecodeConfig, head_dim: int, elem_bytes: int) -> int:
+    """Resident programs per SM, estimated from the buffered K+V tiles (see DecodeConfig)."""
+    buffers = max(1, (config.num_stages - 1) // 2)
+    smem = buffers * 2 * config.block_n * head_dim * elem_bytes + SMEM_OVERHEAD
+    return max(1, min(4, (227 * 1024) // smem))
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, rows: int,
+                      head_dim: int, elem_bytes: int, slots: int) -> int:
+    """Split count from host-known bounds only (``max_context`` = block_table columns x
+    page size): minimise a model of the time in tile units -- waves of programs over the
+    ``slots`` resident program slots, times (tiles per split + one tile of pipeline fill),
+    plus the merge traffic of the partials -- preferring fewer splits on ties."""
+    max_tiles = max(1, -(-max_context // block_n))
+    base = max(1, num_seqs * num_kv_heads)
+    tile_bytes = 2 * block_n * head_dim * elem_bytes
+    best, best_cost = 1, math.inf
+    for splits in range(1, min(max_tiles, MAX_NUM_SPLITS) + 1):
+        waves = -(-base * splits // slots)
+        cost = waves * (-(-max_tiles // splits) + 1.0)
+        if splits > 1:
+            merge_bytes = base * splits * rows * head_dim * 8
+            cost += merge_bytes / (slots * tile_bytes) + 0.5
+        if cost < best_cost - 1e-9:
+            best, best_cost = splits, cost
+    return best
+
+
+def rows_per_program(num_tokens: int, num_seqs: int, group: int, min_block_m: int = 16,
+                     max_query_len: int | None = None) -> tuple[int, int]:
+    """(query tokens per pass, BLOCK_M) from host-known shapes: the longest query when the
+    caller knows it (``max_query_len``), else the mean ``ceil(T / num_seqs)``, capped at
+    MAX_DECODE_QUERY_LEN and at MAX_BLOCK_M rows, times the GQA group, padded to a power of
+    two >= ``min_block_m``. A sequence with a longer query takes further passes over its KV
+    range (correct for any mix of lengths)."""
+    mean_q = -(-num_tokens // max(num_seqs, 1)) if max_query_len is None else max(1, int(max_query_len))
+    room = max(1, max(MAX_BLOCK_M, min_block_m) // group)
+    tokens = max(1, min(MAX_DECODE_QUERY_LEN, mean_q, room))
+    block_m = max(min_block_m, 16, triton.next_power_of_2(group * tokens))
+    return tokens, block_m
+
+
+class DecodeWorkspace:
+    """Preallocated split-K partials, reusable across calls and CUDA-graph replays.
+
+    Sized from host-known bounds: ``max_tokens`` query tokens, ``num_q_heads`` heads,
+    ``head_dim``, up to ``max_splits`` splits. Holds ``partial_out`` [capacity] fp32 (viewed
+    as [T, Hq, S, D]) and ``partial_ml`` (viewed as [T, Hq, S, 2]: running max, sum).
+    """
+
+    def __init__(self, max_tokens: int, num_q_heads: int, head_dim: int, max_splits: int = MAX_NUM_SPLITS,
+                 device="cuda"):
+        for name, value in (("max_tokens", max_tokens), ("num_q_heads", num_q_heads), ("head_dim", head_dim),
+                            ("max_splits", max_splits)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.max_tokens, self.num_q_heads, self.head_dim, self.max_splits = max_tokens, num_q_heads, head_dim, max_splits
+        self.device = torch.device(device)
+        rows = max_tokens * num_q_heads * max_splits
+        self.partial_out = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
+        self.partial_ml = torch.empty(rows * 2, dtype=torch.float32, device=self.device)
+
+    def views(self, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int):
+        """[T, Hq, S, D] and [T, Hq, S, 2] views for one call (ValueError if too small)."""
+        if num_q_heads != self.num_q_heads or head_dim != self.head_dim:
+            raise ValueError(
+                f"workspace was sized for {self.num_q_heads} heads x head_dim {self.head_dim}, "
+                f"got {num_q_heads} x {head_dim}"
+            )
+        if num_tokens > self.max_tokens or num_splits > self.max_splits:
+            raise ValueError(
+                f"workspace holds {self.max_tokens} tokens x {self.max_splits} splits, "
+                f"call needs {num_tokens} x {num_splits}"
+            )
+        n = num_tokens * num_q_heads * num_splits
+        acc = self.partial_out[: n * head_dim].view(num_tokens, num_q_heads, num_splits, head_dim)
+        ml = self.partial_ml[: n * 2].view(num_tokens, num_q_heads, num_splits, 2)
+        return acc, ml
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Everything the launch depends on, derived from shapes only."""
+
+    num_splits: int
+    tokens_per_pass: int
+    block_m: int
+    config: DecodeConfig
+    pv_mode: str
+
+
+def plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode=None, num_splits=None,
+                config: DecodeConfig | None = None, max_query_len: int | None = None) -> DecodePlan:
+    """The launch plan of :func:`decode_attention` for these shapes (no device access).
+
+    ``max_query_len``: the longest decode query of the batch when the caller knows it on
+    the host (a router planning a batch does); it sizes the packed rows so every sequence
+    is done in one pass. Without it the mean query length is used."""
+    num_tokens, num_q_heads, head_dim = query_shape
+    num_seqs, max_blocks = block_table_shape
+    group = num_q_heads // cache.num_kv_heads
+    allowed = PV_MODES[cache.kv_dtype]
+    if pv_mode is None:
+        pv_mode = allowed[0]
+    elif pv_mode not in allowed and not (cache.kv_dtype == "int8" and pv_mode == "int8_signed"):
+        raise ValueError(f"pv_mode for a {cache.kv_dtype!r} cache must be one of {allowed}, got {pv_mode!r}")
+    tokens, block_m = rows_per_program(num_tokens, num_seqs, group, max_query_len=max_query_len)
+    if config is None:
+        config = default_config(cache.kv_dtype, head_dim, block_m, cache.block_size)
+    elif config.min_block_m > 16:
+        tokens, block_m = rows_per_program(num_tokens, num_seqs, group, config.min_block_m, max_query_len)
+    if config.block_n % cache.block_size or config.block_n & (config.block_n - 1) or config.block_n < 16:
+        raise ValueError(f"block_n={config.block_n} must be a power of two >= 16 and a multiple of the page size "
+                         f"{cache.block_size}")
+    elem = cache.key.element_size()
+    if num_splits is None:
+        slots = sm_count(cache.device) * _programs_per_sm(config, head_dim, elem)
+        num_splits = choose_num_splits(num_seqs, cache.num_kv_heads, max_blocks * cache.block_size, config.block_n,
+                                       group * tokens, head_dim, elem, slots)
+    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits must be an int in [1, {MAX_NUM_SPLITS}], got {num_splits!r}")
+    return DecodePlan(num_splits=num_splits, tokens_per_pass=tokens, block_m=block_m, config=config, pv_mode=pv_mode)
+
+
+def decode_attention(query, cache, block_table, seq_lens, query_start_loc, *, softmax_scale=None, out=None,
+                     q_quant=None, q_scale=None, pv_mode=None, num_splits=None, workspace=None) -> torch.Tensor:
+    """Attention of 1..MAX_DECODE_QUERY_LEN new query tokens per sequence over the paged cache.
+
+    Args:
+        query: [T, Hq, D] bf16 (fp16 / fp32 accepted), last dim contiguous; always
+            required (it fixes the shapes). Query token j of sequence s sits at position
+            ``seq_lens[s] - q_len_s + j`` and sees every key at a position <= its own.
+        cache: :class:`int8attn.PagedKVCache` ("int8", "fp8" or "bf16").
+        block_table: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (new
+            tokens included); query_start_loc: [num_seqs + 1] int32 (cumulative q_lens).
+        softmax_scale: defaults to ``head_dim ** -0.5``.
+        out: optional [T, Hq, D] output (bf16); rows of skipped sequences are untouched.
+        q_quant, q_scale: the query already quantized for the cache by the producer
+            (:func:`int8attn.ops.producer.quantize_query` / ``rope_quantize_and_write``):
+            [T, Hq, D] int8 | float8_e4m3fn and [T, Hq] fp32. When omitted for an INT8 /
+            FP8 cache the query is quantized here, once per call.
+        pv_mode: PV precision: "int8" (default) or "bf16" for an INT8 cache, "fp8"
+            (default) or "bf16" for an FP8 cache; ignored for a BF16 cache.
+        num_splits: split-K segments per (sequence, KV head); None picks it from
+            batch x KV heads x ``max_blocks * block_size`` x SM count (host shapes only).
+        workspace: optional :class:`DecodeWorkspace` for the split partials (allocate it
+            once, before CUDA-graph capture, and reuse it).
+
+    Sequences with ``q_len > MAX_DECODE_QUERY_LEN`` are skipped (their output rows are not
+    written; the router runs the prefill kernel for them); ``q_len == 0`` is fine.
+
+    Returns:
+        ``out``: [T, Hq, D] bf16.
+    """
+    _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
+                                   q_quant=q_quant, q_scale=q_scale)
+    _check_decode_options(cache, softmax_scale, workspace)
+    plan = plan_decode(tuple(query.shape), cache, tuple(block_table.shape), pv_mode=pv_mode, num_splits=num_splits)
+    return _run(plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
+                workspace)
+
+
+def _check_decode_options(cache, softmax_scale, workspace) -> None:
+    d = cache.head_dim
+    if d & (d - 1) or not 16 <= d <= 256:
+        raise ValueError(f"decode_attention needs a power-of-two head_dim in [16, 256], got {d}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
+    if workspace is not None:
+        if not isinstance(workspace, DecodeWorkspace):
+            raise TypeError(f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
+        if not _checks._same_device(workspace.device, cache.device):
+            raise ValueError(f"workspace is on {workspace.device} but the cache is on {cache.device}")
+
+
+def _run(plan: DecodePlan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant,
+         q_scale, workspace) -> torch.Tensor:
+    """Launch with a fixed plan (no validation; benchmarks call it with their own plans)."""
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = block_table.shape[0]
+    if out is None:
+        out = torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if num_seqs > 65535:
+        raise ValueError(f"decode_attention launches one grid row per sequence: at most 65535, got {num_seqs}")
+    if cache.quantized:
+        if q_quant is None:
+            q_quant, q_scale = quantize_query(query, cache.kv_dtype)
+        q_in, q_scale_in, q_scale_strides = q_quant, q_scale, q_scale.stride()
+        k_scale, v_scale, scale_strides = cache.key_scale, cache.value_scale, cache.key_scale.stride()
+    else:
+        q_in = q_quant if q_quant is not None else query
+        q_scale_in, q_scale_strides = q_in, (0, 0)
+        k_scale, v_scale, scale_strides = cache.key, cache.value, (0, 0, 0)
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5
+    qk_scale = float(softmax_scale) * math.log2(math.e)
+
+    splits = plan.num_splits
+    if splits > 1:
+        if workspace is None:
+            workspace = DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=query.device)
+        part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, splits)
+    else:
+        # Unused (one split writes out directly); shaped like a real view so the kernel
+        # is specialized the same way as with a workspace.
+        part_acc = out.new_empty((1, num_q_heads, 1, head_dim), dtype=torch.float32)
+        part_ml = out.new_empty((1, num_q_heads, 1, 2), dtype=torch.float32)
+    cfg = plan.config
+    group = num_q_heads // cache.num_kv_heads
+    block_n = max(cfg.block_n, cache.block_size)
+    with device_guard(cache.device):
+        split_kernel = _decode_split_kernel[(splits, cache.num_kv_heads, num_seqs)](
+            q_in, q_scale_in,
+            cache.key, cache.value, k_scale, v_scale,
+            block_table, seq_lens, query_start_loc,
+            out, part_acc, part_ml,
+            qk_scale, splits,
+            q_in.stride(0), q_in.stride(1), q_scale_strides[0], q_scale_strides[1],
+            cache.key.stride(0), cache.key.stride(1),
+            scale_strides[0], scale_strides[1],
+            block_table.stride(0),
+            out.stride(0), out.stride(1),
+            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+            part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
+            GROUP=group, HEAD_DIM=head_dim, PAGE=cache.block_size,
+            BLOCK_N=block_n, BLOCK_M=plan.block_m, TOKENS_PER_PASS=plan.tokens_per_pass,
+            MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=_PV_KIND[plan.pv_mode],
+            INTERPRET=interpret_mode(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        merge = None
+        if splits > 1:
+            merge = _decode_merge_kernel[(num_q_heads, num_seqs)](
+                out, part_acc, part_ml,
+                seq_lens, query_start_loc,
+                splits,
+                out.stride(0), out.stride(1),
+                part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
+                part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
+                HEAD_DIM=head_dim, BLOCK_N=block_n, MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN,
+                SPLIT_CHUNK=max(1, 4096 // head_dim),
+                num_warps=4,
+            )
+    LAST_LAUNCH.update(split_kernel=split_kernel, merge_kernel=merge, plan=plan, grid=(splits, cache.num_kv_heads,
+                                                                                      num_seqs))
+    return out

@@ -1,0 +1,290 @@
+"""decode_attention (split-K paged decode, 1..8 query tokens per sequence).
+
+Every check runs the kernel on fresh random data with outlier-channel keys, output
+poisoned with NaN first, against the float64 references of int8attn.reference:
+``attention_reference`` (the query as given; kernel + quantization error) and
+``attention_reference_quantized`` (the query quantized as the kernel sees it; only P
+rounding, fp32 accumulation and the bf16 output separate a correct kernel from it).
+"""
+
+import math
+
+import pytest
+import torch
+
+from int8attn import reference, testing
+from int8attn.ops.decode import (
+    MAX_DECODE_QUERY_LEN,
+    DecodeConfig,
+    DecodeWorkspace,
+    choose_num_splits,
+    decode_attention,
+    plan_decode,
+    rows_per_program,
+)
+from int8attn.ops.producer import quantize_query
+
+# rel-L2 bounds vs the same-quantization reference (tight: kernel bugs show far above)
+# and vs the plain float64 reference (includes the K/V/Q quantization error).
+TOL_QUANTIZED = {("int8", "int8"): 0.015, ("int8", "int8_signed"): 0.025, ("int8", "bf16"): 0.01,
+                 ("fp8", "fp8"): 0.035, ("fp8", "bf16"): 0.012, ("bf16", "bf16"): 0.006}
+TOL_FLOAT64 = {"int8": 0.02, "fp8": 0.05, "bf16": 0.006}
+
+
+def _run_and_check(batch, *, pv_mode=None, num_splits=None, softmax_scale=None, workspace=None, skipped=()):
+    out = testing.poisoned_like(batch.query)
+    ret = decode_attention(batch.query, batch.cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                           softmax_scale=softmax_scale, out=out, pv_mode=pv_mode, num_splits=num_splits,
+                           workspace=workspace)
+    assert ret is out
+    kv = batch.cache.kv_dtype
+    mode = pv_mode or {"int8": "int8", "fp8": "fp8", "bf16": "bf16"}[kv]
+    qsl = batch.query_start_loc.tolist()
+    keep = torch.ones(out.shape[0], dtype=torch.bool)
+    for s in skipped:
+        rows = out[qsl[s]:qsl[s + 1]]
+        assert torch.isnan(rows.float()).all(), f"rows of skipped sequence {s} were written"
+        keep[qsl[s]:qsl[s + 1]] = False
+    args = (batch.query, batch.cache, batch.block_table, batch.seq_lens, batch.query_start_loc, softmax_scale)
+    ref_q = reference.attention_reference_quantized(*args)
+    ref = reference.attention_reference(*args)
+    stats = testing.assert_close_verbose(out[keep], ref_q[keep], rel_l2=TOL_QUANTIZED[(kv, mode)],
+                                         name=f"{kv}/{mode} vs same-quantization reference")
+    testing.assert_close_verbose(out[keep], ref[keep], rel_l2=TOL_FLOAT64[kv], name=f"{kv}/{mode} vs float64")
+    return stats
+
+
+# (kv, pv, q_heads, kv_heads, head_dim, block_size, seq_lens, q_lens, num_splits)
+CASES = [
+    # single-token decode, lengths 1/17/97/123 crossing pages and split boundaries
+    ("int8", "int8", 8, 2, 64, 16, [1, 17, 97, 123], [1, 1, 1, 1], None),
+    ("int8", "int8", 8, 2, 64, 16, [1, 17, 97, 123], [1, 1, 1, 1], 3),
+    # multi-token causal steps, GQA 6, several passes for the longest query
+    ("int8", "int8", 12, 2, 128, 32, [17, 97, 123, 9], [2, 4, 8, 1], 2),
+    ("int8", "bf16", 12, 2, 128, 32, [17, 97, 123, 9], [2, 4, 8, 1], None),
+    # GQA 8, head_dim 256, page 64 (tiles of two pages)
+    ("int8", "int8", 8, 1, 256, 64, [123, 1, 70], [1, 1, 3], 2),
+    # GQA 1 (MHA)
+    ("int8", "int8", 2, 2, 64, 16, [33, 5, 97], [3, 1, 2], 4),
+    ("int8", "int8_signed", 8, 2, 64, 16, [17, 97], [1, 2], 2),
+    ("fp8", "fp8", 12, 2, 64, 16, [17, 97, 123], [1, 2, 4], 3),
+    ("fp8", "bf16", 8, 1, 128, 32, [97, 1], [2, 1], 2),
+    ("fp8", "fp8", 8, 1, 256, 16, [123], [1], None),
+    ("bf16", None, 12, 2, 64, 16, [17, 97, 123], [1, 2, 4], 3),
+    ("bf16", None, 8, 1, 256, 64, [123, 9], [4, 1], 1),
+]
+
+
+@pytest.mark.parametrize("kv,pv,hq,hkv,d,bs,seq_lens,q_lens,splits", CASES)
+def test_matches_references(device, kv, pv, hq, hkv, d, bs, seq_lens, q_lens, splits):
+    batch = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                                     kv_dtype=kv, seed=len(CASES) * d + hq + bs, device=device)
+    _run_and_check(batch, pv_mode=pv, num_splits=splits)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5, 64])
+def test_forced_split_counts(device, splits):
+    """Any split count, including more splits than tiles (empty splits exit early)."""
+    batch = testing.make_paged_batch([123, 40, 1], [1, 2, 1], num_q_heads=4, num_kv_heads=1, head_dim=64,
+                                     kv_dtype="int8", seed=splits, device=device)
+    _run_and_check(batch, num_splits=splits)
+
+
+def test_smoothing_off_outlier_keys(device):
+    """Outlier keys quantized without the smoothing offset: larger per-token scales,
+    the path must still be within the INT8 bound."""
+    batch = testing.make_paged_batch([97, 50], [1, 1], num_q_heads=6, num_kv_heads=1, head_dim=128,
+                                     kv_dtype="int8", key_smoothing="none", seed=7, device=device)
+    out = decode_attention(batch.query, batch.cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                           num_splits=2)
+    ref_q = reference.attention_reference_quantized(batch.query, batch.cache, batch.block_table, batch.seq_lens,
+                                                    batch.query_start_loc)
+    testing.assert_close_verbose(out, ref_q, rel_l2=TOL_QUANTIZED[("int8", "int8")])
+
+
+def test_long_queries_skipped_and_empty_queries(device):
+    """q_len > MAX_DECODE_QUERY_LEN: rows untouched (left to prefill); q_len 0: fine."""
+    q_lens = [MAX_DECODE_QUERY_LEN + 1, 0, 1, MAX_DECODE_QUERY_LEN]
+    batch = testing.make_paged_batch([40, 16, 33, 20], q_lens, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                     kv_dtype="int8", seed=3, device=device)
+    _run_and_check(batch, num_splits=2, skipped=(0,))
+
+
+def test_custom_scale_and_prequantized_query(device):
+    batch = testing.make_paged_batch([57, 12], [2, 1], num_q_heads=4, num_kv_heads=1, head_dim=64,
+                                     kv_dtype="int8", seed=11, device=device)
+    q_quant, q_scale = quantize_query(batch.query, "int8")
+    out = decode_attention(batch.query, batch.cache, batch.block_table, batch.seq_lens, batch.query_start_loc,
+                           softmax_scale=0.05, q_quant=q_quant, q_scale=q_scale, num_splits=2)
+    ref_q = reference.attention_reference_quantized(batch.query, batch.cache, batch.block_table, batch.seq_lens,
+                                                    batch.query_start_loc, softmax_scale=0.05)
+    testing.assert_close_verbose(out, ref_q, rel_l2=TOL_QUANTIZED[("int8", "int8")])
+
+
+def test_workspace_reused(device):
+    """One preallocated workspace serves calls of different batches (graph-replay style)."""
+    ws = DecodeWorkspace(max_tokens=8, num_q_heads=4, head_dim=64, max_splits=4, device=device)
+    for seed, (lens, qs) in enumerate([([50, 97], [1, 1]), ([123, 3, 30], [2, 1, 3])]):
+        batch = testing.make_paged_batch(lens, qs, num_q_heads=4, num_kv_heads=1, head_dim=64, kv_dtype="int8",
+                                         seed=20 + seed, device=device)
+        _run_and_check(batch, num_splits=4, workspace=ws)
+
+
+def test_plan_from_shapes_only():
+    """The launch plan depends on host shapes only and fills the GPU at every batch size."""
+    cache = type("C", (), {})()  # the planner reads these attributes only
+    cache.num_kv_heads, cache.block_size, cache.kv_dtype, cache.device = 4, 16, "int8", torch.device("cpu")
+    cache.key = torch.empty(1, dtype=torch.int8)
+    small = plan_decode((1, 24, 256), cache, (1, 2048))
+    big = plan_decode((64, 24, 256), cache, (64, 512))
+    assert small.num_splits > big.num_splits >= 1
+    # bs1 L32k on a 132-SM GPU: enough splits to give every SM work
+    assert choose_num_splits(1, 4, 32768, 128, 6, 256, 1, slots=132) * 4 >= 100
+    assert choose_num_splits(64, 4, 8192, 128, 6, 256, 1, slots=132) <= 2
+    assert rows_per_program(16, 16, 6) == (1, 16)      # decode: 6 of 16 rows
+    assert rows_per_program(32, 16, 6) == (2, 16)      # 2 tokens x 6 heads = 12 of 16 rows
+    assert rows_per_program(64, 16, 6) == (4, 32)
+    assert rows_per_program(8, 1, 32) == (1, 32)
+    assert rows_per_program(16, 16, 6, max_query_len=2) == (2, 16)  # a router that knows the longest query
+
+
+def _bad_call(batch, **kw):
+    args = dict(query=batch.query, cache=batch.cache, block_table=batch.block_table, seq_lens=batch.seq_lens,
+                query_start_loc=batch.query_start_loc)
+    args.update(kw)
+    return decode_attention(args.pop("query"), args.pop("cache"), args.pop("block_table"), args.pop("seq_lens"),
+                            args.pop("query_start_loc"), **args)
+
+
+@pytest.fixture(scope="module")
+def small_batch(device):
+    return testing.make_paged_batch([20, 9], [1, 1], num_q_heads=4, num_kv_heads=2, head_dim=64, kv_dtype="int8",
+                                    seed=5, device=device)
+
+
+@pytest.mark.parametrize("kw,exc", [
+    ({"query": "q.int()"}, TypeError),
+    ({"query": "q[:, :3]"}, ValueError),                      # 3 q heads over 2 KV heads
+    ({"query": "q[..., :32]"}, ValueError),                   # head_dim mismatch
+    ({"query": "q.transpose(1, 2).contiguous().transpose(1, 2)"}, ValueError),  # strided last dim
+    ({"block_table": "bt.long()"}, TypeError),
+    ({"block_table": "bt[:1]"}, ValueError),
+    ({"block_table": "bt + 1000"}, ValueError),               # block ids out of range
+    ({"seq_lens": "sl[:1]"}, ValueError),
+    ({"seq_lens": "sl * 100"}, ValueError),                   # longer than the block table
+    ({"query_start_loc": "qsl.flip(0)"}, ValueError),
+    ({"pv_mode": "fp8"}, ValueError),
+    ({"pv_mode": "int4"}, ValueError),
+    ({"num_splits": 0}, ValueError),
+    ({"num_splits": 1000}, ValueError),
+    ({"num_splits": 2.0}, ValueError),
+    ({"softmax_scale": -1.0}, ValueError),
+    ({"softmax_scale": "'x'"}, TypeError),
+    ({"q_quant": "torch.zeros_like(q)"}, TypeError),          # bf16 q_quant for an int8 cache
+    ({"workspace": "ws_small"}, ValueError),
+    ({"workspace": "object()"}, TypeError),
+    ({"out": "torch.empty_like(q, dtype=torch.float64)"}, TypeError),
+    ({"out": "q.new_empty((3, 4, 64))"}, ValueError),
+])
+def test_bad_inputs_raise_before_launch(small_batch, device, kw, exc):
+    b = small_batch
+    env = {"q": b.query, "bt": b.block_table, "sl": b.seq_lens, "qsl": b.query_start_loc, "torch": torch,
+           "ws_small": DecodeWorkspace(1, 4, 64, max_splits=2, device=device)}
+    (name, expr), = kw.items()
+    value = eval(expr, env) if isinstance(expr, str) and name not in ("pv_mode",) else expr
+    out = testing.poisoned_like(b.query)
+    call = {name: value}
+    if name != "out":
+        call["out"] = out
+    if name == "workspace":
+        call["num_splits"] = 4
+    with pytest.raises(exc):
+        _bad_call(b, **call)
+    assert torch.isnan(out.float()).all(), "a rejected call wrote its output"
+
+
+def test_config_tile_must_cover_page(small_batch):
+    with pytest.raises(ValueError):
+        plan_decode(tuple(small_batch.query.shape), small_batch.cache, tuple(small_batch.block_table.shape),
+                    config=DecodeConfig(block_n=24, num_warps=4, num_stages=2))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_capture_and_replay():
+    batch = testing.make_paged_batch([300, 1000, 77], [1, 2, 1], num_q_heads=24, num_kv_heads=4, head_dim=256,
+                                     kv_dtype="int8", seed=9, device="cuda")
+    q_quant, q_scale = quantize_query(batch.query, "int8")
+    ws = DecodeWorkspace(batch.query.shape[0], 24, 256, device="cuda")
+    out = torch.empty_like(batch.query)
+    args = (batch.query, batch.cache, batch.block_table, batch.seq_lens, batch.query_start_loc)
+    decode_attention(*args, out=out, q_quant=q_quant, q_scale=q_scale, workspace=ws)  # warm-up / compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(*args, out=out, q_quant=q_quant, q_scale=q_scale, workspace=ws)
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_q = reference.attention_reference_quantized(*args)
+    testing.assert_close_verbose(out, ref_q, rel_l2=TOL_QUANTIZED[("int8", "int8")])
+
+
+_SM90_COMPILE = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from int8attn.kernels.decode import _decode_split_kernel
+
+kv, pv, block_n, warps, stages = json.loads(sys.argv[1])
+elem = {"int8": "*i8", "fp8": "*fp8e4nv", "bf16": "*bf16"}[kv]
+const = dict(GROUP=6, HEAD_DIM=256, PAGE=16, BLOCK_N=block_n, BLOCK_M=16, TOKENS_PER_PASS=1, MAX_QUERY_LEN=8,
+             KV_KIND={"int8": 0, "fp8": 1, "bf16": 2}[kv], PV_KIND=pv, INTERPRET=False)
+ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
+            block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16",
+            part_acc_ptr="*fp32", part_ml_ptr="*fp32", qk_scale="fp32")
+names = _decode_split_kernel.arg_names
+sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
+aligned = [i for i, n in enumerate(names) if (n in ptrs and n != "qk_scale")
+           or n in ("stride_qt", "stride_qh", "stride_cb", "stride_ch", "stride_ot", "stride_oh",
+                    "stride_pt", "stride_ph", "stride_ps")]
+compiled = triton.compile(
+    ASTSource(fn=_decode_split_kernel, signature=sig, constexprs=const,
+              attrs={(i,): [["tt.divisibility", 16]] for i in aligned}),
+    target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+sys.stdout.write(compiled.asm["ttgir"])
+"""
+
+
+def _ttgir_for_sm90(kv_dtype: str, pv_kind: int, config: DecodeConfig) -> str:
+    """TTGIR of the split kernel compiled ahead of time for sm_90 (no GPU needed), in a
+    subprocess because this test session runs Triton in its interpreter."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    args = json.dumps([kv_dtype, pv_kind, config.block_n, config.num_warps, config.num_stages])
+    proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE, args], capture_output=True, text=True, env=env,
+                          timeout=300)
+    if proc.returncode != 0 or "scf.for" not in proc.stdout:
+        pytest.skip("cannot compile for sm_90 here: " + proc.stderr.strip().splitlines()[-1][:200]
+                    if proc.stderr.strip() else "no output")
+    return proc.stdout
+
+
+@pytest.mark.parametrize("kv_dtype,pv_kind", [("int8", 0), ("bf16", 3)])
+def test_split_kernel_is_software_pipelined(kv_dtype, pv_kind):
+    """Regression guard: the KV tile loop must keep tiles in flight. A loop shape that
+    Triton cannot pipeline still compiles and runs correctly, but waits for every load in
+    the iteration that issues it (measured on the H200: ~20% of copy bandwidth)."""
+    import re
+
+    config = DecodeConfig(block_n=64 if kv_dtype == "int8" else 32, num_warps=8, num_stages=9)
+    ttgir = _ttgir_for_sm90(kv_dtype, pv_kind, config)
+    loop = ttgir[ttgir.index("scf.for"):]
+    waits = [int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", loop)]
+    assert waits, "no asynchronous copies: the K/V loads are not pipelined"
+    # inside the loop every wait leaves later tiles in flight; only the drain after it waits for all
+    assert waits.count(0) <= 1, f"loads waited for in their own iteration: async_wait nums {waits}"
+    assert re.search(r"memdesc<[2-9]x\d+x256x", ttgir), "K/V tiles are not multi-buffered"
