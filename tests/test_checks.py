@@ -132,3 +132,12 @@ def test_write_checks(device):
         _checks.check_write_inputs(cache, key, key, slots.to(torch.int16))
     with pytest.raises(TypeError, match="PagedKVCache"):
         _checks.check_write_inputs(None, key, key, slots)
+
+
+def test_quantize_query_row_limit(device):
+    """quantize_query numbers (token, head) rows in int32: more rows raise before any launch
+    (a stride-0 view stands in for a huge query)."""
+    huge = torch.zeros(1, 1, 64, dtype=torch.bfloat16, device=device).expand(2 ** 20, 2 ** 11, 64)
+    with pytest.raises(ValueError, match="rows"):
+        _checks.check_quantize_query_inputs(huge, "int8")
+    _checks.check_quantize_query_inputs(huge[:1000], "int8")

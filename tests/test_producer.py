@@ -4,14 +4,17 @@ import copy
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from int8attn import reference
 from int8attn.cache import PagedKVCache
+from int8attn.kernels.quantize import _amax_rows, _quantize, _quantize_rows, _row_scale
 from int8attn.ops.producer import apply_rope_torch, quantize_query, rope_quantize_and_write
 from int8attn.ops.write import write_kv
-from int8attn.testing import make_keys, make_normal, poisoned_like
+from int8attn.testing import interpret_mode, make_keys, make_normal, poisoned_like
 
 
 def bits(t):
@@ -51,6 +54,49 @@ def test_quantize_query_rounding_edges(device):
     ref_q, ref_s = reference.quantize_rows(x.cpu(), "fp8")
     assert torch.equal(bits(q), bits(ref_q)), (q.float()[0, 0, :14], ref_q.float()[0, 0, :14])
     assert q.float()[0, 0, 1].item() == 128.0
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantize_query_near_ties_and_tiny_rows(kv_dtype, device):
+    """Values where x * (qmax / amax) and x / (amax / qmax) round apart (the codes must be
+    the reciprocal's, as in the reference), and rows so small that their scale would be
+    subnormal (all-zero rows: scale 1, no inf / NaN)."""
+    rows = torch.zeros(6, 64)
+    ties = [(7.513043403625488, 2.040944814682007), (5.972415924072266, 0.21162103116512299),
+            (4.560959339141846, -3.8965675830841064)]
+    for i, (amax, value) in enumerate(ties):
+        rows[i, 0], rows[i, 1] = amax, value
+        rows[i, 2:] = torch.linspace(-amax / 2, amax / 2, 62)
+    rows[3, :3] = torch.tensor([1e-38, -3e-39, 2e-38])
+    rows[4, :2] = torch.tensor([1.2e-37, 1.0e-36])  # below 127 * 2**-126 and 448 * 2**-126
+    x = rows.view(2, 3, 64).to(device)  # fp32 input: the tie values survive exactly
+    q, s = quantize_query(x, kv_dtype)
+    ref_q, ref_s = reference.quantize_rows(x.cpu(), kv_dtype)
+    assert torch.equal(bits(q), bits(ref_q)) and torch.equal(bits(s), bits(ref_s))
+    assert torch.isfinite(q.float()).all() and torch.isfinite(s).all()
+    if kv_dtype == "int8":
+        assert q.view(6, 64)[:3, 1].tolist() == [34, 5, -108]
+
+
+@triton.jit
+def _both_entry_points(x_ptr, a_ptr, b_ptr, KIND: tl.constexpr, INTERPRET: tl.constexpr):
+    offs = tl.arange(0, 4)[:, None] * 64 + tl.arange(0, 64)[None, :]
+    x = tl.load(x_ptr + offs)
+    tl.store(a_ptr + offs, _quantize(x, _row_scale(_amax_rows(x), KIND), KIND, INTERPRET))
+    q, _ = _quantize_rows(x, KIND, INTERPRET)
+    tl.store(b_ptr + offs, q)
+
+
+def test_older_quantize_entry_point_matches(gen, device):
+    """``_quantize(x, scale)`` (kept for kernels written against it) gives the codes of
+    ``_quantize_rows``, the reference's."""
+    x = (make_normal((4, 64), generator=gen, dtype=torch.float32) * 5).to(device)
+    for kind, kv_dtype in ((0, "int8"), (1, "fp8")):
+        ref_q, _ = reference.quantize_rows(x.cpu(), kv_dtype)
+        a = torch.empty(4, 64, dtype=ref_q.dtype, device=device)
+        b = torch.empty_like(a)
+        _both_entry_points[(1,)](x, a, b, KIND=kind, INTERPRET=interpret_mode())
+        assert torch.equal(bits(a), bits(ref_q)) and torch.equal(bits(b), bits(ref_q))
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -175,6 +221,8 @@ def check_quantized_rows(got_q, got_s, want, kv_dtype, what):
         (17, 12, 2, 128, 96, "int8"),  # rotary_dim not a power of two
         (17, 8, 2, 128, 64, "bf16"),
         (17, 4, 1, 256, 128, "bf16"),
+        (9, 6, 3, 80, 48, "int8"),  # head_dim not a power of two, heads not a multiple of the tile: masked
+        (9, 4, 4, 64, 2, "fp8"),  # one rotated pair
     ],
 )
 def test_producer_vs_reference(n, hq, hkv, d, rotary_dim, kv_dtype, gen, device):
@@ -194,6 +242,19 @@ def test_producer_vs_reference(n, hq, hkv, d, rotary_dim, kv_dtype, gen, device)
     kscale = None if cache.key_scale is None else cache.key_scale.cpu()[blk, :, off]
     vscale = None if cache.value_scale is None else cache.value_scale.cpu()[blk, :, off]
     check_quantized_rows(cache.key.cpu()[blk, :, off], kscale, k_rope[valid], kv_dtype, "key")
+    # bit for bit: fp32 RoPE as PyTorch computes it, then the reference quantization
+    q_rope32 = apply_rope_torch(q, pos, cos_sin).cpu()
+    ref_q, ref_qs = reference.quantize_rows(q_rope32, kv_dtype)
+    assert torch.equal(bits(out_q), bits(ref_q)), f"{(bits(out_q) != bits(ref_q)).sum().item()} query bytes differ"
+    if kv_dtype != "bf16":
+        assert torch.equal(bits(out_s), bits(ref_qs))
+    k_rope32 = apply_rope_torch(k, pos, cos_sin).cpu()[valid]
+    if cache.key_mean is not None:
+        k_rope32 = k_rope32 - cache.key_mean.cpu()
+    ref_k, ref_ks = reference.quantize_rows(k_rope32, kv_dtype)
+    assert torch.equal(bits(cache.key.cpu()[blk, :, off]), bits(ref_k))
+    if kscale is not None:
+        assert torch.equal(bits(kscale), bits(ref_ks))
     # V is not rotated: bit-exact with write_kv's reference quantization
     ref_v, ref_vs = reference.quantize_rows(v.cpu()[valid].float(), kv_dtype)
     assert torch.equal(bits(cache.value.cpu()[blk, :, off]), bits(ref_v))
@@ -209,8 +270,8 @@ def test_producer_vs_reference(n, hq, hkv, d, rotary_dim, kv_dtype, gen, device)
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
 def test_producer_matches_unfused_sequence(kv_dtype, gen, device):
-    """Fused producer == torch RoPE (fp32) + write_kv + quantize_query, up to fp32 RoPE
-    rounding, with the same explicit key mean."""
+    """Fused producer == torch RoPE (fp32) + write_kv + quantize_query, bit for bit, with
+    the same explicit key mean."""
     n, hq, hkv, d, rot = 17, 12, 2, 128, 64
     cache, q, k, v, pos, cos_sin, slots = make_step(n, hq, hkv, d, rot, kv_dtype, gen, device,
                                                     smoothing="none", fused_qkv=False)
@@ -225,16 +286,32 @@ def test_producer_matches_unfused_sequence(kv_dtype, gen, device):
     k_rope = apply_rope_torch(k, pos, cos_sin)
     write_kv(unfused, k_rope, v, slots)
     ref_q, ref_s = quantize_query(q_rope, kv_dtype)
+    assert torch.equal(bits(out_q), bits(ref_q))
+    assert torch.equal(bits(cache.key), bits(unfused.key))
+    assert torch.equal(bits(cache.value), bits(unfused.value))
     if kv_dtype == "bf16":
-        assert (out_q.float() - ref_q.float()).abs().max() <= ref_q.float().abs().max() * 2 ** -7
         assert out_s is None
         return
-    torch.testing.assert_close(out_s, ref_s, rtol=1e-6, atol=0)
-    assert (out_q.float() - ref_q.float()).abs().max() <= (1 if kv_dtype == "int8" else 32)
-    assert (bits(out_q) != bits(ref_q)).float().mean() < 0.01
-    torch.testing.assert_close(cache.key_scale, unfused.key_scale, rtol=1e-6, atol=0)
-    assert torch.equal(bits(cache.value), bits(unfused.value))
-    assert torch.equal(cache.value_scale, unfused.value_scale)
+    assert torch.equal(bits(out_s), bits(ref_s))
+    assert torch.equal(bits(cache.key_scale), bits(unfused.key_scale))
+    assert torch.equal(bits(cache.value_scale), bits(unfused.value_scale))
+
+
+@pytest.mark.parametrize("launch", [{"TOKENS_PER_PROGRAM": 2, "BLOCK_HQ": 4},
+                                    {"TOKENS_PER_PROGRAM": 3, "num_warps": 2}])
+def test_producer_launch_variants_bit_exact(launch, gen, device):
+    """Other launch shapes (several tokens per program, smaller head groups) give the same
+    bytes as the default launch."""
+    n, hq, hkv, d, rot = 7, 12, 2, 64, 32
+    cache, q, k, v, pos, cos_sin, slots = make_step(n, hq, hkv, d, rot, "int8", gen, device, smoothing="none")
+    cache.set_key_mean(torch.randn(hkv, d, generator=gen))
+    other = copy.deepcopy(cache)
+    want_q, want_s = rope_quantize_and_write(q, k, v, pos, cos_sin, cache, slots)
+    got_q, got_s = rope_quantize_and_write(q, k, v, pos, cos_sin, other, slots, _launch=launch)
+    assert torch.equal(bits(got_q), bits(want_q)) and torch.equal(bits(got_s), bits(want_s))
+    for a, b in ((cache.key, other.key), (cache.value, other.value), (cache.key_scale, other.key_scale),
+                 (cache.value_scale, other.value_scale)):
+        assert torch.equal(bits(a), bits(b))
 
 
 def test_producer_padding_emits_q_but_writes_no_kv(gen, device):

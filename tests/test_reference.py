@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,11 +32,65 @@ def test_quantize_rows_fp8_and_bf16(gen):
     assert q.dtype == torch.float8_e4m3fn
     torch.testing.assert_close(s, x.abs().amax(-1) / 448, rtol=0, atol=0)
     assert (q.float().abs().amax(-1) == 448).all()
-    assert torch.equal(q.float(), (x / s.unsqueeze(-1)).to(torch.float8_e4m3fn).float())
+    inv = torch.full_like(s, 448.0) / x.abs().amax(-1)
+    assert torch.equal(q.float(), (x * inv.unsqueeze(-1)).to(torch.float8_e4m3fn).float())
     b, none = reference.quantize_rows(x, "bf16")
     assert none is None and torch.equal(b, x.to(torch.bfloat16))
     with pytest.raises(ValueError):
         reference.quantize_rows(x, "int4")
+
+
+def _quantize_rows_numpy(x: np.ndarray, qmax: float):
+    """Independent float32 model of the quantization: codes from x * (qmax / amax)."""
+    x = x.astype(np.float32)
+    amax = np.abs(x).max(axis=-1)
+    big = amax >= np.float32(qmax * 2.0 ** -126)
+    inv = np.where(big, np.float32(qmax) / np.where(big, amax, 1), 1).astype(np.float32)
+    scale = np.where(big, amax / np.float32(qmax), 1).astype(np.float32)
+    r = (x * inv[..., None]).astype(np.float32)
+    return r, scale
+
+
+def test_quantize_rows_multiplies_by_the_rounded_reciprocal(gen):
+    """Codes use inv = 127 / amax (correctly rounded), not a division by the stored scale:
+    rows where the two disagree are kept as evidence that the definition is pinned."""
+    x = torch.randn(400, 64, generator=gen) * 3
+    # near-ties where x * (127 / amax) and x / (amax / 127) round to different codes
+    # (row maximum, value, code with the reciprocal, code a division by the scale gives)
+    ties = [(7.513043403625488, 2.040944814682007, 34, 35), (5.972415924072266, 0.21162103116512299, 5, 4),
+            (4.560959339141846, -3.8965675830841064, -108, -109)]
+    for i, (amax, value, _, _) in enumerate(ties):
+        x[i, :2] = torch.tensor([amax, value])
+        x[i, 2:] = x[i, 2:].clamp(-amax / 2, amax / 2)
+    q, s = reference.quantize_rows(x, "int8")
+    r, scale = _quantize_rows_numpy(x.numpy(), 127.0)
+    want = np.sign(r) * np.floor(np.abs(r) + np.float32(0.5))
+    assert np.array_equal(q.numpy(), np.clip(want, -127, 127).astype(np.int8))
+    assert np.array_equal(s.numpy(), scale)
+    for i, (_, _, code, code_by_division) in enumerate(ties):
+        assert q[i, 1].item() == code
+        r_div = (x[i, 1] / s[i]).item()
+        assert math.copysign(math.floor(abs(r_div) + 0.5), r_div) == code_by_division
+    qf, sf = reference.quantize_rows(x, "fp8")
+    rf, scalef = _quantize_rows_numpy(x.numpy(), 448.0)
+    assert torch.equal(qf.float(), torch.from_numpy(rf).clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert np.array_equal(sf.numpy(), scalef)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantize_rows_tiny_rows_count_as_zero(kv_dtype):
+    """A row with amax < qmax * 2**-126 (its scale would be subnormal) is an all-zero row:
+    scale 1, codes 0, never inf or NaN; from qmax * 2**-126 up it is quantized."""
+    qmax = 127.0 if kv_dtype == "int8" else 448.0
+    edge = qmax * 2.0 ** -126
+    x = torch.zeros(4, 16)
+    x[0, :4] = torch.tensor([1e-38, -3e-39, 0.0, 2e-45])
+    x[1, 0] = float(np.nextafter(np.float32(edge), np.float32(0)))
+    x[2, :2] = torch.tensor([edge, -edge / 2])
+    q, s = reference.quantize_rows(x, kv_dtype)
+    assert torch.isfinite(q.float()).all() and torch.isfinite(s).all()
+    assert (s[[0, 1, 3]] == 1).all() and (q[[0, 1, 3]].float() == 0).all()
+    assert s[2].item() == 2.0 ** -126 and q[2, 0].float().item() == qmax
 
 
 def test_rope_reference_vs_complex_rotation(gen):

@@ -95,6 +95,7 @@ def make_case(n, num_kv_heads, head_dim, kv_dtype, block_size=16, gen=None, devi
         (17, 3, 128, 64, "fp8"),
         (17, 4, 128, 16, "bf16"),
         (17, 2, 256, 8, "bf16"),
+        (9, 2, 80, 16, "fp8"),  # head_dim not a power of two: masked lanes
     ],
 )
 def test_write_kv_bit_exact_vs_reference(n, num_kv_heads, head_dim, block_size, kv_dtype, gen, device):
@@ -105,6 +106,15 @@ def test_write_kv_bit_exact_vs_reference(n, num_kv_heads, head_dim, block_size, 
     assert_caches_equal(cache, reference_write(before, key, value, slots, cache))
     if kv_dtype != "bf16":
         assert cache.key_mean is not None  # default "auto" smooths quantized caches
+
+
+@pytest.mark.parametrize("launch", [{"TOKENS_PER_PROGRAM": 2, "num_warps": 2}, {"TOKENS_PER_PROGRAM": 4}])
+def test_write_kv_launch_variants_bit_exact(launch, gen, device):
+    """Several tokens per program (the last program half empty, padding inside it)."""
+    cache, key, value, slots = make_case(17, 4, 64, "int8", 16, gen, device, pad_every=3)
+    before = copy.deepcopy(cache)
+    write_kv(cache, key, value, slots, _launch=launch)
+    assert_caches_equal(cache, reference_write(before, key, value, slots, cache))
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])

@@ -26,6 +26,8 @@ from .cache import KV_DTYPES, PagedKVCache
 #: loaded and converted in-kernel.
 INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+#: quantize_query numbers (token, head) rows in int32 (with room for one tile past the end).
+MAX_QUERY_ROWS = 2 ** 31 - 2 ** 16
 
 
 # --------------------------------------------------------------------------- policy
@@ -289,6 +291,8 @@ def check_quantize_query_inputs(query, kv_dtype: str, out=None, out_scale=None) 
             raise ValueError("out/out_scale are not used for kv_dtype 'bf16' (the query is returned as bf16)")
         return
     T, H, D = query.shape
+    if T * H > MAX_QUERY_ROWS:
+        raise ValueError(f"query has {T} x {H} = {T * H} (token, head) rows; at most {MAX_QUERY_ROWS} are supported")
     check_tensor("out", out, dtypes=(KV_DTYPES[kv_dtype],), shape=(T, H, D), device=query.device, optional=True)
     check_tensor("out_scale", out_scale, dtypes=(torch.float32,), shape=(T, H), device=query.device, optional=True)
 

@@ -15,9 +15,12 @@ Two references of attention over a paged cache (DESIGN.md section 6 semantics):
 
 Quantization (per row = per (token, head), symmetric, fp32 arithmetic, as the kernels do):
 
-* int8: ``s = amax / 127`` (``s = 1`` for an all-zero row), ``q = round_half_away(x / s)``
-  clamped to [-127, 127];
-* fp8 (e4m3): ``s = amax / 448`` (1 for zero rows), ``q = fp8_rne(clamp(x / s, +-448))``;
+* int8: stored scale ``s = amax / 127``; codes ``q = round_half_away(x * inv)`` clamped to
+  [-127, 127] with the per-row reciprocal ``inv = 127 / amax`` (each division correctly
+  rounded, once per row; ``inv`` is not ``1 / s``);
+* fp8 (e4m3): ``s = amax / 448``, ``inv = 448 / amax``, ``q = fp8_rne(clamp(x * inv, +-448))``;
+* an all-zero row gets ``s = inv = 1``, and so does a row with ``amax < qmax * 2**-126``
+  (a subnormal scale): its codes are 0;
 * bf16: stored as is, no scale.
 """
 
@@ -33,25 +36,40 @@ FP8_MAX = 448.0
 
 # --------------------------------------------------------------------------- quantization
 def quantize_rows(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Quantize the last dimension of ``x`` the way the kernels do.
+    """Quantize the last dimension of ``x`` the way the kernels do, bit for bit.
+
+    Per row, in fp32: ``amax = max|x|``; the stored scale is ``s = amax / qmax`` while the
+    codes use the correctly rounded reciprocal ``inv = qmax / amax`` (qmax 127 for int8,
+    448 for fp8): int8 ``q = sign(r) * floor(|r| + 0.5)`` clamped to +-127 with
+    ``r = x * inv``; fp8 ``q = e4m3_rne(clamp(x * inv, +-448))``. An all-zero row gets
+    ``s = inv = 1``, and so does a row with ``amax < qmax * 2**-126``, whose scale would be
+    subnormal (GPUs flush subnormals in the division): its codes are 0, and no row gives
+    inf or NaN. Both divisions are tensor / tensor, so they round correctly on CPU and
+    CUDA alike (CUDA turns a division by a Python scalar into a multiplication).
 
     Returns ``(q, scale)`` with ``q`` of the storage dtype and ``scale`` float32 of shape
     ``x.shape[:-1]`` (None for "bf16").
     """
     if kv_dtype == "bf16":
         return x.to(torch.bfloat16), None
+    if kv_dtype == "int8":
+        qmax = INT8_MAX
+    elif kv_dtype == "fp8":
+        qmax = FP8_MAX
+    else:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r}")
     xf = x.to(torch.float32)
     amax = xf.abs().amax(dim=-1)
+    qmax_t = torch.full_like(amax, qmax)
+    quantized = amax >= qmax * 2.0 ** -126  # the others count as all-zero rows
+    one = torch.ones_like(amax)
+    scale = torch.where(quantized, amax / qmax_t, one)
+    inv = torch.where(quantized, qmax_t / torch.where(quantized, amax, one), one)
+    r = xf * inv.unsqueeze(-1)
     if kv_dtype == "int8":
-        scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
-        r = xf / scale.unsqueeze(-1)
         q = torch.sign(r) * torch.floor(r.abs() + 0.5)
         return q.clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
-    if kv_dtype == "fp8":
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        r = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
-        return r.to(torch.float8_e4m3fn), scale
-    raise ValueError(f"unknown kv_dtype {kv_dtype!r}")
+    return r.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 
 def dequantize_rows(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

@@ -4,13 +4,27 @@ RoPE + K/V write + Q quantization producer.
 Quantization is per row (one row = one (token, head) vector of head_dim values),
 symmetric, in fp32, bit for bit as :func:`int8attn.reference.quantize_rows`:
 
-* KIND_INT8: ``s = amax / 127`` (1 for an all-zero row), ``q = sign(r) * floor(|r| + 0.5)``
-  with ``r = x / s``, clamped to +-127;
-* KIND_FP8:  ``s = amax / 448`` (1 for a zero row), ``q = fp8_e4m3_rne(clamp(x / s, +-448))``;
+* KIND_INT8: ``amax = max|x|``; stored scale ``s = amax / 127``; codes use the per-row
+  reciprocal ``inv = 127 / amax``: ``q = sign(r) * floor(|r| + 0.5)`` with ``r = x * inv``,
+  clamped to +-127 (round half away from zero);
+* KIND_FP8: ``s = amax / 448``, ``inv = 448 / amax``,
+  ``q = fp8_e4m3_rne(clamp(x * inv, +-448))``;
 * KIND_BF16: stored as bf16, no scale.
 
-Both divisions use ``tl.math.div_rn`` (IEEE round-to-nearest): Triton's plain ``/`` on
-fp32 is an approximate division on NVIDIA GPUs and would not match the reference.
+An all-zero row gets ``s = inv = 1``, and so does a row with ``amax < qmax * 2**-126``
+(its scale would be subnormal, which GPUs flush to zero in the division): its codes come
+out 0 (int8) / +-0 (fp8), and no row ever produces inf or NaN. ``s`` and ``inv`` are
+computed once per row with ``tl.math.div_rn`` (IEEE round-to-nearest; Triton's plain ``/``
+on fp32 is an approximate division on NVIDIA GPUs), then each element costs one multiply.
+``inv`` is the correctly rounded ``qmax / amax``, not ``1 / s``.
+
+Entry point for other kernels: ``_quantize_rows(x, KIND, INTERPRET) -> (codes, scales)``.
+
+Kernels whose result must match a PyTorch fp32 computation bit for bit (RoPE) are launched
+with ``enable_fp_fusion=False``: a fused multiply-add rounds once where PyTorch rounds twice.
+The int8 rounding takes ``|x * inv|`` before adding 0.5, which also keeps the product out of
+an FMA in kernels compiled with fusion on (the attention kernels quantize queries with these
+helpers).
 """
 
 import triton
@@ -22,6 +36,12 @@ KIND_BF16 = 2
 # The same values as globals a @triton.jit body may read (only constexpr globals are).
 _INT8 = tl.constexpr(KIND_INT8)
 _BF16 = tl.constexpr(KIND_BF16)
+#: Smallest row maximum quantized as such, qmax * 2**-126: below it the scale would be
+#: subnormal (GPUs flush those in the division), so the row counts as all-zero.
+_MIN_AMAX_INT8 = tl.constexpr(127.0 * 2.0 ** -126)
+_MIN_AMAX_FP8 = tl.constexpr(448.0 * 2.0 ** -126)
+#: The fp32 sign bit as an int32.
+_SIGN_BIT = tl.constexpr(-2147483648)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -56,23 +76,47 @@ def _round_to_bf16_grid(x):
 
 
 @triton.jit
+def _qmax(amax, KIND: tl.constexpr):
+    if KIND == _INT8:
+        qmax = tl.full(amax.shape, 127.0, tl.float32)
+    else:
+        qmax = tl.full(amax.shape, 448.0, tl.float32)
+    return qmax
+
+
+@triton.jit
+def _quantized_row(amax, KIND: tl.constexpr):
+    """True for rows with ``amax >= qmax * 2**-126``; the others count as all-zero."""
+    if KIND == _INT8:
+        big = amax >= _MIN_AMAX_INT8
+    else:
+        big = amax >= _MIN_AMAX_FP8
+    return big
+
+
+@triton.jit
 def _row_scale(amax, KIND: tl.constexpr):
-    """fp32 scale per row from its absolute maximum (1 for an all-zero row; 1 for bf16,
+    """Stored fp32 scale per row, ``amax / qmax`` (1 for an all-zero row; 1 for bf16,
     which stores no scale)."""
     if KIND == _BF16:
         scale = tl.full(amax.shape, 1.0, tl.float32)
     else:
-        if KIND == _INT8:
-            qmax = tl.full(amax.shape, 127.0, tl.float32)
-        else:
-            qmax = tl.full(amax.shape, 448.0, tl.float32)
-        scale = tl.where(amax > 0.0, tl.math.div_rn(amax, qmax), 1.0)
+        scale = tl.where(_quantized_row(amax, KIND), tl.math.div_rn(amax, _qmax(amax, KIND)), 1.0)
     return scale
 
 
 @triton.jit
-def _quantize(x, scale, KIND: tl.constexpr, INTERPRET: tl.constexpr):
-    """Quantize fp32 tile ``x`` [R, C] with per-row ``scale`` [R] to the storage dtype.
+def _row_inv(amax, KIND: tl.constexpr):
+    """Per-row multiplier of the codes, ``qmax / amax`` correctly rounded (at most
+    2**126); 1 for an all-zero row."""
+    big = _quantized_row(amax, KIND)
+    return tl.where(big, tl.math.div_rn(_qmax(amax, KIND), tl.where(big, amax, 1.0)), 1.0)
+
+
+@triton.jit
+def _quantize_with_inv(x, inv, KIND: tl.constexpr, INTERPRET: tl.constexpr):
+    """Quantize fp32 tile ``x`` [R, C] with the per-row multiplier ``inv`` [R] to the
+    storage dtype (bf16: a rounding cast, ``inv`` unused).
 
     (One return at the end: compiled Triton wants a single return type per function.)
     """
@@ -81,14 +125,20 @@ def _quantize(x, scale, KIND: tl.constexpr, INTERPRET: tl.constexpr):
             x = _round_to_bf16_grid(x)
         q = x.to(tl.bfloat16)
     elif KIND == _INT8:
-        r = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-        mag = tl.minimum(tl.floor(tl.abs(r) + 0.5), 127.0)
-        q = tl.where(r < 0.0, -mag, mag).to(tl.int8)
+        # round half away from zero as trunc(copysign(|x * inv| + 0.5, x)): four instructions
+        # per element (FMUL, FADD, LOP3, F2I), no compare or select. |x * inv| <= 127 * (1 + 2**-23)
+        # (inv is the rounded 127 / amax), so the truncation never exceeds 127: no clamp needed.
+        # The abs also keeps the product out of an FMA with the + 0.5 in kernels compiled
+        # with FP fusion on.
+        half_up = tl.abs(x * inv[:, None]) + 0.5
+        signed = (half_up.to(tl.int32, bitcast=True) & ~_SIGN_BIT) | (x.to(tl.int32, bitcast=True) & _SIGN_BIT)
+        q = signed.to(tl.float32, bitcast=True).to(tl.int32).to(tl.int8)  # fp -> int truncates toward 0
     else:
-        r = tl.math.div_rn(x, tl.broadcast_to(scale[:, None], x.shape))
-        r = tl.minimum(tl.maximum(r, -448.0), 448.0)
+        r = x * inv[:, None]
         if INTERPRET:
-            r = _round_to_e4m3_grid(r)
+            # |r| <= 448 * (1 + 2**-23) rounds to 448 on the GPU's e4m3 conversion; the
+            # interpreter's cast needs its input on the grid (and in range) first
+            r = _round_to_e4m3_grid(tl.minimum(tl.maximum(r, -448.0), 448.0))
         q = r.to(tl.float8e4nv)
     return q
 
@@ -98,216 +148,261 @@ def _amax_rows(x):
     return tl.max(tl.abs(x), axis=1)
 
 
+@triton.jit
+def _quantize_rows(x, KIND: tl.constexpr, INTERPRET: tl.constexpr):
+    """Quantize fp32 rows ``x`` [R, C] (whole rows; masked lanes hold 0).
+
+    Returns ``(q, scale)``: codes of the storage dtype [R, C] and fp32 scales [R] (ones
+    for bf16). The entry point for kernels that quantize (attention kernels included).
+    """
+    amax = _amax_rows(x)
+    q = _quantize_with_inv(x, _row_inv(amax, KIND), KIND, INTERPRET)
+    return q, _row_scale(amax, KIND)
+
+
+@triton.jit
+def _quantize(x, scale, KIND: tl.constexpr, INTERPRET: tl.constexpr):
+    """Older entry point kept for callers that pass ``(x, _row_scale(_amax_rows(x)))``.
+
+    The codes come from ``inv = qmax / amax``, which the stored scale cannot give back
+    exactly, so ``amax`` is taken again from ``x`` itself: ``x`` must hold whole rows
+    (masked lanes 0). ``scale`` is not read. New code calls :func:`_quantize_rows`.
+    """
+    return _quantize_with_inv(x, _row_inv(_amax_rows(x), KIND), KIND, INTERPRET)
+
+
+# --------------------------------------------------------------------------- tiles
+@triton.jit
+def _load_tile(ptrs, mask, FULL: tl.constexpr):
+    """Load a tile as fp32; FULL (every lane in bounds, known at compile time) drops the
+    mask, and with it the predication and the register fill for masked lanes."""
+    if FULL:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _store_tile(ptrs, value, mask, FULL: tl.constexpr):
+    if FULL:
+        tl.store(ptrs, value)
+    else:
+        tl.store(ptrs, value, mask=mask)
+
+
 # --------------------------------------------------------------------------- quantize_query
 @triton.jit
 def _quantize_query_kernel(
     q_ptr, out_ptr, scale_ptr,
     num_rows, num_heads,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_st, stride_sh,
-    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FULL: tl.constexpr,
     KIND: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Rows = (token, head) pairs, BLOCK_R per program.
+    """Rows = (token, head) pairs, BLOCK_R per program; FULL when num_rows % BLOCK_R == 0
+    and HEAD_DIM == BLOCK_D.
 
     q [T, H, D] (any float dtype, unit stride on D) -> out [T, H, D] int8 / fp8,
-    scale [T, H] fp32.
+    scale [T, H] fp32. Row numbers are int32 (T * H < 2**31): a 64-bit division by
+    num_heads would cost a long subroutine per row.
     """
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     row_mask = rows < num_rows
-    tok = rows // num_heads
+    tok = (rows // num_heads).to(tl.int64)
     head = rows % num_heads
     mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
-    x = tl.load(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + d[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    scale = _row_scale(_amax_rows(x), KIND)
-    q = _quantize(x, scale, KIND, INTERPRET)
-    tl.store(out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + d[None, :], q, mask=mask)
+    x = _load_tile(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + d[None, :], mask, FULL)
+    q, scale = _quantize_rows(x, KIND, INTERPRET)
+    _store_tile(out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + d[None, :], q, mask, FULL)
     tl.store(scale_ptr + tok * stride_st + head * stride_sh, scale, mask=row_mask)
+
+
+# --------------------------------------------------------------------------- K/V rows
+@triton.jit
+def _store_rows_to_cache(
+    x, heads, heads_ok, mask, d, blk, off,
+    data_ptr, scale_ptr,
+    stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
+    FULL: tl.constexpr, KIND: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Quantize fp32 rows ``x`` [BLOCK_H, BLOCK_D] (one per KV head; masked lanes hold 0)
+    and store the rows with their scales at page ``blk``, offset ``off``; ``heads_ok``
+    [BLOCK_H] and ``mask`` [BLOCK_H, BLOCK_D] mark the rows and lanes that exist (unused
+    when FULL)."""
+    q, scale = _quantize_rows(x, KIND, INTERPRET)
+    if KIND != _BF16:
+        scale_ptrs = scale_ptr + blk * stride_sb + heads * stride_sh + off * stride_so
+        if FULL:
+            tl.store(scale_ptrs, scale)
+        else:
+            tl.store(scale_ptrs, scale, mask=heads_ok)
+    row = blk * stride_cb + heads * stride_ch + off * stride_co
+    _store_tile(data_ptr + row[:, None] + d[None, :], q, mask, FULL)
+
+
+@triton.jit
+def _rope_tables(cos_sin_ptr, pos, d, ROTARY_DIM: tl.constexpr):
+    """Per-channel RoPE factors of the token at ``pos``, [BLOCK_D] vectors, and the
+    rotation partner of every channel.
+
+    NeoX pairing over the first ROTARY_DIM channels: channel ``d < h`` (h = ROTARY_DIM/2)
+    pairs with ``d + h`` and ``d + h`` with ``d``; ``y[d] = x[d] * c[d] + x[partner] * s[d]``
+    with ``c = cos``, ``s = -sin`` on the first half, ``+sin`` on the second, and
+    ``c = 1, s = 0, partner = d`` past the rotary part (``x * 1 + x * 0`` is ``x`` bit for
+    bit, the sign of a zero included). cos_sin [max_pos, ROTARY_DIM] fp32: cos of the h
+    frequencies, then sin. Loaded once per program as vectors (a few values per thread) and
+    broadcast over the rows: the tables cost per column, not per element.
+    """
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    first = d < HALF
+    in_rot = d < ROTARY_DIM
+    freq = d % HALF  # contiguous runs the compiler can prove, for vector loads
+    row = cos_sin_ptr + pos * ROTARY_DIM
+    cos = tl.load(row + freq, mask=in_rot, other=1.0)
+    sin = tl.load(row + HALF + freq, mask=in_rot, other=0.0)
+    sin = tl.where(first, -sin, sin)
+    partner = tl.where(first, d + HALF, tl.where(in_rot, d - HALF, d))
+    return cos, sin, partner
+
+
+@triton.jit
+def _load_rows_rope(row_ptr, mask, d, cos, sin, partner, FULL: tl.constexpr):
+    """Rows ``row_ptr`` [R] (pointers to channel 0), RoPE'd in fp32 -> [R, BLOCK_D].
+
+    Each channel's rotation partner comes from a second load at permuted offsets (the same
+    row, so it hits L1): one tile, one register layout, one reduction per row afterwards.
+    """
+    x = _load_tile(row_ptr[:, None] + d[None, :], mask, FULL)
+    xp = _load_tile(row_ptr[:, None] + partner[None, :], mask, FULL)
+    return x * cos[None, :] + xp * sin[None, :]
+
+
+@triton.jit
+def _write_kv_token(
+    tok, slot, k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
+    num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
+    cos, sin, partner,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FULL: tl.constexpr, ROTATE: tl.constexpr, KIND: tl.constexpr, HAS_MEAN: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Quantize token ``tok``'s K rows (RoPE'd with the tables ``cos``, ``sin``, ``partner``
+    when ROTATE, minus the smoothing mean when HAS_MEAN) and V rows into page
+    ``slot // BLOCK_SIZE`` at offset ``slot % BLOCK_SIZE``. FULL: num_kv_heads % BLOCK_H == 0
+    and HEAD_DIM == BLOCK_D.
+
+    K and V tiles of a head block are both loaded before either is quantized, so their
+    memory latencies overlap.
+    """
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    d = tl.arange(0, BLOCK_D)
+    for h0 in range(0, num_kv_heads, BLOCK_H):
+        heads = h0 + tl.arange(0, BLOCK_H)
+        heads_ok = heads < num_kv_heads
+        mask = heads_ok[:, None] & (d < HEAD_DIM)[None, :]
+        k_rows = k_ptr + tok * stride_kt + heads * stride_kh
+        if ROTATE:
+            k = _load_rows_rope(k_rows, mask, d, cos, sin, partner, FULL)
+        else:
+            k = _load_tile(k_rows[:, None] + d[None, :], mask, FULL)
+        v = _load_tile(v_ptr + tok * stride_vt + (heads * stride_vh)[:, None] + d[None, :], mask, FULL)
+        if HAS_MEAN:
+            k = k - _load_tile(mean_ptr + (heads * HEAD_DIM)[:, None] + d[None, :], mask, FULL)
+        _store_rows_to_cache(k, heads, heads_ok, mask, d, blk, off, kcache_ptr, kscale_ptr,
+                             stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so, FULL, KIND, INTERPRET)
+        _store_rows_to_cache(v, heads, heads_ok, mask, d, blk, off, vcache_ptr, vscale_ptr,
+                             stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so, FULL, KIND, INTERPRET)
 
 
 # --------------------------------------------------------------------------- write_kv
 @triton.jit
-def _store_rows_to_cache(
-    x, heads, rows_ok, d, d_ok, blk, off,
-    data_ptr, scale_ptr,
-    stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
-    KIND: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """Quantize fp32 rows ``x`` [BLOCK_H, BLOCK_D] (one per KV head; masked lanes hold 0)
-    and store the rows with their scales at page ``blk``, offset ``off``, where
-    ``rows_ok`` [BLOCK_H] (head exists and slot valid)."""
-    scale = _row_scale(_amax_rows(x), KIND)
-    q = _quantize(x, scale, KIND, INTERPRET)
-    if KIND != _BF16:
-        tl.store(scale_ptr + blk * stride_sb + heads * stride_sh + off * stride_so, scale, mask=rows_ok)
-    row = blk * stride_cb + heads * stride_ch + off * stride_co
-    tl.store(data_ptr + row[:, None] + d[None, :], q, mask=rows_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, slot_ptr,
     kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
-    num_kv_heads,
+    num_tokens, num_kv_heads,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ch, stride_co,
     stride_sb, stride_sh, stride_so,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FULL: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr,
     KIND: tl.constexpr, HAS_MEAN: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One program per new token: quantize its K and V rows (all KV heads) into the page.
+    """TOKENS_PER_PROGRAM new tokens per program: quantize their K and V rows (all KV
+    heads) into the page of each token's slot (-1: skipped).
 
-    key/value [N, Hkv, D]; slot [N] (-1 = skip); caches [num_blocks, Hkv, block_size, D]
-    (strides cb/ch/co, unit stride on D); scales [num_blocks, Hkv, block_size]
-    (strides sb/sh/so); mean [Hkv, D] fp32 contiguous, subtracted from K when HAS_MEAN.
+    key/value [N, Hkv, D]; slot [N]; caches [num_blocks, Hkv, block_size, D] (strides
+    cb/ch/co, unit stride on D); scales [num_blocks, Hkv, block_size] (strides sb/sh/so);
+    mean [Hkv, D] fp32 contiguous, subtracted from K when HAS_MEAN.
     """
-    tok = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    for h0 in range(0, num_kv_heads, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)
-        # slot test broadcast to a vector: the interpreter rejects tensor & scalar-bool masks
-        rows_ok = (heads < num_kv_heads) & (heads * 0 + slot >= 0)
-        mask = rows_ok[:, None] & d_ok[None, :]
-        k = tl.load(key_ptr + tok * stride_kt + (heads * stride_kh)[:, None] + d[None, :], mask=mask, other=0.0)
-        k = k.to(tl.float32)
-        if HAS_MEAN:
-            k = k - tl.load(mean_ptr + (heads * HEAD_DIM)[:, None] + d[None, :], mask=mask, other=0.0)
-        _store_rows_to_cache(k, heads, rows_ok, d, d_ok, blk, off, kcache_ptr, kscale_ptr,
-                             stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so, KIND, INTERPRET)
-        v = tl.load(value_ptr + tok * stride_vt + (heads * stride_vh)[:, None] + d[None, :], mask=mask, other=0.0)
-        _store_rows_to_cache(v.to(tl.float32), heads, rows_ok, d, d_ok, blk, off, vcache_ptr, vscale_ptr,
-                             stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so, KIND, INTERPRET)
+    for i in tl.static_range(TOKENS_PER_PROGRAM):
+        tok = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM + i
+        if tok < num_tokens:
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            if slot >= 0:
+                _write_kv_token(tok, slot, key_ptr, value_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr,
+                                mean_ptr, num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
+                                stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
+                                d, d, d,  # no RoPE: the table arguments are unused
+                                BLOCK_SIZE, HEAD_DIM, BLOCK_H, BLOCK_D, FULL, False, KIND, HAS_MEAN, INTERPRET)
 
 
 # --------------------------------------------------------------------------- fused producer
-@triton.jit
-def _load_rope_rows(
-    src_ptr, row_off, heads_ok, cos, sin, j, rest,
-    HALF: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr,
-):
-    """Load rows [BLOCK_H, head_dim] of one token in three pieces -- the two rotary halves
-    (NeoX: channel i pairs with i + rotary_dim/2) and the pass-through rest -- and rotate.
-
-    Every element is loaded once; fp32 results (y1 [BH, BLOCK_HALF], y2 [BH, BLOCK_HALF],
-    tail [BH, BLOCK_REST]; masked lanes are 0).
-    """
-    j_ok = j < HALF
-    m_half = heads_ok[:, None] & j_ok[None, :]
-    base = src_ptr + row_off[:, None]
-    x1 = tl.load(base + j[None, :], mask=m_half, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF + j[None, :], mask=m_half, other=0.0).to(tl.float32)
-    y1 = x1 * cos[None, :] - x2 * sin[None, :]
-    y2 = x2 * cos[None, :] + x1 * sin[None, :]
-    m_rest = heads_ok[:, None] & (rest < HEAD_DIM - ROTARY_DIM)[None, :]
-    tail = tl.load(base + ROTARY_DIM + rest[None, :], mask=m_rest, other=0.0).to(tl.float32)
-    return y1, y2, tail
-
-
-@triton.jit
-def _quantize_rope_rows(y1, y2, tail, KIND: tl.constexpr, INTERPRET: tl.constexpr):
-    """Quantize rows given as three pieces with one scale per row."""
-    amax = tl.maximum(tl.maximum(_amax_rows(y1), _amax_rows(y2)), _amax_rows(tail))
-    scale = _row_scale(amax, KIND)
-    return (_quantize(y1, scale, KIND, INTERPRET), _quantize(y2, scale, KIND, INTERPRET),
-            _quantize(tail, scale, KIND, INTERPRET), scale)
-
-
-@triton.jit
-def _store_rope_rows(dst_ptr, row_off, ok, q1, q2, qt, j, rest,
-                     HALF: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr):
-    base = dst_ptr + row_off[:, None]
-    m_half = ok[:, None] & (j < HALF)[None, :]
-    tl.store(base + j[None, :], q1, mask=m_half)
-    tl.store(base + HALF + j[None, :], q2, mask=m_half)
-    tl.store(base + ROTARY_DIM + rest[None, :], qt, mask=ok[:, None] & (rest < HEAD_DIM - ROTARY_DIM)[None, :])
-
-
 @triton.jit
 def _rope_quantize_write_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
     q_out_ptr, q_scale_ptr,
     kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
-    num_q_heads, num_kv_heads,
+    num_tokens, num_q_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_qst, stride_qsh,
     stride_cb, stride_ch, stride_co,
     stride_sb, stride_sh, stride_so,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+    FULL_Q: tl.constexpr, FULL_KV: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr,
     KIND: tl.constexpr, HAS_MEAN: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One program per new token: NeoX RoPE on Q and K (first ROTARY_DIM channels), K and
-    V quantized into the page at the token's slot (skipped for slot -1), Q quantized to
-    q_out [N, Hq, D] with q_scale [N, Hq] (for KIND_BF16: RoPE'd bf16 Q, no scale).
+    """Grid (cdiv(N, TOKENS_PER_PROGRAM), cdiv(Hq, BLOCK_HQ) + 1). Program (i, g) with
+    g < cdiv(Hq, BLOCK_HQ) takes Q heads [g * BLOCK_HQ, (g + 1) * BLOCK_HQ) of its tokens:
+    NeoX RoPE on the first ROTARY_DIM channels, quantized to q_out [N, Hq, D] with q_scale
+    [N, Hq] (for KIND_BF16: RoPE'd bf16 Q, no scale); Q is emitted for every token, padding
+    included. The last program of a row (i, cdiv(Hq, BLOCK_HQ)) takes K (RoPE'd, minus the
+    smoothing mean) and V of all KV heads of its tokens into the pages at their slots
+    (skipped for slot -1). FULL_Q / FULL_KV: the head count is a multiple of the head block
+    and HEAD_DIM == BLOCK_D (no masks).
 
     cos_sin [max_position, ROTARY_DIM] fp32 contiguous: cos of the ROTARY_DIM/2
-    frequencies, then sin. Q is emitted for every token, padding (slot -1) included.
+    frequencies, then sin. Launched with ``enable_fp_fusion=False`` so RoPE rounds as
+    PyTorch's fp32 ``x1 * cos - x2 * sin`` does.
     """
-    HALF: tl.constexpr = ROTARY_DIM // 2
-    tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    j = tl.arange(0, BLOCK_HALF)
-    rest = tl.arange(0, BLOCK_REST)
-    cos = tl.load(cos_sin_ptr + pos * ROTARY_DIM + j, mask=j < HALF, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * ROTARY_DIM + HALF + j, mask=j < HALF, other=0.0)
-
-    # Q: rotate, quantize with one scale per (token, head), emit.
-    for h0 in range(0, num_q_heads, BLOCK_HQ):
-        heads = h0 + tl.arange(0, BLOCK_HQ)
-        ok = heads < num_q_heads
-        y1, y2, tail = _load_rope_rows(q_ptr + tok * stride_qt, heads * stride_qh, ok, cos, sin, j, rest,
-                                       HALF, ROTARY_DIM, HEAD_DIM)
-        q1, q2, qt, scale = _quantize_rope_rows(y1, y2, tail, KIND, INTERPRET)
-        _store_rope_rows(q_out_ptr + tok * stride_ot, heads * stride_oh, ok, q1, q2, qt, j, rest,
-                         HALF, ROTARY_DIM, HEAD_DIM)
-        if KIND != _BF16:
-            tl.store(q_scale_ptr + tok * stride_qst + heads * stride_qsh, scale, mask=ok)
-
-    slot = tl.load(slot_ptr + tok).to(tl.int64)
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
-    # K: rotate, subtract the smoothing mean, quantize into the page.
-    for h0 in range(0, num_kv_heads, BLOCK_HKV):
-        heads = h0 + tl.arange(0, BLOCK_HKV)
-        ok = (heads < num_kv_heads) & (heads * 0 + slot >= 0)
-        y1, y2, tail = _load_rope_rows(k_ptr + tok * stride_kt, heads * stride_kh, ok, cos, sin, j, rest,
-                                       HALF, ROTARY_DIM, HEAD_DIM)
-        if HAS_MEAN:
-            m1, m2, mt = _load_mean_pieces(mean_ptr, heads * HEAD_DIM, ok, j, rest, HALF, ROTARY_DIM, HEAD_DIM)
-            y1 = y1 - m1
-            y2 = y2 - m2
-            tail = tail - mt
-        q1, q2, qt, scale = _quantize_rope_rows(y1, y2, tail, KIND, INTERPRET)
-        row = blk * stride_cb + heads * stride_ch + off * stride_co
-        _store_rope_rows(kcache_ptr, row, ok, q1, q2, qt, j, rest, HALF, ROTARY_DIM, HEAD_DIM)
-        if KIND != _BF16:
-            tl.store(kscale_ptr + blk * stride_sb + heads * stride_sh + off * stride_so, scale, mask=ok)
-    # V: no rotation, plain rows.
+    group = tl.program_id(1)
+    num_q_groups = tl.cdiv(num_q_heads, BLOCK_HQ)
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    for h0 in range(0, num_kv_heads, BLOCK_HKV):
-        heads = h0 + tl.arange(0, BLOCK_HKV)
-        rows_ok = (heads < num_kv_heads) & (heads * 0 + slot >= 0)
-        v = tl.load(v_ptr + tok * stride_vt + (heads * stride_vh)[:, None] + d[None, :],
-                    mask=rows_ok[:, None] & d_ok[None, :], other=0.0)
-        _store_rows_to_cache(v.to(tl.float32), heads, rows_ok, d, d_ok, blk, off, vcache_ptr, vscale_ptr,
-                             stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so, KIND, INTERPRET)
-
-
-@triton.jit
-def _load_mean_pieces(mean_ptr, row_off, ok, j, rest,
-                      HALF: tl.constexpr, ROTARY_DIM: tl.constexpr, HEAD_DIM: tl.constexpr):
-    base = mean_ptr + row_off[:, None]
-    m_half = ok[:, None] & (j < HALF)[None, :]
-    m1 = tl.load(base + j[None, :], mask=m_half, other=0.0)
-    m2 = tl.load(base + HALF + j[None, :], mask=m_half, other=0.0)
-    mt = tl.load(base + ROTARY_DIM + rest[None, :], mask=ok[:, None] & (rest < HEAD_DIM - ROTARY_DIM)[None, :],
-                 other=0.0)
-    return m1, m2, mt
+    for i in tl.static_range(TOKENS_PER_PROGRAM):
+        tok = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM + i
+        if tok < num_tokens:
+            pos = tl.load(pos_ptr + tok).to(tl.int64)
+            cos, sin, partner = _rope_tables(cos_sin_ptr, pos, d, ROTARY_DIM)
+            if group < num_q_groups:
+                heads = group * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
+                mask = (heads < num_q_heads)[:, None] & (d < HEAD_DIM)[None, :]
+                y = _load_rows_rope(q_ptr + tok * stride_qt + heads * stride_qh, mask, d, cos, sin, partner, FULL_Q)
+                q, scale = _quantize_rows(y, KIND, INTERPRET)
+                out_row = tok * stride_ot + heads * stride_oh
+                _store_tile(q_out_ptr + out_row[:, None] + d[None, :], q, mask, FULL_Q)
+                if KIND != _BF16:
+                    tl.store(q_scale_ptr + tok * stride_qst + heads * stride_qsh, scale, mask=heads < num_q_heads)
+            else:
+                slot = tl.load(slot_ptr + tok).to(tl.int64)
+                if slot >= 0:
+                    _write_kv_token(tok, slot, k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr,
+                                    mean_ptr, num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
+                                    stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
+                                    cos, sin, partner,
+                                    BLOCK_SIZE, HEAD_DIM, BLOCK_HKV, BLOCK_D, FULL_KV, True, KIND, HAS_MEAN,
+                                    INTERPRET)

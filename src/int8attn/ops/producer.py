@@ -18,11 +18,11 @@ from .. import _checks
 from ..cache import KV_DTYPES, PagedKVCache
 from ..kernels.quantize import _quantize_query_kernel, _rope_quantize_write_kernel
 from ..testing import interpret_mode
-from .write import KV_KIND, TILE_ELEMS, device_guard, heads_per_program
+from .write import KV_KIND, TILE_ELEMS, default_num_warps, device_guard, full_tiles, heads_per_program
 
 
 def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tensor | None = None,
-                   out_scale: torch.Tensor | None = None):
+                   out_scale: torch.Tensor | None = None, *, _launch: dict | None = None):
     """Quantize ``query`` per (token, head) for a cache of ``kv_dtype``.
 
     Args:
@@ -34,6 +34,9 @@ def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tenso
         ``(q_quant, q_scale)``: int8 or float8_e4m3fn [T, Hq, D] and fp32 [T, Hq],
         bit for bit :func:`int8attn.reference.quantize_rows`; for "bf16",
         ``(query as bf16, None)``.
+
+    ``_launch`` overrides the launch configuration (``BLOCK_R``, ``num_warps``;
+    benchmarks only).
     """
     _checks.check_quantize_query_inputs(query, kv_dtype, out, out_scale)
     if kv_dtype == "bf16":
@@ -47,15 +50,18 @@ def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tenso
     if num_rows == 0:
         return out, out_scale
     block_d = triton.next_power_of_2(head_dim)
-    block_r = max(1, min(TILE_ELEMS // block_d, triton.next_power_of_2(num_rows)))
+    launch = {"BLOCK_R": max(1, min(TILE_ELEMS // block_d, triton.next_power_of_2(num_rows))),
+              "num_warps": default_num_warps(num_tokens)}
+    launch.update(_launch or {})
+    block_r = launch["BLOCK_R"]
     with device_guard(query.device):
         _quantize_query_kernel[(triton.cdiv(num_rows, block_r),)](
             query, out, out_scale,
             num_rows, num_heads,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), out_scale.stride(0), out_scale.stride(1),
-            HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=block_d,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, FULL=full_tiles(num_rows, block_r, head_dim, block_d),
             KIND=KV_KIND[kv_dtype], INTERPRET=interpret_mode(),
-            num_warps=4,
+            **launch,
         )
     return out, out_scale
 
@@ -131,24 +137,28 @@ def rope_quantize_and_write(
     launch = {
         "BLOCK_HQ": heads_per_program(num_q_heads, head_dim),
         "BLOCK_HKV": heads_per_program(cache.num_kv_heads, head_dim),
-        "num_warps": 4,
+        "TOKENS_PER_PROGRAM": 1,
+        "num_warps": default_num_warps(num_tokens),
     }
     launch.update(_launch or {})
+    block_d = triton.next_power_of_2(head_dim)
+    grid = (triton.cdiv(num_tokens, launch["TOKENS_PER_PROGRAM"]), triton.cdiv(num_q_heads, launch["BLOCK_HQ"]) + 1)
     with device_guard(cache.device):
-        _rope_quantize_write_kernel[(num_tokens,)](
+        _rope_quantize_write_kernel[grid](
             query, key, value, positions, cos_sin_cache, slot_mapping,
             out_q, qscale,
             cache.key, cache.value, kscale, vscale, mean,
-            num_q_heads, cache.num_kv_heads,
+            num_tokens, num_q_heads, cache.num_kv_heads,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             out_q.stride(0), out_q.stride(1), qscale_strides[0], qscale_strides[1],
             cache.key.stride(0), cache.key.stride(1), cache.key.stride(2),
             sscale[0], sscale[1], sscale[2],
-            BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim,
-            BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
-            BLOCK_REST=triton.next_power_of_2(max(head_dim - rotary_dim, 1)),
-            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, BLOCK_D=block_d,
+            FULL_Q=full_tiles(num_q_heads, launch["BLOCK_HQ"], head_dim, block_d),
+            FULL_KV=full_tiles(cache.num_kv_heads, launch["BLOCK_HKV"], head_dim, block_d),
             KIND=KV_KIND[cache.kv_dtype], HAS_MEAN=has_mean, INTERPRET=interpret_mode(),
+            # RoPE rounds as PyTorch's fp32 x1 * cos - x2 * sin (no FMA): bit-exact tests
+            enable_fp_fusion=False,
             **launch,
         )
     return out_q, (out_q_scale if cache.quantized else None)

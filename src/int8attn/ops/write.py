@@ -15,6 +15,15 @@ from ..testing import interpret_mode
 KV_KIND = {"int8": KIND_INT8, "fp8": KIND_FP8, "bf16": KIND_BF16}
 #: Elements per program tile; 2048 fp32 values = 16 per thread at 4 warps.
 TILE_ELEMS = 2048
+#: From this many new tokens on, programs run 2 warps instead of 4 (32 values per thread):
+#: fewer instructions per element where the grid fills the GPU many times over. Measured on
+#: an H200 at the headline shape (benchmarks/notes/producer.md, round 2): at 4096 tokens 2
+#: warps were 1-8% faster, at 1 token 4 warps were 5-15% faster; sizes in between unmeasured.
+LARGE_BATCH_TOKENS = 256
+
+
+def default_num_warps(num_tokens: int) -> int:
+    return 2 if num_tokens >= LARGE_BATCH_TOKENS else 4
 
 
 def device_guard(device: torch.device):
@@ -29,6 +38,11 @@ def heads_per_program(num_heads: int, head_dim: int) -> int:
     """Rows (heads) per program tile: all heads of a token up to TILE_ELEMS elements."""
     block_d = triton.next_power_of_2(head_dim)
     return max(1, min(triton.next_power_of_2(num_heads), TILE_ELEMS // block_d))
+
+
+def full_tiles(num_heads: int, block_h: int, head_dim: int, block_d: int) -> bool:
+    """True when [block_h, block_d] tiles cover the heads exactly (kernels drop the masks)."""
+    return num_heads % block_h == 0 and head_dim == block_d
 
 
 def key_mean_of_first_write(cache: PagedKVCache, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -52,7 +66,8 @@ def key_mean_of_first_write(cache: PagedKVCache, key: torch.Tensor, slot_mapping
     cache.set_key_mean(key[valid].to(torch.float32).mean(dim=0))
 
 
-def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+             *, _launch: dict | None = None) -> None:
     """Quantize ``key`` / ``value`` rows into ``cache`` at ``slot_mapping``.
 
     Args:
@@ -62,14 +77,17 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
         slot_mapping: [N] int32 / int64; ``slot = block_id * block_size + offset``;
             -1 skips the token (padding).
 
-    Per (token, KV head) symmetric quantization (int8: ``amax/127``, round half away
-    from zero; fp8 e4m3: ``amax/448``, round to nearest even; an all-zero row gets scale
-    1), bit for bit as :func:`int8attn.reference.write_kv_reference`; a bf16 cache stores
-    the values as bf16. Key smoothing: ``cache.key_mean`` ([Hkv, D] fp32) is subtracted
+    Per (token, KV head) symmetric quantization (int8: scale ``amax/127``, codes
+    ``x * (127/amax)`` rounded half away from zero; fp8 e4m3: ``amax/448`` and
+    ``x * (448/amax)`` rounded to nearest even; an all-zero row gets scale 1), bit for bit
+    as :func:`int8attn.reference.write_kv_reference`; a bf16 cache stores the values as
+    bf16. Key smoothing: ``cache.key_mean`` ([Hkv, D] fp32) is subtracted
     from the keys before quantizing; with ``key_smoothing="first_write"`` and no mean
     yet, the mean of this write's valid keys becomes ``cache.key_mean`` first.
 
     Bad input raises ``TypeError`` / ``ValueError`` before the cache is touched.
+    ``_launch`` overrides the launch configuration (``TOKENS_PER_PROGRAM``, ``num_warps``;
+    benchmarks only).
     """
     _checks.check_write_inputs(cache, key, value, slot_mapping)
     num_tokens = key.shape[0]
@@ -83,17 +101,22 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
     vscale = cache.value_scale if cache.quantized else cache.value
     sscale = cache.key_scale.stride() if cache.quantized else (0, 0, 0)
     head_dim = cache.head_dim
+    block_h = heads_per_program(cache.num_kv_heads, head_dim)
+    block_d = triton.next_power_of_2(head_dim)
+    launch = {"TOKENS_PER_PROGRAM": 1, "num_warps": default_num_warps(num_tokens)}
+    launch.update(_launch or {})
+    tokens_per_program = launch["TOKENS_PER_PROGRAM"]
     with device_guard(cache.device):
-        _write_kv_kernel[(num_tokens,)](
+        _write_kv_kernel[(triton.cdiv(num_tokens, tokens_per_program),)](
             key, value, slot_mapping,
             cache.key, cache.value, kscale, vscale, mean,
-            cache.num_kv_heads,
+            num_tokens, cache.num_kv_heads,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             cache.key.stride(0), cache.key.stride(1), cache.key.stride(2),
             sscale[0], sscale[1], sscale[2],
             BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim,
-            BLOCK_H=heads_per_program(cache.num_kv_heads, head_dim),
-            BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_H=block_h, BLOCK_D=block_d,
+            FULL=full_tiles(cache.num_kv_heads, block_h, head_dim, block_d),
             KIND=kind, HAS_MEAN=has_mean, INTERPRET=interpret_mode(),
-            num_warps=4,
+            **launch,
         )
