@@ -1,24 +1,31 @@
-"""Paged decode on the GPU: correctness at real shapes, SASS proof, timings, tuning sweep.
+"""Paged decode on the GPU: correctness at real shapes, SASS proof, tuning, timings.
 
-One script, one device call:
+One script, one device call (about 3 minutes on an H200 including compilation; a
+deadline, ``BENCH_DEADLINE_S`` = 200 s by default, skips later sections rather than run
+over). Sections, each under try/except so one failure does not lose the rest:
 
-1. compile every kernel variant it will time, in parallel worker processes (they fill
-   Triton's on-disk cache; the main process then loads them);
-2. accuracy at real shapes (24q/4kv D256 page 16, outlier keys) vs the float64
-   reference, for every cache dtype / PV mode; the same-quantization reference for the
-   default INT8 path;
-3. SASS of the kernels that ran (``LAST_LAUNCH``): IMMA/IGMMA for INT8, QGMMA or the
-   fp8 path Triton chose, HMMA/HGMMA for BF16; registers, spills, shared memory;
-4. timings (median; eager = CUDA events with L2 flush, graph = CUDA-graph replay over
-   several block tables so the KV bytes never sit in L2): DESIGN.md section 4 shapes, vs
-   PyTorch SDPA BF16 on contiguous K/V and vs our own BF16-cache path; multi-token 2/4;
-   32q/8kv D128; a batch sweep 1..64 at 8k; a tile / warps / stages / splits sweep.
+0. setup: copy bandwidth, caches, every kernel variant compiled in parallel worker
+   processes (they fill Triton's on-disk cache; the main process then loads them);
+1. ``acc``: accuracy at real shapes (24q/4kv D256 page 16, outlier keys) vs the float64
+   reference for every cache dtype / PV mode (same-quantization reference for INT8) and
+   the SASS of the kernels that ran (``LAST_LAUNCH``): IMMA/IGMMA for INT8, QGMMA or
+   what Triton chose for fp8, HMMA/HGMMA for BF16; registers, spills, shared memory;
+2. ``tune``: a handful of tile / warps / stages configs per cache dtype (picked from the
+   sm_90 static analysis) at bs16 L32k, bs1 L32k, bs64 L8k; the best (geometric mean)
+   becomes the config of the headline table;
+3. ``grid``: the headline table, DESIGN.md section 4 shapes at q_len 1: eager (CUDA
+   events, L2 flushed) and CUDA-graph replay over rotating block tables (so the KV bytes
+   never sit in L2), % of copy bandwidth, vs PyTorch SDPA BF16 on contiguous K/V and vs
+   our own BF16-cache path;
+4. ``batch``: bs 1..64 at L 8k (no cliff); 5. ``mt``: q_len 2 and 4 at a few points;
+6. ``d128``: 32q/8kv D128; 7. ``splits``: split counts around the planner's choice.
 
-Rows go to benchmarks/results/decode.jsonl (or --out DIR/decode.jsonl) via
-int8attn.bench.Recorder. ``--smoke`` runs every code path at toy sizes on the CPU
-interpreter (timings meaningless) to check the script itself.
+Rows go to ``--out DIR/decode.jsonl`` (else benchmarks/results/decode.jsonl) via
+int8attn.bench.Recorder, a markdown summary to ``DIR/decode_summary.md``, the log to
+``DIR/decode_log.txt``. ``--smoke`` runs every code path at toy sizes on the CPU
+interpreter (timings meaningless); ``--quick`` times fewer points.
 
-    PYTHONPATH=src python3 benchmarks/bench_decode.py --out $OUT
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/bench_decode.py --out $OUT
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import collections
 import itertools
 import json
+import math
 import os
 import re
 import subprocess
@@ -56,19 +64,28 @@ def log(msg: str) -> None:
 
 
 # --------------------------------------------------------------------------- shapes
+QUICK = "--quick" in sys.argv
 HEADLINE = dict(hq=24, hkv=4, d=256, page=16)
 COMMON = dict(hq=32, hkv=8, d=128, page=16)
+MT_QLENS = (2, 4)
 if SMOKE:
-    BATCHES, CONTEXTS, SWEEP_BATCHES = [1, 2], [64, 160], [1, 3]
-    MT_CONTEXTS, TUNE_SHAPES = [160], [(2, 160), (1, 160)]
+    BATCHES, CONTEXTS, SWEEP_BATCHES, L8K = [1, 2], [64, 160], [1, 3], 160
+    TUNE_SHAPES, MT_POINTS, D128_POINTS = [(2, 160), (1, 160)], [(2, 160)], [(2, 160)]
     MAX_BS, MAX_L = 4, 256
+elif QUICK:
+    BATCHES, CONTEXTS, SWEEP_BATCHES, L8K = [1, 16, 64], [8192, 32768], [1, 4, 16, 32, 64], 8192
+    TUNE_SHAPES, MT_POINTS, D128_POINTS = [(16, 32768), (1, 32768)], [(16, 8192)], [(16, 32768)]
+    MAX_BS, MAX_L = 64, 32768
 else:
-    BATCHES, CONTEXTS = [1, 16, 64], [1024, 8192, 16384, 32768]
+    BATCHES, CONTEXTS, L8K = [1, 16, 64], [1024, 8192, 16384, 32768], 8192
     SWEEP_BATCHES = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
-    MT_CONTEXTS, TUNE_SHAPES = [8192, 32768], [(16, 32768), (1, 32768), (64, 8192)]
+    TUNE_SHAPES = [(16, 32768), (1, 32768), (64, 8192)]
+    MT_POINTS = [(1, 32768), (16, 8192), (16, 32768), (64, 8192)]
+    D128_POINTS = [(1, 32768), (16, 32768)]
     MAX_BS, MAX_L = 64, 32768
 
-# Paths timed: name -> (cache dtype, pv mode, config override or None)
+# Paths timed: name -> (cache dtype, pv mode, config override or None). TUNED_PATHS take
+# the config the tuning section chose for their cache dtype; the others keep their own.
 WIDE_FP8 = dec.DecodeConfig(block_n=64, num_warps=8, num_stages=5, min_block_m=64)
 PATHS = {
     "int8": ("int8", "int8", None),
@@ -78,14 +95,26 @@ PATHS = {
     "fp8_qgmma": ("fp8", "fp8", WIDE_FP8),
     "bf16": ("bf16", "bf16", None),
 }
-# (block_n, num_warps, num_stages); Triton buffers (num_stages - 1) // 2 K/V tiles here.
+TUNED_PATHS = ("int8", "fp8", "bf16")
+SIDE_PATHS, SIDE_CONTEXTS = ("fp8_pvbf16", "fp8_qgmma"), (L8K, CONTEXTS[-1])
+ACC_MODES = {"int8": ["int8", "bf16", "int8_signed"], "fp8": ["fp8", "bf16", "qgmma"], "bf16": ["bf16"]}
+# (block_n, num_warps, num_stages); the first of each list is the default config. Triton
+# buffers (num_stages - 1) // 2 K/V tiles here. Static figures (Triton 3.6, sm_90, D256,
+# 16 rows; warp-instructions per key in the single-pass loop, registers, buffers):
+#   int8 64/8/9: 77, 235 regs, 4 buf | 64/8/11: 77, 5 buf | 64/8/7: 77, 3 buf |
+#        128/8/5: 62, 255 regs, 2 buf | 32/4/9: 81, 254 regs, 4 buf (2 programs/SM)
+#   bf16 32/8/9: 74, 169 regs, 4 buf | 32/4/9: 49, 228 regs | 32/8/11: 74, 5 buf | 64/8/5: 49, 2 buf
+#   fp8  64/8/9: 102, 244 regs, 4 buf (+ 5 and 3 buffers)
+# Left out: spills (int8 64/4/9, 128/8/7; fp8 128/8/5) or over 227 KB (bf16 64/8/7).
 TUNE_CONFIGS = {
-    "int8": [(64, 8, 9), (64, 8, 7), (64, 4, 9), (128, 8, 5), (128, 4, 5), (32, 8, 9), (32, 4, 9), (64, 8, 5)],
-    "fp8": [(64, 8, 9), (128, 8, 5), (64, 8, 7)],
-    "bf16": [(32, 8, 9), (32, 8, 7), (32, 4, 9), (64, 8, 5), (64, 4, 5)],
+    "int8": [(64, 8, 9), (64, 8, 11), (64, 8, 7), (128, 8, 5), (32, 4, 9)],
+    "fp8": [(64, 8, 9), (64, 8, 11), (64, 8, 7)],
+    "bf16": [(32, 8, 9), (32, 4, 9), (32, 8, 11), (64, 8, 5)],
 }
+if SMOKE:
+    TUNE_CONFIGS = {kv: cfgs[:2] for kv, cfgs in TUNE_CONFIGS.items()}
 BS_MID = 2 if SMOKE else 16
-DEADLINE_S = float(os.environ.get("BENCH_DEADLINE_S", "1e9"))
+DEADLINE_S = float(os.environ.get("BENCH_DEADLINE_S", "200"))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -211,7 +240,24 @@ def sass_of(kernel) -> str:
     except Exception:
         with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
             f.write(kernel.asm["cubin"])
-        return subprocess.run(["cuobjdump", "--dump-sass", f.name], capture_output=True, text=True).stdout
+        import triton
+        bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        tool = bundled if os.path.exists(bundled) else "cuobjdump"
+        return subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
+
+
+def loop_sizes(sass: str) -> list:
+    """Instructions of each loop (backward branch) of more than 100 instructions, in
+    program order: for the split kernel, the single-pass tile loop comes first."""
+    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for a, t in ins:
+        m = re.search(r"BRA[^;]*?0x([0-9a-f]+)", t) if "BRA" in t else None
+        if m and int(m.group(1), 16) < a:
+            n = sum(1 for b, _ in ins if int(m.group(1), 16) <= b <= a)
+            if n > 100:
+                loops.append((int(m.group(1), 16), n))
+    return [n for _, n in sorted(loops)]
 
 
 def sass_summary(kernel) -> dict:
@@ -220,7 +266,7 @@ def sass_summary(kernel) -> dict:
     ops = collections.Counter(re.findall(r"\b(LDS\.U8|STS\.U8|LDL[\w.]*|STL[\w.]*|LDGSTS[\w.]*|LDG\.E[\w.]*)\b", sass))
     meta = kernel.metadata
     return {
-        "mma": dict(mma), "ops": dict(ops),
+        "mma": dict(mma), "ops": dict(ops), "loop_instr": loop_sizes(sass),
         "n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None),
         "shared_bytes": getattr(meta, "shared", None), "num_warps": getattr(meta, "num_warps", None),
         "num_stages": getattr(meta, "num_stages", None),
@@ -228,277 +274,465 @@ def sass_summary(kernel) -> dict:
 
 
 # --------------------------------------------------------------------------- main
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None, help="directory for decode.jsonl and the log (default benchmarks/results)")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: acc,sass,grid,mt,d128,batch,tune")
-    args = ap.parse_args()
-    skip = set(filter(None, args.skip.split(",")))
-    out_dir = args.out
-    rec = bench.Recorder("decode", path=os.path.join(out_dir, "decode.jsonl") if out_dir else None)
-    torch.manual_seed(0)
-    t_start = time.time()
-    copy_bw = 1.0 if SMOKE else bench.copy_bandwidth()
+class Run:
+    """State shared by the sections: recorder, caches, copy bandwidth, chosen configs."""
+
+    def __init__(self, out_dir, quick):
+        self.out_dir = out_dir
+        self.quick = quick
+        self.rec = bench.Recorder("decode", path=os.path.join(out_dir, "decode.jsonl") if out_dir else None)
+        self.t0 = time.time()
+        self.copy_bw = 1.0
+        self.caches = {}
+        self.caches_d128 = {}
+        self.best = {}          # kv dtype -> DecodeConfig chosen by the tuning section
+        self.rows = []          # every timing row, for the summary
+        self.acc_rows = []
+        self.sass_rows = []
+
+    def elapsed(self):
+        return time.time() - self.t0
+
+    def late(self, section):
+        if self.elapsed() > DEADLINE_S:
+            log(f"deadline ({DEADLINE_S:.0f}s): skipping {section}")
+            return True
+        return False
+
+    def config(self, kv):
+        return self.best.get(kv)
+
+    def flush(self):
+        try:
+            self.rec.save()
+            self.rec.rows.clear()
+        except Exception as e:  # never lose the run over a write error
+            log(f"save failed: {e!r}")
+
+
+def section(name):
+    """Run a section under try/except so one failure does not lose the rest."""
+    def wrap(fn):
+        def run(r: Run, skip):
+            if name in skip or r.late(name):
+                return
+            t = time.time()
+            try:
+                fn(r)
+            except Exception as e:
+                log(f"SECTION {name} FAILED: {e!r}")
+                traceback.print_exc()
+            log(f"-- {name} done in {time.time() - t:.1f}s (total {r.elapsed():.1f}s)")
+            r.flush()
+        run.__name__ = name
+        return run
+    return wrap
+
+
+def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_splits=None, graph_only=False,
+              quantize_in_call=False, extra=None):
+    cache = r.caches[kv] if shape is HEADLINE else r.caches_d128[kv]
+    try:
+        runner = Decode(cache, shape, bs, ctx, q_len, pv, cfg, num_splits, quantize_in_call)
+        runner()
+        if not SMOKE:
+            torch.cuda.synchronize()
+        res = {"graph_us": timeit(runner, True)}
+        if not graph_only:
+            res["eager_us"] = timeit(runner, False)
+    except Exception as e:
+        log(f"  {tag} {name} bs{bs} L{ctx} q{q_len} FAILED: {e!r}")
+        traceback.print_exc()
+        return None
+    nbytes = kv_bytes(kv, bs, ctx, shape["hkv"], shape["d"])
+    p = runner.plan
+    row = dict(kind=tag, path=name, kv_dtype=kv, pv_mode=p.pv_mode, bs=bs, context=ctx, q_len=q_len,
+               q_heads=shape["hq"], kv_heads=shape["hkv"], head_dim=shape["d"], page=shape["page"],
+               num_splits=p.num_splits, block_m=p.block_m, tokens_per_pass=p.tokens_per_pass,
+               block_n=p.config.block_n, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
+               min_block_m=p.config.min_block_m, bytes=nbytes, quantize_in_call=quantize_in_call,
+               config_source="tuned" if cfg is not None and cfg == r.best.get(kv) else (
+                   "default" if cfg is None else "explicit"), **res)
+    for mode in ("graph", "eager"):
+        if f"{mode}_us" in res:
+            bw = nbytes / (res[f"{mode}_us"] * 1e-6)
+            row[f"{mode}_bw_tbs"] = bw / 1e12
+            row[f"{mode}_pct_copy"] = 100 * bw / r.copy_bw
+    row.update(extra or {})
+    r.rec.add(**row)
+    r.rows.append(row)
+    log(f"{tag:6s} {name:12s} bs{bs:3d} L{ctx:6d} q{q_len} S{p.num_splits:3d} BN{p.config.block_n:4d} "
+        f"w{p.config.num_warps} st{p.config.num_stages} graph {res['graph_us']:9.1f}us "
+        f"({row['graph_pct_copy']:5.1f}%)" + (f" eager {res['eager_us']:9.1f}us ({row['eager_pct_copy']:5.1f}%)"
+                                               if "eager_us" in res else ""))
+    return row
+
+
+def time_sdpa(r: Run, shape, bs, ctx, tag="grid"):
+    hq, hkv, d = shape["hq"], shape["hkv"], shape["d"]
+    try:
+        rot = max(1, min(4, MAX_BS // bs))
+        k = torch.randn(bs * rot, hkv, ctx, d, device=DEV, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        q = torch.randn(bs, hq, 1, d, device=DEV, dtype=torch.bfloat16)
+        sets = itertools.cycle([(k[i * bs:(i + 1) * bs], v[i * bs:(i + 1) * bs]) for i in range(rot)])
+
+        def fn():
+            kk, vv = next(sets)
+            return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
+
+        fn()
+        res = {"graph_us": timeit(fn, True), "eager_us": timeit(fn, False)}
+        del k, v
+    except Exception as e:
+        log(f"  sdpa bs{bs} L{ctx} FAILED: {e!r}")
+        return None
+    nbytes = kv_bytes("bf16", bs, ctx, hkv, d)
+    row = dict(kind=tag, path="sdpa_bf16", kv_dtype="bf16", bs=bs, context=ctx, q_len=1, q_heads=hq,
+               kv_heads=hkv, head_dim=d, bytes=nbytes, **res)
+    for mode in ("graph", "eager"):
+        bw = nbytes / (res[f"{mode}_us"] * 1e-6)
+        row[f"{mode}_bw_tbs"] = bw / 1e12
+        row[f"{mode}_pct_copy"] = 100 * bw / r.copy_bw
+    r.rec.add(**row)
+    r.rows.append(row)
+    log(f"{tag:6s} {'sdpa_bf16':12s} bs{bs:3d} L{ctx:6d} q1 graph {res['graph_us']:9.1f}us "
+        f"({row['graph_pct_copy']:5.1f}%) eager {res['eager_us']:9.1f}us ({row['eager_pct_copy']:5.1f}%)")
+    return row
+
+
+def setup(r: Run) -> None:
+    r.copy_bw = 1.0 if SMOKE else bench.copy_bandwidth()
     sms = dec.sm_count(torch.device(DEV))
-    log(f"device {rec.env['gpu']} torch {rec.env['torch']} triton {rec.env['triton']} SMs {sms} "
-        f"copy {copy_bw / 1e12:.3f} TB/s")
-    rec.add(kind="copy_bandwidth", bytes_per_s=copy_bw)
-
-    # ---- shared caches for timing (sized for the largest shape, random data)
-    caches = {}
+    log(f"device {r.rec.env['gpu']} torch {r.rec.env['torch']} triton {r.rec.env['triton']} SMs {sms} "
+        f"copy {r.copy_bw / 1e12:.3f} TB/s")
+    r.rec.add(kind="copy_bandwidth", bytes_per_s=r.copy_bw)
     for kv in ("int8", "fp8", "bf16"):
-        caches[kv] = make_cache(kv, MAX_BS * MAX_L // HEADLINE["page"] + 8, HEADLINE,
-                                gen_seed={"int8": 1, "fp8": 2, "bf16": 3}[kv])
-    caches_d128 = {kv: make_cache(kv, 64 * 32768 // 16 + 8 if not SMOKE else 80, COMMON) for kv in ("int8", "bf16")}
-    log(f"caches ready {time.time() - t_start:.1f}s")
+        r.caches[kv] = make_cache(kv, MAX_BS * MAX_L // HEADLINE["page"] + 8, HEADLINE,
+                                  gen_seed={"int8": 1, "fp8": 2, "bf16": 3}[kv])
+    d128_blocks = max(b for b, _ in D128_POINTS) * max(c for _, c in D128_POINTS) // COMMON["page"] + 8
+    r.caches_d128 = {kv: make_cache(kv, d128_blocks, COMMON) for kv in ("int8", "bf16")}
+    log(f"caches ready {r.elapsed():.1f}s")
 
-    # ---- collect and precompile every variant the run will use
+    # every variant the run may time, compiled in parallel worker processes
     keys = set()
 
-    def want(kv, pv, shape, bs, q_len, config=None, num_splits=None):
-        cache = caches[kv] if shape is HEADLINE else caches_d128[kv]
-        plan = dec.plan_decode((bs * q_len, shape["hq"], shape["d"]), cache, (bs, 2048), pv_mode=pv,
-                               num_splits=num_splits, config=config)
+    def want(kv, pv, shape, bs, q_len, config=None):
+        cache = r.caches[kv] if shape is HEADLINE else r.caches_d128[kv]
+        plan = dec.plan_decode((bs * q_len, shape["hq"], shape["d"]), cache, (bs, 2048), pv_mode=pv, config=config)
         keys.add(_variant_key(kv, plan.pv_mode, shape, plan))
 
     for name, (kv, pv, cfg) in PATHS.items():
         want(kv, pv, HEADLINE, 16, 1, cfg)
     want("int8", "int8_signed", HEADLINE, 16, 1)
-    for q_len in (2, 4):
-        for kv in ("int8", "bf16"):
-            want(kv, None, HEADLINE, 16, q_len)
-    for kv in ("int8", "bf16"):
-        want(kv, None, COMMON, 16, 1)
-    # accuracy section: mean query length 3 (multi-token case)
-    for kv, modes in (("int8", ["int8", "bf16", "int8_signed"]), ("fp8", ["fp8", "bf16"]), ("bf16", ["bf16"])):
-        for mode in modes:
-            want(kv, mode, HEADLINE, 2, 3)
-    want("fp8", "fp8", HEADLINE, 2, 3, WIDE_FP8)
     for kv, cfgs in TUNE_CONFIGS.items():
         for bn, w, st in cfgs:
             want(kv, None, HEADLINE, 16, 1, dec.DecodeConfig(bn, w, st))
+        if kv in ("int8", "bf16"):
+            for q_len in MT_QLENS:
+                want(kv, None, HEADLINE, 16, q_len)
+    for kv in ("int8", "bf16"):
+        want(kv, None, COMMON, 16, 1)
+    for kv, modes in ACC_MODES.items():   # accuracy: mean query length 3 (multi-token case)
+        for mode in modes:
+            want(kv, "fp8" if mode == "qgmma" else mode, HEADLINE, 2, 3, WIDE_FP8 if mode == "qgmma" else None)
     precompile(keys)
 
-    # ---- 2. accuracy at real shapes
-    if "acc" not in skip:
-        acc_cases = [("decode", [8200, 1000, 33] if not SMOKE else [150, 33], [1, 1, 1] if not SMOKE else [1, 1]),
-                     ("multi-token", [4100, 300] if not SMOKE else [100, 40], [2, 4])]
-        for case, lens, qs in acc_cases:
-            for kv in ("int8", "fp8", "bf16"):
-                b = testing.make_paged_batch(lens, qs, num_q_heads=24, num_kv_heads=4, head_dim=256, block_size=16,
-                                             kv_dtype=kv, seed=42, device=DEV)
-                a = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
-                ref = reference.attention_reference(*a)
-                refq = reference.attention_reference_quantized(*a) if kv == "int8" else None
-                modes = {"int8": ["int8", "bf16", "int8_signed"], "fp8": ["fp8", "bf16", "qgmma"],
-                         "bf16": ["bf16"]}[kv]
-                for mode in modes:
+
+@section("acc")
+def accuracy(r: Run) -> None:
+    """rel-L2 etc. vs the float64 reference at real shapes (outlier keys, default key
+    smoothing), every cache dtype / PV mode; same-quantization reference for int8; SASS
+    of the kernels that ran."""
+    cases = [("decode", [8200, 1000, 33] if not SMOKE else [150, 33], [1, 1, 1] if not SMOKE else [1, 1]),
+             ("multi-token", [4100, 300] if not SMOKE else [100, 40], [2, 4])]
+    for case, lens, qs in cases:
+        for kv, modes in ACC_MODES.items():
+            b = testing.make_paged_batch(lens, qs, num_q_heads=24, num_kv_heads=4, head_dim=256, block_size=16,
+                                         kv_dtype=kv, seed=42, device=DEV)
+            a = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+            ref = reference.attention_reference(*a)
+            refq = reference.attention_reference_quantized(*a) if kv == "int8" else None
+            for mode in modes:
+                try:
                     cfg = WIDE_FP8 if mode == "qgmma" else None
                     pv = "fp8" if mode == "qgmma" else mode
-                    try:
-                        plan = dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), pv_mode=pv,
-                                               config=cfg)
-                        out = testing.poisoned_like(b.query)
-                        dec._run(plan, *a, None, out, None, None, None)
-                        st = reference.error_stats(out, ref)
-                        row = dict(kind="accuracy", case=case, kv_dtype=kv, pv_mode=mode, seq_lens=lens, q_lens=qs,
-                                   num_splits=plan.num_splits, key_smoothing=b.cache.key_smoothing,
-                                   **{f"vs_f64_{k}": v for k, v in st.items()})
-                        if refq is not None:
-                            stq = reference.error_stats(out, refq)
-                            row.update({f"vs_sameq_{k}": v for k, v in stq.items()})
-                        rec.add(**row)
-                        log(f"acc {case:11s} {kv}/{mode:11s} splits {plan.num_splits:3d} rel_l2 {st['rel_l2']:.4f} "
-                            f"max_abs {st['max_abs']:.4f} finite {st['finite']}"
-                            + (f" | same-quant rel_l2 {row['vs_sameq_rel_l2']:.4f}" if refq is not None else ""))
-                        if not SMOKE and mode in ("int8", "fp8", "bf16", "qgmma") and case == "decode":
-                            if dec.LAST_LAUNCH.get("split_kernel") is not None and "sass" not in skip:
-                                try:
-                                    s = sass_summary(dec.LAST_LAUNCH["split_kernel"])
-                                    rec.add(kind="sass", kv_dtype=kv, pv_mode=mode, **s)
-                                    log(f"sass {kv}/{mode}: {json.dumps(s)}")
-                                except Exception as e:
-                                    log(f"sass {kv}/{mode} failed: {e!r}")
-                    except Exception as e:
-                        log(f"acc {case} {kv}/{mode} FAILED: {e!r}")
-                        traceback.print_exc()
-                del b
-        # 32q / 8kv D128
-        try:
-            b = testing.make_paged_batch([5000, 77] if not SMOKE else [90, 7], [1, 1], num_q_heads=32, num_kv_heads=8,
-                                         head_dim=128, kv_dtype="int8", seed=5, device=DEV)
-            a = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
-            out = dec.decode_attention(*a)
-            st = reference.error_stats(out, reference.attention_reference(*a))
-            stq = reference.error_stats(out, reference.attention_reference_quantized(*a))
-            rec.add(kind="accuracy", case="d128", kv_dtype="int8", pv_mode="int8", **{f"vs_f64_{k}": v for k, v in st.items()},
-                    **{f"vs_sameq_{k}": v for k, v in stq.items()})
-            log(f"acc d128 int8/int8 rel_l2 {st['rel_l2']:.4f} same-quant {stq['rel_l2']:.4f}")
+                    plan = dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), pv_mode=pv,
+                                           config=cfg)
+                    out = testing.poisoned_like(b.query)
+                    dec._run(plan, *a, None, out, None, None, None)
+                    st = reference.error_stats(out, ref)
+                    row = dict(kind="accuracy", case=case, kv_dtype=kv, pv_mode=mode, seq_lens=lens, q_lens=qs,
+                               num_splits=plan.num_splits, key_smoothing=b.cache.key_smoothing,
+                               **{f"vs_f64_{k}": v for k, v in st.items()})
+                    if refq is not None:
+                        row.update({f"vs_sameq_{k}": v for k, v in reference.error_stats(out, refq).items()})
+                    r.rec.add(**row)
+                    r.acc_rows.append(row)
+                    log(f"acc {case:11s} {kv}/{mode:11s} splits {plan.num_splits:3d} rel_l2 {st['rel_l2']:.4f} "
+                        f"max_abs {st['max_abs']:.4f} finite {st['finite']}"
+                        + (f" | same-quant rel_l2 {row['vs_sameq_rel_l2']:.4f}" if refq is not None else ""))
+                    if not SMOKE and case == "decode" and dec.LAST_LAUNCH.get("split_kernel") is not None:
+                        try:
+                            s = sass_summary(dec.LAST_LAUNCH["split_kernel"])
+                            r.rec.add(kind="sass", kv_dtype=kv, pv_mode=mode, **s)
+                            r.sass_rows.append(dict(kv_dtype=kv, pv_mode=mode, **s))
+                            log(f"sass {kv}/{mode}: {json.dumps(s)}")
+                        except Exception as e:
+                            log(f"sass {kv}/{mode} failed: {e!r}")
+                except Exception as e:
+                    log(f"acc {case} {kv}/{mode} FAILED: {e!r}")
+                    traceback.print_exc()
             del b
-        except Exception as e:
-            log(f"acc d128 FAILED: {e!r}")
-        log(f"accuracy done {time.time() - t_start:.1f}s")
+    b = testing.make_paged_batch([5000, 77] if not SMOKE else [90, 7], [1, 1], num_q_heads=32, num_kv_heads=8,
+                                 head_dim=128, kv_dtype="int8", seed=5, device=DEV)
+    a = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    out = dec.decode_attention(*a)
+    st = reference.error_stats(out, reference.attention_reference(*a))
+    stq = reference.error_stats(out, reference.attention_reference_quantized(*a))
+    row = dict(kind="accuracy", case="d128", kv_dtype="int8", pv_mode="int8",
+               **{f"vs_f64_{k}": v for k, v in st.items()}, **{f"vs_sameq_{k}": v for k, v in stq.items()})
+    r.rec.add(**row)
+    r.acc_rows.append(row)
+    log(f"acc d128 int8/int8 rel_l2 {st['rel_l2']:.4f} same-quant {stq['rel_l2']:.4f}")
 
-    # ---- 4. main grid
-    summary = []
 
-    def time_path(tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_splits=None, graph_only=False,
-                  quantize_in_call=False, extra=None):
-        cache = caches[kv] if shape is HEADLINE else caches_d128[kv]
-        try:
-            runner = Decode(cache, shape, bs, ctx, q_len, pv, cfg, num_splits, quantize_in_call)
-            runner()
-            if not SMOKE:
-                torch.cuda.synchronize()
-            res = {"graph_us": timeit(runner, True)}
-            if not graph_only:
-                res["eager_us"] = timeit(runner, False)
-        except Exception as e:
-            log(f"  {tag} {name} bs{bs} L{ctx} q{q_len} FAILED: {e!r}")
-            traceback.print_exc()
-            return None
-        nbytes = kv_bytes(kv, bs, ctx, shape["hkv"], shape["d"])
-        p = runner.plan
-        row = dict(kind=tag, path=name, kv_dtype=kv, pv_mode=p.pv_mode, bs=bs, context=ctx, q_len=q_len,
-                   q_heads=shape["hq"], kv_heads=shape["hkv"], head_dim=shape["d"], page=shape["page"],
-                   num_splits=p.num_splits, block_m=p.block_m, tokens_per_pass=p.tokens_per_pass,
-                   block_n=p.config.block_n, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
-                   min_block_m=p.config.min_block_m, bytes=nbytes, quantize_in_call=quantize_in_call, **res)
-        for mode in ("graph", "eager"):
-            if f"{mode}_us" in res:
-                bw = nbytes / (res[f"{mode}_us"] * 1e-6)
-                row[f"{mode}_bw_tbs"] = bw / 1e12
-                row[f"{mode}_pct_copy"] = 100 * bw / copy_bw
-        row.update(extra or {})
-        rec.add(**row)
-        summary.append(row)
-        log(f"{tag:6s} {name:12s} bs{bs:3d} L{ctx:6d} q{q_len} S{p.num_splits:3d} BN{p.config.block_n:4d} "
-            f"w{p.config.num_warps} st{p.config.num_stages} graph {res['graph_us']:9.1f}us "
-            f"({row['graph_pct_copy']:5.1f}%)" + (f" eager {res['eager_us']:9.1f}us ({row['eager_pct_copy']:5.1f}%)"
-                                                   if "eager_us" in res else ""))
-        return row
-
-    def time_sdpa(shape, bs, ctx, tag="grid"):
-        hq, hkv, d = shape["hq"], shape["hkv"], shape["d"]
-        try:
-            rot = max(1, min(4, MAX_BS // bs))
-            kv_len = ctx
-            k = torch.randn(bs * rot, hkv, kv_len, d, device=DEV, dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            q = torch.randn(bs, hq, 1, d, device=DEV, dtype=torch.bfloat16)
-            sets = itertools.cycle([(k[i * bs:(i + 1) * bs], v[i * bs:(i + 1) * bs]) for i in range(rot)])
-
-            def fn():
-                kk, vv = next(sets)
-                return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
-
-            fn()
-            res = {"graph_us": timeit(fn, True), "eager_us": timeit(fn, False)}
-            del k, v
-        except Exception as e:
-            log(f"  sdpa bs{bs} L{ctx} FAILED: {e!r}")
-            return None
-        nbytes = kv_bytes("bf16", bs, ctx, hkv, d)
-        row = dict(kind=tag, path="sdpa_bf16", kv_dtype="bf16", bs=bs, context=ctx, q_len=1, q_heads=hq,
-                   kv_heads=hkv, head_dim=d, bytes=nbytes, **res)
-        for mode in ("graph", "eager"):
-            bw = nbytes / (res[f"{mode}_us"] * 1e-6)
-            row[f"{mode}_bw_tbs"] = bw / 1e12
-            row[f"{mode}_pct_copy"] = 100 * bw / copy_bw
-        rec.add(**row)
-        summary.append(row)
-        log(f"{tag:6s} {'sdpa_bf16':12s} bs{bs:3d} L{ctx:6d} q1 graph {res['graph_us']:9.1f}us "
-            f"({row['graph_pct_copy']:5.1f}%) eager {res['eager_us']:9.1f}us ({row['eager_pct_copy']:5.1f}%)")
-        return row
-
-    if "grid" not in skip:
-        for bs in BATCHES:
-            for ctx in CONTEXTS:
-                for name, (kv, pv, cfg) in PATHS.items():
-                    if name in ("fp8_pvbf16", "fp8_qgmma") and ctx not in (CONTEXTS[1], CONTEXTS[-1]):
-                        continue
-                    time_path("grid", name, kv, pv, cfg, HEADLINE, bs, ctx)
-                time_sdpa(HEADLINE, bs, ctx)
-                if SMOKE:
+@section("tune")
+def tune(r: Run) -> None:
+    """A handful of configs per cache dtype (chosen from the sm_90 static analysis, see
+    benchmarks/notes/decode.md) at the tuning shapes, graph-timed with the planner's
+    split count; the config with the lowest geometric-mean time becomes that dtype's
+    config for the headline table."""
+    times = collections.defaultdict(dict)
+    for bs, ctx in TUNE_SHAPES:
+        for kv, cfgs in TUNE_CONFIGS.items():
+            for bn, w, st in cfgs:
+                if r.late(f"tune {kv} {bn}/{w}/{st} bs{bs} L{ctx}"):
                     break
-        # Q quantized inside the timed call (no producer): its cost is in the window
-        for bs, ctx in ((1, CONTEXTS[-1]), (BS_MID, CONTEXTS[-1])):
-            time_path("qcall", "int8", "int8", "int8", None, HEADLINE, bs, ctx, quantize_in_call=True)
-        time_path("grid", "int8_signed", "int8", "int8_signed", None, HEADLINE, BS_MID, CONTEXTS[-1])
-        rec.save()
-        rec.rows.clear()
-        log(f"grid done {time.time() - t_start:.1f}s")
+                cfg = dec.DecodeConfig(bn, w, st)
+                row = time_path(r, "tune", kv, kv, None, cfg, HEADLINE, bs, ctx, graph_only=True)
+                if row:
+                    times[kv][(bn, w, st)] = times[kv].get((bn, w, st), []) + [row["graph_us"]]
+    for kv, per_cfg in times.items():
+        full = {c: t for c, t in per_cfg.items() if len(t) == max(len(x) for x in per_cfg.values())}
+        geo = {c: math.exp(sum(math.log(x) for x in t) / len(t)) for c, t in full.items()}
+        best = min(geo, key=geo.get)
+        default = tuple(TUNE_CONFIGS[kv][0])
+        r.best[kv] = dec.DecodeConfig(*best)
+        r.rec.add(kind="tune_choice", kv_dtype=kv, block_n=best[0], num_warps=best[1], num_stages=best[2],
+                  geomean_us=geo[best], default_geomean_us=geo.get(default),
+                  all={f"{c[0]}/{c[1]}/{c[2]}": g for c, g in geo.items()})
+        log(f"tune choice {kv}: BN{best[0]} w{best[1]} st{best[2]} geomean {geo[best]:.1f}us "
+            f"(default {geo.get(default, float('nan')):.1f}us)")
 
-    def late(section):
-        if time.time() - t_start > DEADLINE_S:
-            log(f"deadline: skipping {section}")
-            return True
-        return False
 
-    if "batch" not in skip and not late("batch"):
-        ctx = CONTEXTS[1]
-        for bs in SWEEP_BATCHES:
+@section("grid")
+def grid(r: Run) -> None:
+    """Headline table (DESIGN.md section 4, q_len 1): eager + graph, vs SDPA and our bf16."""
+    for bs in BATCHES:
+        for ctx in CONTEXTS:
+            if r.late(f"grid bs{bs} L{ctx}"):
+                return
+            for name, (kv, pv, cfg) in PATHS.items():
+                if name in SIDE_PATHS and ctx not in SIDE_CONTEXTS:
+                    continue
+                use = r.config(kv) if name in TUNED_PATHS else cfg
+                time_path(r, "grid", name, kv, pv, use, HEADLINE, bs, ctx)
+            time_sdpa(r, HEADLINE, bs, ctx)
+            if SMOKE:
+                break
+    # Q quantized inside the timed call (no producer): its cost is in the window
+    for bs, ctx in ((1, CONTEXTS[-1]), (BS_MID, CONTEXTS[-1])):
+        time_path(r, "qcall", "int8", "int8", "int8", r.config("int8"), HEADLINE, bs, ctx, quantize_in_call=True,
+                  graph_only=True)
+    time_path(r, "grid", "int8_signed", "int8", "int8_signed", None, HEADLINE, BS_MID, CONTEXTS[-1],
+              graph_only=True)
+    time_path(r, "grid", "int8_default", "int8", "int8", None, HEADLINE, BS_MID, CONTEXTS[-1], graph_only=True)
+
+
+@section("batch")
+def batch_sweep(r: Run) -> None:
+    """bs 1..64 at L 8k, graph: time per sequence must fall or stay flat (no cliff)."""
+    for bs in SWEEP_BATCHES:
+        for kv in ("int8", "bf16"):
+            time_path(r, "batch", kv, kv, None, r.config(kv), HEADLINE, bs, L8K, graph_only=True)
+
+
+@section("mt")
+def multi_token(r: Run) -> None:
+    """q_len 1 / 2 / 4 with the default configs: at 32 packed rows (q 4) the 4-warp and
+    128-key tuning configs spill registers (sm_90 static analysis), the defaults do not."""
+    for q_len in (1,) + MT_QLENS:
+        for bs, ctx in MT_POINTS:
             for kv in ("int8", "bf16"):
-                time_path("batch", kv, kv, None, None, HEADLINE, bs, ctx, graph_only=True)
-        log(f"batch sweep done {time.time() - t_start:.1f}s")
-    rec.save()
-    rec.rows.clear()
+                time_path(r, "mt", kv, kv, None, None, HEADLINE, bs, ctx, q_len=q_len, graph_only=True)
 
-    if "mt" not in skip and not late("mt"):
-        for q_len in (2, 4):
-            for bs in BATCHES:
-                for ctx in MT_CONTEXTS:
-                    for kv in ("int8", "bf16"):
-                        time_path("mt", kv, kv, None, None, HEADLINE, bs, ctx, q_len=q_len, graph_only=True)
-        log(f"multi-token done {time.time() - t_start:.1f}s")
 
-    if "d128" not in skip and not late("d128"):
-        for bs in BATCHES:
-            for ctx in MT_CONTEXTS:
-                for kv in ("int8", "bf16"):
-                    time_path("d128", kv, kv, None, None, COMMON, bs, ctx)
-                time_sdpa(COMMON, bs, ctx, tag="d128")
-        log(f"d128 done {time.time() - t_start:.1f}s")
+@section("d128")
+def d128(r: Run) -> None:
+    for bs, ctx in D128_POINTS:
+        for kv in ("int8", "bf16"):
+            time_path(r, "d128", kv, kv, None, None, COMMON, bs, ctx)
+        time_sdpa(r, COMMON, bs, ctx, tag="d128")
 
-    rec.save()
-    rec.rows.clear()
 
-    if "tune" not in skip:
-        for bs, ctx in TUNE_SHAPES:
-            for kv, cfgs in TUNE_CONFIGS.items():
-                for bn, w, st in cfgs:
-                    if late(f"tune {kv} {bn}/{w}/{st} bs{bs} L{ctx}"):
-                        break
-                    cfg = dec.DecodeConfig(bn, w, st)
-                    base = dec.plan_decode((bs, 24, 256), caches[kv], (bs, ctx // 16), config=cfg).num_splits
-                    splits = [base]
-                    if kv == "int8" and (bn, w, st) == TUNE_CONFIGS["int8"][0]:
-                        splits = sorted({max(1, base // 2), base, base * 2, base * 4} & set(range(1, 257)))
-                    for s in splits:
-                        time_path("tune", kv, kv, None, cfg, HEADLINE, bs, ctx, num_splits=s, graph_only=True,
-                                  extra={"auto_splits": base})
-        log(f"tune done {time.time() - t_start:.1f}s")
-    rec.save()
+@section("splits")
+def split_sweep(r: Run) -> None:
+    """Split count around the planner's choice for the chosen int8 config (checks the model)."""
+    cfg = r.config("int8") or dec.DecodeConfig(*TUNE_CONFIGS["int8"][0])
+    for bs, ctx in TUNE_SHAPES:
+        base = dec.plan_decode((bs, 24, 256), r.caches["int8"], (bs, ctx // 16), config=cfg).num_splits
+        for s in sorted({max(1, base // 2), base * 2} & set(range(1, dec.MAX_NUM_SPLITS + 1))):
+            time_path(r, "splits", "int8", "int8", None, cfg, HEADLINE, bs, ctx, num_splits=s, graph_only=True,
+                      extra={"auto_splits": base})
 
-    # ---- summary table (last lines of the output)
-    log("\nSUMMARY graph us (pct copy) | ratios")
-    by = {(r["kind"], r["path"], r["bs"], r["context"], r.get("q_len", 1), r.get("head_dim")): r for r in summary}
+
+# --------------------------------------------------------------------------- summary
+def _fmt(x, f="{:.1f}"):
+    return "–" if x is None else f.format(x)
+
+
+def summary(r: Run) -> str:
+    """Markdown summary (also printed): headline, goals, tuning, batch sweep, mt, d128, accuracy."""
+    env = r.rec.env
+    by = {}
+    for row in r.rows:
+        by[(row["kind"], row["path"], row["bs"], row["context"], row.get("q_len", 1), row.get("head_dim"))] = row
+    md = [f"### Decode run: {env.get('gpu')}, torch {env.get('torch')}, Triton {env.get('triton')}, {env.get('date')}",
+          "", f"Copy bandwidth {r.copy_bw / 1e12:.3f} TB/s. Configs (block_n/warps/stages): "
+          + ", ".join(f"{kv} {c.block_n}/{c.num_warps}/{c.num_stages}" for kv, c in r.best.items())
+          + (" (tuned in this run)" if r.best else " (defaults)") + f". Total {r.elapsed():.0f}s.", "",
+          "| bs | L | int8 graph µs | % copy | eager % | int8 pv-bf16 µs | fp8 µs | our bf16 µs | SDPA bf16 µs "
+          "| int8/SDPA | int8/our bf16 | fp8/our bf16 |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for bs in BATCHES:
         for ctx in CONTEXTS:
             g = lambda p: by.get(("grid", p, bs, ctx, 1, 256))  # noqa: E731
-            i8, b16, sd, f8 = g("int8"), g("bf16"), g("sdpa_bf16"), g("fp8")
-            if not (i8 and b16 and sd):
+            i8, pb, f8, b16, sd = g("int8"), g("int8_pvbf16"), g("fp8"), g("bf16"), g("sdpa_bf16")
+            if not i8:
                 continue
-            line = (f"bs{bs:3d} L{ctx:6d} int8 {i8['graph_us']:8.1f} ({i8['graph_pct_copy']:5.1f}%) "
-                    f"eager {i8['eager_pct_copy']:5.1f}% | bf16 {b16['graph_us']:8.1f} | sdpa {sd['graph_us']:8.1f} | "
-                    f"int8/sdpa {sd['graph_us'] / i8['graph_us']:.2f}x int8/bf16 {b16['graph_us'] / i8['graph_us']:.2f}x")
-            if f8:
-                line += f" fp8/bf16 {b16['graph_us'] / f8['graph_us']:.2f}x"
-            log(line)
-    log(f"total {time.time() - t_start:.1f}s")
-    if out_dir:
-        with open(os.path.join(out_dir, "decode_log.txt"), "w") as f:
+            ratio = lambda a, b: (a["graph_us"] / b["graph_us"]) if a and b else None  # noqa: E731
+            md.append(f"| {bs} | {ctx} | {i8['graph_us']:.1f} | {i8['graph_pct_copy']:.1f} | "
+                      f"{_fmt(i8.get('eager_pct_copy'))} | {_fmt(pb and pb['graph_us'])} | {_fmt(f8 and f8['graph_us'])} | "
+                      f"{_fmt(b16 and b16['graph_us'])} | {_fmt(sd and sd['graph_us'])} | "
+                      f"{_fmt(ratio(sd, i8), '{:.2f}x')} | {_fmt(ratio(b16, i8), '{:.2f}x')} | "
+                      f"{_fmt(ratio(b16, f8), '{:.2f}x')} |")
+    # goals
+    def pct(bs, ctx, mode="graph"):
+        row = by.get(("grid", "int8", bs, ctx, 1, 256))
+        return row and row.get(f"{mode}_pct_copy")
+
+    def vs(path, ref, bs, ctx):
+        a, b = by.get(("grid", path, bs, ctx, 1, 256)), by.get(("grid", ref, bs, ctx, 1, 256))
+        return (b["graph_us"] / a["graph_us"]) if a and b else None
+
+    big = BATCHES[1] if len(BATCHES) > 1 else BATCHES[0]
+    fp8_ratios = [vs("fp8", "bf16", big, c) for c in CONTEXTS if c >= L8K]
+    fp8_ratios = [x for x in fp8_ratios if x is not None]
+    acc = next((a for a in r.acc_rows if a["case"] == "decode" and a["kv_dtype"] == "int8" and a["pv_mode"] == "int8"),
+               None)
+    goals = [
+        (f"bs{big} L{CONTEXTS[-1]} % copy", ">= 90", pct(big, CONTEXTS[-1]), lambda x: x >= 90),
+        (f"bs{big} L{CONTEXTS[-1]} vs SDPA bf16", ">= 2.1x", vs("int8", "sdpa_bf16", big, CONTEXTS[-1]),
+         lambda x: x >= 2.1),
+        (f"bs1 L{CONTEXTS[-1]} graph % copy", ">= 75", pct(1, CONTEXTS[-1]), lambda x: x >= 75),
+        (f"bs{BATCHES[-1]} L{L8K} % copy", ">= 88", pct(BATCHES[-1], L8K), lambda x: x >= 88),
+        (f"fp8 / our bf16, bs{big} L 8k-32k (min)", ">= 1.8x", min(fp8_ratios) if fp8_ratios else None,
+         lambda x: x >= 1.8),
+        ("default INT8 rel-L2 vs float64 (decode)", "<= 0.02", acc and acc["vs_f64_rel_l2"], lambda x: x <= 0.02),
+    ]
+    md += ["", "| goal | target | measured | status |", "|---|---|---|---|"]
+    for name, target, val, ok in goals:
+        md.append(f"| {name} | {target} | {_fmt(val, '{:.3f}' if val is not None and val < 1 else '{:.2f}')} | "
+                  f"{'–' if val is None else ('met' if ok(val) else 'missed')} |")
+    tune_rows = [x for x in r.rows if x["kind"] == "tune"]
+    if tune_rows:
+        md += ["", "Tuning (graph µs, planner's splits):", "", "| kv | block_n/warps/stages | "
+               + " | ".join(f"bs{b} L{c}" for b, c in TUNE_SHAPES) + " |", "|---|---|" + "---|" * len(TUNE_SHAPES)]
+        cfgs = sorted({(x["kv_dtype"], x["block_n"], x["num_warps"], x["num_stages"]) for x in tune_rows})
+        for kv, bn, w, st in cfgs:
+            cells = []
+            for b, c in TUNE_SHAPES:
+                t = next((x for x in tune_rows if (x["kv_dtype"], x["block_n"], x["num_warps"], x["num_stages"], x["bs"],
+                                                   x["context"]) == (kv, bn, w, st, b, c)), None)
+                cells.append(f"{t['graph_us']:.1f} ({t['graph_pct_copy']:.0f}%, S{t['num_splits']})" if t else "–")
+            mark = " **chosen**" if r.best.get(kv) == dec.DecodeConfig(bn, w, st) else ""
+            md.append(f"| {kv} | {bn}/{w}/{st}{mark} | " + " | ".join(cells) + " |")
+    sweep = [x for x in r.rows if x["kind"] == "batch"]
+    if sweep:
+        md += ["", f"Batch sweep, L {L8K}, graph µs per call (µs per sequence):", "",
+               "| bs | " + " | ".join(str(b) for b in SWEEP_BATCHES) + " |", "|---|" + "---|" * len(SWEEP_BATCHES)]
+        for kv in ("int8", "bf16"):
+            cells = []
+            for b in SWEEP_BATCHES:
+                t = next((x for x in sweep if x["kv_dtype"] == kv and x["bs"] == b), None)
+                cells.append(f"{t['graph_us']:.0f} ({t['graph_us'] / b:.1f})" if t else "–")
+            md.append(f"| {kv} | " + " | ".join(cells) + " |")
+    mt = [x for x in r.rows if x["kind"] == "mt"]
+    if mt:
+        md += ["", "Multi-token (graph µs, default configs):", "", "| kv | bs | L | q1 | q2 | q4 |",
+               "|---|---|---|---|---|---|"]
+        for kv in ("int8", "bf16"):
+            for b, c in MT_POINTS:
+                cells = [_fmt((by.get(("mt", kv, b, c, q, 256)) or {}).get("graph_us")) for q in (1,) + MT_QLENS]
+                md.append(f"| {kv} | {b} | {c} | " + " | ".join(cells) + " |")
+    d = [x for x in r.rows if x["kind"] == "d128"]
+    if d:
+        md += ["", "32q/8kv D128 (graph µs, % copy):", "", "| bs | L | int8 | bf16 | SDPA bf16 | int8/SDPA |",
+               "|---|---|---|---|---|---|"]
+        for b, c in D128_POINTS:
+            g = lambda p: by.get(("d128", p, b, c, 1, 128))  # noqa: E731
+            i8, b16, sd = g("int8"), g("bf16"), g("sdpa_bf16")
+            md.append(f"| {b} | {c} | {_fmt(i8 and i8['graph_us'])} ({_fmt(i8 and i8['graph_pct_copy'])}%) | "
+                      f"{_fmt(b16 and b16['graph_us'])} | {_fmt(sd and sd['graph_us'])} | "
+                      f"{_fmt(sd['graph_us'] / i8['graph_us'] if i8 and sd else None, '{:.2f}x')} |")
+    if r.acc_rows:
+        md += ["", "Accuracy vs float64 (outlier keys):", "", "| case | kv/pv | rel-L2 | vs same-q | max abs | finite |",
+               "|---|---|---|---|---|---|"]
+        for a in r.acc_rows:
+            md.append(f"| {a['case']} | {a['kv_dtype']}/{a['pv_mode']} | {a['vs_f64_rel_l2']:.4f} | "
+                      f"{_fmt(a.get('vs_sameq_rel_l2'), '{:.4f}')} | {a['vs_f64_max_abs']:.4f} | {a['vs_f64_finite']} |")
+    if r.sass_rows:
+        md += ["", "SASS of the kernels that ran (default configs; loop instr = per warp per tile, single-pass "
+               "loop first):", "", "| kv/pv | MMA | loop instr | regs | spills | smem |", "|---|---|---|---|---|---|"]
+        for s in r.sass_rows:
+            md.append(f"| {s['kv_dtype']}/{s['pv_mode']} | {s['mma']} | {s.get('loop_instr')} | {s['n_regs']} | "
+                      f"{s['n_spills']} | {s['shared_bytes']} |")
+    return "\n".join(md) + "\n"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None, help="directory for decode.jsonl, decode_summary.md and the log "
+                                                "(default: rows to benchmarks/results/decode.jsonl, no summary file)")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU interpreter (checks the script)")
+    ap.add_argument("--quick", action="store_true", help="fewer points (about half the time)")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: acc,tune,grid,batch,mt,d128,splits")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    r = Run(args.out, args.quick)
+    torch.manual_seed(0)
+    try:
+        setup(r)
+    except Exception as e:
+        log(f"SETUP FAILED: {e!r}")
+        traceback.print_exc()
+    for sec in (accuracy, tune, grid, batch_sweep, multi_token, d128, split_sweep):
+        sec(r, skip)
+    try:
+        md = summary(r)
+        log("\n" + md)
+        if args.out:
+            with open(os.path.join(args.out, "decode_summary.md"), "w") as f:
+                f.write(md)
+    except Exception as e:
+        log(f"summary failed: {e!r}")
+        traceback.print_exc()
+    log(f"total {r.elapsed():.1f}s")
+    if args.out:
+        with open(os.path.join(args.out, "decode_log.txt"), "w") as f:
             f.write("\n".join(LOG) + "\n")
 
 

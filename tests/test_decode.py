@@ -82,6 +82,29 @@ def test_matches_references(device, kv, pv, hq, hkv, d, bs, seq_lens, q_lens, sp
     _run_and_check(batch, pv_mode=pv, num_splits=splits)
 
 
+@pytest.mark.parametrize("kv,hq,d,bs", [("int8", 4, 64, 16), ("fp8", 8, 64, 32), ("bf16", 4, 128, 16)])
+def test_stale_slots_never_leak(device, kv, hq, d, bs):
+    """The tile loads are unmasked within a page (keys past seq_len read stale slots of
+    the last page, or block 0 for pages past the end): NaN in every slot no sequence owns
+    -- values and scales -- must not reach the output."""
+    batch = testing.make_paged_batch([37, 5, 70], [1, 2, 1], num_q_heads=hq, num_kv_heads=1, head_dim=d,
+                                     block_size=bs, kv_dtype=kv, seed=13, device=device)
+    cache = batch.cache
+    owned = torch.zeros(cache.num_blocks * bs, dtype=torch.bool, device=device)
+    owned[batch.slot_mapping] = True
+    stale = ~owned.view(cache.num_blocks, 1, bs)
+    for t in (cache.key, cache.value):
+        if kv == "bf16":
+            t.masked_fill_(stale[..., None], float("nan"))
+        else:  # int8: an extreme value; fp8: 0x7f is NaN in e4m3fn
+            t.view(torch.uint8).masked_fill_(stale[..., None], 0x80 if kv == "int8" else 0x7F)
+    if cache.quantized:
+        for t in (cache.key_scale, cache.value_scale):
+            t.masked_fill_(stale, float("nan"))
+    for splits in (1, 3):
+        _run_and_check(batch, num_splits=splits)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 5, 64])
 def test_forced_split_counts(device, splits):
     """Any split count, including more splits than tiles (empty splits exit early)."""
@@ -282,9 +305,13 @@ def test_split_kernel_is_software_pipelined(kv_dtype, pv_kind):
 
     config = DecodeConfig(block_n=64 if kv_dtype == "int8" else 32, num_warps=8, num_stages=9)
     ttgir = _ttgir_for_sm90(kv_dtype, pv_kind, config)
-    loop = ttgir[ttgir.index("scf.for"):]
-    waits = [int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", loop)]
-    assert waits, "no asynchronous copies: the K/V loads are not pipelined"
-    # inside the loop every wait leaves later tiles in flight; only the drain after it waits for all
-    assert waits.count(0) <= 1, f"loads waited for in their own iteration: async_wait nums {waits}"
+    # Two tile loops: single pass (Q hoisted) and the flat (pass, tile) loop for longer
+    # queries. Inside each loop every wait leaves later tiles in flight; only the drain
+    # after a loop waits for all.
+    loops = ttgir.split("scf.for")[1:]
+    assert len(loops) >= 2, "expected the single-pass and the multi-pass tile loops"
+    for i, loop in enumerate(loops):
+        waits = [int(n) for n in re.findall(r"ttg\.async_wait[^\n]*\{num = (\d+)", loop)]
+        assert waits, f"loop {i}: no asynchronous copies: the K/V loads are not pipelined"
+        assert waits.count(0) <= 1, f"loop {i}: loads waited for in their own iteration: async_wait nums {waits}"
     assert re.search(r"memdesc<[2-9]x\d+x256x", ttgir), "K/V tiles are not multi-buffered"

@@ -5,7 +5,11 @@ rows pack every query head of the KV group times the query tokens of one pass
 (row ``r`` = token ``r // GROUP`` of the pass, head ``kv_head * GROUP + r % GROUP``),
 padded to ``BLOCK_M >= 16`` rows, so each K/V tile is read from memory once for all of
 them. The program walks its share of the sequence's KV tiles (``BLOCK_N`` keys, a
-multiple of the page size; every page of a tile is gathered through the block table):
+multiple of the page size; one block-table entry per page, broadcast to the page's keys).
+When all the sequence's query tokens fit in one pass (the common case) Q, its scales and
+the causal limits are loaded once before the tile loop; longer queries take a flat
+(pass, tile) loop. K, V and the K scales are loaded without masks (see
+:func:`_attend_tile`), so the loop body is mostly the arithmetic below:
 
 * QK: ``tl.dot(Q, K^T)`` in the cache's precision -- int8 x int8 -> int32 (IMMA with
   16/32 rows, IGMMA with 64), e4m3 x e4m3 -> fp32 (QGMMA with 64 rows; with fewer rows
@@ -128,94 +132,161 @@ def _decode_split_kernel(
     data_head = kv_head.to(tl.int64) * stride_ch
     scale_head = kv_head.to(tl.int64) * stride_sh
 
-    # One flat loop over (pass, tile). A pass attends TOKENS_PER_PASS query tokens of the
-    # sequence to this split's tiles; a single pass is the common case. Two things keep
-    # Triton's software pipeline intact (checked in the TTGIR: async waits leave tiles in
-    # flight): the tile and pass are pure functions of the induction variable, and the
-    # end-of-pass stores are masked stores, not a branch. (A pass loop around the tile
-    # loop made the INT8 kernel spill registers; a tile index carried through a select,
-    # or an `if` around the stores, left every load waited for in its own iteration.)
+    if q_len <= TOKENS_PER_PASS:
+        # The common case: every query token of the sequence fits in one pass, so Q, its
+        # scales and the causal limits are loaded once, outside the tile loop.
+        row_valid = (row_tok < TOKENS_PER_PASS) & (row_tok < q_len)
+        tok = (q_start + row_tok).to(tl.int64)
+        row_limit = tl.where(row_valid, seq_len - q_len + row_tok, -1)
+        q, row_scale = _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_qt, stride_qh,
+                                   stride_qst, stride_qsh, HEAD_DIM, BLOCK_M, KV_KIND, INTERPRET)
+        m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for tile in range(tile_lo, tile_lo + tile_count):
+            m_i, l_i, acc = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
+                                         k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                         stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
+                                         INTERPRET)
+        _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, row_head, split, n_active,
+                    row_valid, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
+                    stride_ms, HEAD_DIM)
+    else:
+        # Longer queries: one flat loop over (pass, tile). Two things keep Triton's
+        # software pipeline intact (checked in the TTGIR: async waits leave tiles in
+        # flight): the tile and pass are pure functions of the induction variable, and
+        # the end-of-pass stores are masked stores, not a branch. (A pass loop around
+        # the tile loop made the INT8 kernel spill registers; a tile index carried
+        # through a select, or an `if` around the stores, left every load waited for in
+        # its own iteration.)
+        num_iters = tl.cdiv(q_len, TOKENS_PER_PASS) * tile_count
+        m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for it in range(0, num_iters):
+            pass_idx = it // tile_count
+            tile_idx = it - pass_idx * tile_count
+            tok0 = pass_idx * TOKENS_PER_PASS
+            row_valid = (row_tok < TOKENS_PER_PASS) & (tok0 + row_tok < q_len)
+            tok = (q_start + tok0 + row_tok).to(tl.int64)
+            # Causal limit of each row: its own position; -1 hides every key from padding rows.
+            row_limit = tl.where(row_valid, seq_len - q_len + tok0 + row_tok, -1)
+            q, row_scale = _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_qt,
+                                       stride_qh, stride_qst, stride_qsh, HEAD_DIM, BLOCK_M, KV_KIND, INTERPRET)
+            # A new pass starts from an empty state: alpha = 0 drops the previous pass.
+            fresh = tile_idx == 0
+            m_i = tl.where(fresh, NEG_BIG, m_i)
+            l_i = tl.where(fresh, 0.0, l_i)
+            acc = tl.where(fresh, 0.0, acc)
+            m_i, l_i, acc = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile_lo + tile_idx, seq_len,
+                                         bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                         stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
+                                         INTERPRET)
+            # Last tile of the pass: its rows go to out (one active split) or to the partials.
+            # (tl.where rather than `row_valid & last`: the interpreter mistypes that mask)
+            last = tile_idx == tile_count - 1
+            _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, row_head, split, n_active,
+                        tl.where(last, row_valid, False), stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
+                        stride_mt, stride_mh, stride_ms, HEAD_DIM)
+
+
+@triton.jit
+def _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh,
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, INTERPRET: tl.constexpr):
+    """The packed query rows [BLOCK_M, D] in the dot's precision and each row's score
+    scale ``sQ * softmax_scale * log2(e)`` (padding rows: zeros)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_valid[:, None], other=0.0)
+    if KV_KIND == KIND_BF16:
+        q = q.to(tl.bfloat16)
+        if INTERPRET:
+            q = q.to(tl.float32)
+        row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
+    else:
+        q_scale = tl.load(q_scale_ptr + tok * stride_qst + row_head * stride_qsh, mask=row_valid, other=0.0)
+        row_scale = q_scale * qk_scale
+    return q, row_scale
+
+
+@triton.jit
+def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
+                 k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, INTERPRET: tl.constexpr):
+    """One KV tile (keys ``tile * BLOCK_N ...``) folded into the online-softmax state.
+
+    Loads carry as few masks as correctness allows: a key past ``seq_len`` reads block 0
+    (the block id load is masked to 0) or a stale slot of its own last page -- valid
+    memory either way -- and is removed by the score mask (a ``where``, so a NaN K scale
+    there cannot leak). Only what the PV product would multiply by P = 0 must be finite:
+    the V scale always, and V itself for fp8 / bf16 caches (int8 is always finite)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    num_iters = tl.cdiv(q_len, TOKENS_PER_PASS) * tile_count
-    m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for it in range(0, num_iters):
-        pass_idx = it // tile_count
-        tile_idx = it - pass_idx * tile_count
-        tile = tile_lo + tile_idx
-        tok0 = pass_idx * TOKENS_PER_PASS
-        row_valid = (row_tok < TOKENS_PER_PASS) & (tok0 + row_tok < q_len)
-        tok = (q_start + tok0 + row_tok).to(tl.int64)
-        # Causal limit of each row: its own position; -1 hides every key from padding rows.
-        row_limit = tl.where(row_valid, seq_len - q_len + tok0 + row_tok, -1)
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_valid[:, None], other=0.0)
-        if KV_KIND == KIND_BF16:
-            q = q.to(tl.bfloat16)
-            if INTERPRET:
-                q = q.to(tl.float32)
-            row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
-        else:
-            q_scale = tl.load(q_scale_ptr + tok * stride_qst + row_head * stride_qsh, mask=row_valid, other=0.0)
-            row_scale = q_scale * qk_scale
+    pos = tile * BLOCK_N + offs_n
+    in_seq = pos < seq_len
+    # One block-table entry per page of the tile, broadcast to the page's keys.
+    NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
+    page = tile * NUM_PAGES + tl.arange(0, NUM_PAGES)
+    blk_page = tl.load(bt_row + page, mask=page * PAGE < seq_len, other=0)
+    blk = tl.reshape(tl.broadcast_to(blk_page[:, None], (NUM_PAGES, PAGE)), (BLOCK_N,)).to(tl.int64)
+    slot = offs_n % PAGE
+    row_off = blk * stride_cb + data_head + slot * HEAD_DIM
+    scale_off = blk * stride_sb + scale_head + slot
+    k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :])
+    if KV_KIND == KIND_INT8:
+        k_scale = tl.load(k_scale_ptr + scale_off)
+        qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+        s = qk * row_scale[:, None] * k_scale[None, :]
+    elif KV_KIND == KIND_FP8:
+        k_scale = tl.load(k_scale_ptr + scale_off)
+        qk = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+        s = qk * row_scale[:, None] * k_scale[None, :]
+    else:
+        if INTERPRET:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
+        s = qk * row_scale[:, None]
+    s = tl.where(pos[None, :] <= row_limit[:, None], s, float("-inf"))
 
-        pos = tile * BLOCK_N + offs_n
-        in_seq = pos < seq_len
-        blk = tl.load(bt_row + pos // PAGE, mask=in_seq, other=0).to(tl.int64)
-        slot = pos % PAGE
-        row_off = blk * stride_cb + data_head + slot * HEAD_DIM
-        scale_off = blk * stride_sb + scale_head + slot
-        k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-        if KV_KIND == KIND_INT8:
-            k_scale = tl.load(k_scale_ptr + scale_off, mask=in_seq, other=0.0)
-            qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
-            s = qk * row_scale[:, None] * k_scale[None, :]
-        elif KV_KIND == KIND_FP8:
-            k_scale = tl.load(k_scale_ptr + scale_off, mask=in_seq, other=0.0)
-            qk = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
-            s = qk * row_scale[:, None] * k_scale[None, :]
-        else:
-            if INTERPRET:
-                k = k.to(tl.float32)
-            qk = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
-            s = qk * row_scale[:, None]
-        s = tl.where(pos[None, :] <= row_limit[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
 
-        # A new pass starts from an empty state: alpha = 0 drops the previous pass.
-        fresh = tile_idx == 0
-        m_i = tl.where(fresh, NEG_BIG, m_i)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.where(fresh, 0.0, tl.exp2(m_i - m_new))
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        acc = acc * alpha[:, None]
-
+    if KV_KIND == KIND_INT8:
+        v = tl.load(v_ptr + row_off[:, None] + offs_d[None, :])
+    else:
         v = tl.load(v_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
-        if KV_KIND == KIND_BF16:
-            if INTERPRET:
-                acc += tl.dot(p, v.to(tl.float32))
-            else:
-                acc += tl.dot(p.to(tl.bfloat16), v)
+    if KV_KIND == KIND_BF16:
+        if INTERPRET:
+            acc += tl.dot(p, v.to(tl.float32))
         else:
-            v_scale = tl.load(v_scale_ptr + scale_off, mask=in_seq, other=0.0)
-            acc += _pv_product(p * v_scale[None, :], v, BLOCK_M, BLOCK_N, PV_KIND, INTERPRET)
+            acc += tl.dot(p.to(tl.bfloat16), v)
+    else:
+        v_scale = tl.load(v_scale_ptr + scale_off, mask=in_seq, other=0.0)
+        acc += _pv_product(p * v_scale[None, :], v, BLOCK_M, BLOCK_N, PV_KIND, INTERPRET)
+    return m_new, l_i, acc
 
-        # Last tile of the pass: its rows go to out (one active split) or to the partials.
-        last = tile_idx == tile_count - 1
-        # (tl.where rather than `row_valid & last`: the interpreter mistypes that mask)
-        direct = tl.where(last & (n_active == 1), row_valid, False)
-        partial = tl.where(last & (n_active > 1), row_valid, False)
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + tok[:, None] * stride_ot + row_head[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=direct[:, None])
-        part = tok * stride_pt + row_head * stride_ph + split * stride_ps
-        tl.store(part_acc_ptr + part[:, None] + offs_d[None, :], acc, mask=partial[:, None])
-        ml = tok * stride_mt + row_head * stride_mh + split * stride_ms
-        tl.store(part_ml_ptr + ml, m_i, mask=partial)
-        tl.store(part_ml_ptr + ml + 1, l_i, mask=partial)
+
+@triton.jit
+def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, row_head, split, n_active, rows,
+                stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                HEAD_DIM: tl.constexpr):
+    """Rows ``rows`` of a finished pass: normalized to ``out`` when the sequence has one
+    active split, else (unnormalized acc, max, sum) to the split partials."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    direct = tl.where(n_active == 1, rows, False)
+    partial = tl.where(n_active > 1, rows, False)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + row_head[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=direct[:, None])
+    part = tok * stride_pt + row_head * stride_ph + split * stride_ps
+    tl.store(part_acc_ptr + part[:, None] + offs_d[None, :], acc, mask=partial[:, None])
+    ml = tok * stride_mt + row_head * stride_mh + split * stride_ms
+    tl.store(part_ml_ptr + ml, m_i, mask=partial)
+    tl.store(part_ml_ptr + ml + 1, l_i, mask=partial)
 
 
 @triton.jit

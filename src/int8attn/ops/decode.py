@@ -42,8 +42,9 @@ MAX_BLOCK_M = 32
 
 #: PV precisions each cache dtype accepts; the first is the default. INT8 PV (shifted
 #: 0..255 P) is within the accuracy goal on the H200 (rel-L2 0.008 vs float64 on
-#: outlier keys) and compiles to fewer instructions per tile than the BF16-PV path; its
-#: speed advantage is not yet measured with the pipelined kernel (benchmarks/notes/decode.md).
+#: outlier keys) and compiles to fewer instructions per key than the BF16-PV path (77 vs
+#: 84 warp-instructions per key for sm_90); its speed advantage is not yet measured with
+#: the pipelined kernel (benchmarks/notes/decode.md).
 PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
 _PV_KIND = {"int8": PV_INT8.value, "int8_signed": PV_INT8_SIGNED.value, "fp8": PV_FP8.value, "bf16": PV_BF16.value}
 
@@ -103,10 +104,13 @@ def sm_count(device: torch.device) -> int:
 
 
 def _programs_per_sm(config: DecodeConfig, head_dim: int, elem_bytes: int) -> int:
-    """Resident programs per SM, estimated from the buffered K+V tiles (see DecodeConfig)."""
+    """Resident programs per SM, estimated from the buffered K+V tiles (see DecodeConfig)
+    and from registers (the split kernel needs close to 255 per thread at D >= 128, so
+    8 warps leave room for one program per SM, 4 warps for two)."""
     buffers = max(1, (config.num_stages - 1) // 2)
     smem = buffers * 2 * config.block_n * head_dim * elem_bytes + SMEM_OVERHEAD
-    return max(1, min(4, (227 * 1024) // smem))
+    by_regs = 65536 // (config.num_warps * 32 * (255 if head_dim >= 128 else 128))
+    return max(1, min(4, (227 * 1024) // smem, by_regs))
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, rows: int,
