@@ -1,33 +1,38 @@
-"""Chunked prefill on the GPU: a 4096-token chunk over a cached prefix of 0 / 8192 / 28672
-tokens (DESIGN.md section 4), INT8 / FP8 / BF16 caches through the same kernel, against
-PyTorch SDPA BF16 on contiguous K/V, in one run.
+"""Chunked prefill on the GPU in one short run (<= 3 minutes on an H200, compilation
+included): a 4096-token chunk over a cached prefix (DESIGN.md section 4), INT8 / FP8 / BF16
+caches through the same kernel, against PyTorch SDPA BF16 on contiguous K/V, ratios from
+the same run.
 
-For each shape (24q/4kv/D256 and 32q/8kv/D128, block_size 16) and prefix:
+Sections, in order of importance (each guarded: a failure is logged and recorded, the run
+goes on; ``--budget-s`` skips whatever would start after the budget is spent):
 
-* accuracy of every kernel variant on sampled query rows (4 blocks of 32 tokens spread
-  over the chunk, last token included) against float64 attention over the *raw* bf16 K/V
-  (end to end: quantization included), over the dequantized cache
-  (:func:`int8attn.reference.attention_reference`) and with the query quantized too
-  (:func:`~int8attn.reference.attention_reference_quantized`); keys carry outlier channels;
-* the matrix instructions in each compiled kernel's SASS (IGMMA / QGMMA / HGMMA), its
-  registers and spills;
-* median time (CUDA events, L2 flushed) and effective TFLOP/s counting only unmasked work:
-  ``4 * D * Hq * (q_len * prefix + q_len * (q_len + 1) / 2)``;
-* SDPA BF16 on the same tokens with contiguous K/V expanded to all query heads: every
-  backend that runs the exact bottom-right causal problem (FlashAttention / efficient
-  through ``causal_lower_right``; cuDNN on prefix 0 with ``is_causal``; cuDNN split into a
-  non-causal prefix part and a causal chunk part merged by log-sum-exp), each checked
-  against the float64 rows; the ratio uses the fastest correct one;
-* query quantization alone (``quantize_query`` on 4096 x 24 x 256), and the fused
-  producer for 4096 tokens; a mixed decode + prefill batch through ``attention()`` with a
-  plan, eager and replayed from a CUDA graph.
+1. parallel compilation of every kernel variant in worker processes (Triton's on-disk
+   cache), then everything runs in the main process;
+2. per case (shape, prefix): every variant of the case's sweep -- a handful of configs per
+   (cache dtype, PV precision) family chosen from the sm_90 compile analysis in
+   benchmarks/notes/prefill.md -- is checked and timed; later cases of the same shape run
+   only each family's best and the library default. Per variant: accuracy of sampled query
+   rows (4 blocks of 32, last token included) against float64 attention over the raw bf16
+   K/V ("e2e", quantization included), over the dequantized cache and with the query
+   quantized too; every output row written (NaN-poisoned first); the compiled kernel's SASS
+   (matrix instructions, registers, spills, local-memory instructions); median time (CUDA
+   events, L2 flushed) and TFLOP/s counting only unmasked work
+   ``4 * D * Hq * (q_len * prefix + q_len * (q_len + 1) / 2)``;
+3. SDPA BF16 on the same tokens with contiguous K/V expanded to all query heads, through
+   the fastest exact backend measured in round 1 (cuDNN: non-causal prefix + causal chunk
+   merged by log-sum-exp; cuDNN causal at prefix 0; FlashAttention with
+   ``causal_lower_right`` as the fallback), checked against the float64 rows;
+4. a mixed decode + prefill batch through ``attention()``: without a plan, with a plan,
+   with a plan made from host bounds only, and the planned run captured in a CUDA graph and
+   replayed, each checked against float64 (all rows) and timed;
+5. query quantization alone and inside the fused producer (``--extras``).
 
-Kernel variants are compiled in parallel worker processes first (Triton's on-disk cache),
-then everything runs in the main process. Rows go to ``<out>/prefill.jsonl`` (copy them to
-``benchmarks/results/``); ``--smoke`` runs a tiny version on the CPU interpreter (timings
-meaningless).
+Cases: 24q/4kv/D256 at prefix 28672 (sweep), then 32q/8kv/D128 at 28672 (sweep), then
+24q/4kv/D256 at 8192 and 0. Rows go to ``<out>/prefill.jsonl`` and a Markdown summary to
+``<out>/prefill_summary.md`` (copy both to ``benchmarks/results/``); the table is printed at
+the end. ``--smoke`` runs a tiny version on the CPU interpreter (timings meaningless).
 
-Usage: ``PYTHONPATH=src python benchmarks/bench_prefill.py --out DIR [--smoke]``
+Usage: ``PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/bench_prefill.py --out DIR``
 """
 
 from __future__ import annotations
@@ -44,57 +49,67 @@ import traceback
 import torch
 
 SHAPES = {"24q4kv_d256": (24, 4, 256), "32q8kv_d128": (32, 8, 128)}
-PREFIXES = (28672, 8192, 0)
+#: (shape, prefix, sweep?) in run order: the headline first.
+CASES = (("24q4kv_d256", 28672, True), ("32q8kv_d128", 28672, True), ("24q4kv_d256", 8192, False),
+         ("24q4kv_d256", 0, False))
 CHUNK = 4096
 BLOCK_SIZE = 16
 SEED = 7
+#: Families reported per case: (kv dtype, PV precision); "bf16" PV is fp16 for 8-bit caches.
+FAMILIES = (("int8", "bf16"), ("int8", "int8"), ("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "bf16"))
 
 
 # --------------------------------------------------------------------------- variants
-def variants(head_dim: int) -> list[dict]:
-    """Kernel variants to compile and time: name, kv_dtype, pv_mode, config, prequant."""
-    v = []
+def _v(kv, pv, block_n=64, dv=None, late=False, stages=2, asm=None, lazy=True, prequant=False, default=False):
+    name = f"{kv}_pv{pv}_n{block_n}_dv{dv}" + ("_late" if late else "") + (f"_s{stages}" if stages != 2 else "")
+    if asm is False:
+        name += "_noasm"
+    if not lazy:
+        name += "_eager"
+    if prequant:
+        name += "_preq"
+    cfg = dict(block_m=128, block_n=block_n, dv=dv, num_warps=8, num_stages=stages, v_late=late, cvt_asm=asm,
+               lazy_rescale=lazy)
+    return {"name": name, "kv": kv, "pv": pv, "cfg": cfg, "prequant": prequant, "default": default}
 
-    def add(name, kv, pv, prequant=False, **cfg):
-        v.append({"name": name, "kv": kv, "pv": pv, "cfg": cfg, "prequant": prequant})
 
+def sweep(head_dim: int) -> list[dict]:
+    """The tuning sweep per head_dim: the library default of each family (``default``)
+    plus the alternatives the sm_90 compile analysis left open; at head_dim 256 each
+    round-2 change is also undone once (``_eager``: rescale every tile; no ``_late``: V
+    prefetched before QK; ``_noasm``: portable int8 -> fp16) to measure what it gives."""
     if head_dim == 256:
-        add("int8_n64_dv64", "int8", "int8", block_m=128, block_n=64, dv=64)
-        add("int8_n128_dv64", "int8", "int8", block_m=128, block_n=128, dv=64)
-        add("int8_n128_dv128", "int8", "int8", block_m=128, block_n=128, dv=128)
-        add("int8_m64_n64_dv256", "int8", "int8", block_m=64, block_n=64, dv=256)
-        add("int8_n128_dv64_s3", "int8", "int8", block_m=128, block_n=128, dv=64, num_stages=3)
-        add("int8_n64_dv64_shift", "int8", "int8", block_m=128, block_n=64, dv=64, p_shift=True)
-        add("int8_n64_dv64_preq", "int8", "int8", prequant=True, block_m=128, block_n=64, dv=64)
-        add("int8_pvf16_n64_dv128", "int8", "bf16", block_m=128, block_n=64, dv=128)
-        add("int8_pvf16_n64_dv256", "int8", "bf16", block_m=128, block_n=64, dv=256)
-        add("fp8_n64_dv64", "fp8", "fp8", block_m=128, block_n=64, dv=64)
-        add("fp8_n128_dv64", "fp8", "fp8", block_m=128, block_n=128, dv=64)
-        add("fp8_pvf16_n64_dv128", "fp8", "bf16", block_m=128, block_n=64, dv=128)
-        add("bf16_n64_dv256", "bf16", "bf16", block_m=128, block_n=64, dv=256)
-        add("bf16_n64_dv256_s3", "bf16", "bf16", block_m=128, block_n=64, dv=256, num_stages=3)
-    else:
-        add("int8_n64_dv128", "int8", "int8", block_m=128, block_n=64, dv=128)
-        add("int8_n128_dv128", "int8", "int8", block_m=128, block_n=128, dv=128)
-        add("int8_n128_dv64", "int8", "int8", block_m=128, block_n=128, dv=64)
-        add("int8_pvf16_n64_dv128", "int8", "bf16", block_m=128, block_n=64, dv=128)
-        add("int8_pvf16_n128_dv128", "int8", "bf16", block_m=128, block_n=128, dv=128)
-        add("fp8_n64_dv128", "fp8", "fp8", block_m=128, block_n=64, dv=128)
-        add("fp8_n128_dv128", "fp8", "fp8", block_m=128, block_n=128, dv=128)
-        add("bf16_n64_dv128", "bf16", "bf16", block_m=128, block_n=64, dv=128)
-        add("bf16_n128_dv128", "bf16", "bf16", block_m=128, block_n=128, dv=128)
-    return v
-
-
-def smoke_variants(head_dim: int) -> list[dict]:
+        return [
+            _v("int8", "bf16", 64, 128, late=True, default=True),
+            _v("int8", "bf16", 64, 128, late=True, lazy=False),
+            _v("int8", "bf16", 64, 128, late=False),
+            _v("int8", "bf16", 64, 128, late=True, asm=False),
+            _v("int8", "int8", 64, 64, late=True, default=True),
+            _v("fp8", "bf16", 64, 128, late=True, default=True),
+            _v("fp8", "fp8", 64, 64, late=True),
+            _v("bf16", "bf16", 64, 256, default=True),
+            _v("bf16", "bf16", 64, 256, lazy=False),
+        ]
     return [
-        {"name": "int8_small", "kv": "int8", "pv": "int8", "cfg": {"block_m": 32, "block_n": 16}, "prequant": False},
-        {"name": "int8_small_preq", "kv": "int8", "pv": "int8", "cfg": {"block_m": 32, "block_n": 16},
-         "prequant": True},
-        {"name": "fp8_small", "kv": "fp8", "pv": "fp8", "cfg": {"block_m": 32, "block_n": 16}, "prequant": False},
-        {"name": "bf16_small", "kv": "bf16", "pv": "bf16", "cfg": {"block_m": 32, "block_n": 16},
-         "prequant": False},
+        _v("int8", "bf16", 64, 128, default=True),
+        _v("int8", "bf16", 64, 128, lazy=False),
+        _v("int8", "bf16", 128, 128, late=True),
+        _v("int8", "int8", 64, 128, late=True, default=True),
+        _v("fp8", "bf16", 64, 128, default=True),
+        _v("fp8", "bf16", 128, 128, late=True),
+        _v("bf16", "bf16", 128, 128, default=True),
+        _v("bf16", "bf16", 64, 128),
     ]
+
+
+def smoke_sweep(head_dim: int) -> list[dict]:
+    small = dict(block_m=32, block_n=16, dv=None, num_warps=4, num_stages=1)
+    out = []
+    for kv, pv in FAMILIES:
+        for late in (False, True):
+            out.append({"name": f"{kv}_pv{pv}_small" + ("_late" if late else ""), "kv": kv, "pv": pv,
+                        "cfg": {**small, "v_late": late}, "prequant": False, "default": not late})
+    return out
 
 
 # --------------------------------------------------------------------------- data
@@ -127,7 +142,7 @@ def run_variant(batch, var, out=None):
     from int8attn.ops.prefill import PrefillConfig, prefill_attention
     from int8attn.ops.producer import quantize_query
 
-    cfg = PrefillConfig(**{"num_warps": 8 if var["cfg"].get("block_m", 128) >= 64 else 4, **var["cfg"]})
+    cfg = PrefillConfig(**var["cfg"])
     kw = {}
     if var["prequant"] and batch.cache.quantized:
         kw["q_quant"], kw["q_scale"] = quantize_query(batch.query, batch.cache.kv_dtype)
@@ -136,22 +151,21 @@ def run_variant(batch, var, out=None):
 
 
 def _warm_worker(job):
-    """Compile one variant in a worker process (fills Triton's on-disk cache)."""
-    shape, chunk, var = job
+    """Compile one variant (or the mixed-batch kernels) in a worker process."""
+    shape, var = job
     t = time.time()
-    if var == "mixed":
-        try:
-            mixed_batch_check(lambda *a: None, False, None, warm_only=True)
-            return "mixed batch kernels", round(time.time() - t, 1), None
-        except Exception as e:
-            return "mixed batch kernels", round(time.time() - t, 1), repr(e)[:300]
     try:
-        batch = build_batch(shape, 0, chunk, var["kv"], "cuda")
-        run_variant(batch, var)()
-        torch.cuda.synchronize()
-        return var["name"], round(time.time() - t, 1), None
-    except Exception as e:  # reported, the main process retries and records the failure
-        return var["name"], round(time.time() - t, 1), repr(e)[:300]
+        if var == "mixed":
+            mixed_batch_check(None, False, None, warm_only=True)
+            name = "mixed batch kernels"
+        else:
+            name = var["name"]
+            batch = build_batch(shape, 0, 256, var["kv"], "cuda")
+            run_variant(batch, var)()
+            torch.cuda.synchronize()
+        return name, round(time.time() - t, 1), None
+    except Exception as e:  # reported; the main process retries and records the failure
+        return (var if isinstance(var, str) else var["name"]), round(time.time() - t, 1), repr(e)[:300]
 
 
 def sample_rows(chunk: int) -> list[tuple[int, int]]:
@@ -181,54 +195,64 @@ def take_rows(out, rows):
 
 
 # --------------------------------------------------------------------------- SASS
+_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]*)([^;]*);")
+
+
 def sass_summary(kernel) -> dict:
-    """MMA instruction kinds, registers and spills of a compiled Triton kernel."""
+    """Matrix instructions, registers, spills and the instruction mix of the two largest
+    loops (the unmasked and the diagonal KV loop) of a compiled Triton kernel."""
     info = {"n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None)}
     try:
-        cubin = kernel.asm["cubin"]
+        info["shared_bytes"] = kernel.metadata.shared
+    except Exception:
+        pass
+    try:
         tool = shutil.which("cuobjdump")
         if tool is None:
             import triton
 
             tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        path = "/tmp/_prefill_kernel.cubin"
+        path = f"/tmp/_prefill_kernel_{os.getpid()}.cubin"
         with open(path, "wb") as f:
-            f.write(cubin)
+            f.write(kernel.asm["cubin"])
         sass = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, timeout=60).stdout
-        info["mma"] = sorted(set(re.findall(r"\b((?:[IHQ]GMMA|[IH]MMA)\.[\w.]+)", sass)))
-        for op in ("STL", "LDL", "STS", "I2F", "F2I"):
-            info[f"count_{op}"] = len(re.findall(r"\b" + op + r"[\s.]", sass))
+        ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_LINE.match, sass.splitlines()) if m]
+        info["mma"] = sorted({op for _, op, _ in ins if "GMMA" in op or op.startswith(("IMMA", "HMMA"))})
+        info["count_LDL_STL"] = sum(op.startswith(("LDL", "STL")) for _, op, _ in ins)
+        loops = []
+        for addr, op, rest in ins:
+            t = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+            if t and int(t.group(1), 16) < addr:
+                lo = int(t.group(1), 16)
+                loops.append([op2 for a, op2, _ in ins if lo <= a <= addr])
+        # the two largest loops: the unmasked KV loop (shorter body) and the diagonal one
+        for tag, body in zip(("main_loop", "diagonal_loop"), sorted(sorted(loops, key=len)[-2:], key=len)):
+            def n(*prefixes, body=body):
+                return sum(op.startswith(prefixes) for op in body)
+            info[tag] = {"instructions": len(body), "mma": sum("GMMA" in op for op in body),
+                                "LDL_STL": n("LDL", "STL"), "MUFU": n("MUFU"), "BAR": n("BAR"),
+                                "STS": n("STS"), "PRMT": n("PRMT")}
     except Exception as e:
         info["sass_error"] = repr(e)[:200]
     return info
 
 
 # --------------------------------------------------------------------------- SDPA
-def sdpa_variants(q, k, v, prefix, chunk, scale):
-    """Callables computing the exact bottom-right causal problem with SDPA (name -> fn).
-
-    q [1, Hq, chunk, D], k/v [1, Hq, prefix + chunk, D] bf16 contiguous.
-    """
+def sdpa_fastest_exact(q, k, v, prefix, chunk, scale):
+    """(name, fn) pairs computing the exact bottom-right causal problem with SDPA, fastest
+    backend first (round-1 measurement). q [1, Hq, chunk, D], k/v [1, Hq, prefix + chunk, D]."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    fns = {}
     if prefix == 0:
-        for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
-                         ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-            def f(be=be):
+        def causal(be):
+            def f():
                 with sdpa_kernel([be]):
                     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-            fns[f"sdpa_{name}_causal"] = f
-        return fns
+            return f
+        return [("sdpa_cudnn_causal", causal(SDPBackend.CUDNN_ATTENTION)),
+                ("sdpa_flash_causal", causal(SDPBackend.FLASH_ATTENTION))]
     from torch.nn.attention.bias import causal_lower_right
-
-    bias = causal_lower_right(chunk, prefix + chunk)
-    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
-        def f(be=be):
-            with sdpa_kernel([be]):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-        fns[f"sdpa_{name}_lower_right"] = f
 
     kp, vp = k[:, :, :prefix], v[:, :, :prefix]
     kc, vc = k[:, :, prefix:], v[:, :, prefix:]
@@ -244,23 +268,22 @@ def sdpa_variants(q, k, v, prefix, chunk, scale):
         lse = torch.logaddexp(l1, l2)
         return (o1.float() * torch.exp(l1 - lse)[..., None] + o2.float() * torch.exp(l2 - lse)[..., None]).to(q.dtype)
 
-    fns["sdpa_cudnn_split_merge"] = cudnn_split
+    bias = causal_lower_right(chunk, prefix + chunk)
 
-    def cudnn_dense():  # not the same problem (the chunk is not masked): a speed proxy only
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=False, scale=scale)
+    def flash():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
 
-    fns["proxy_cudnn_dense_noncausal"] = cudnn_dense
-    return fns
+    return [("sdpa_cudnn_split_merge", cudnn_split), ("sdpa_flash_lower_right", flash)]
 
 
-# --------------------------------------------------------------------------- main
+# --------------------------------------------------------------------------- logging
 class Log:
     def __init__(self, out_dir):
-        self.f = open(os.path.join(out_dir, "log.txt"), "a")
-        self.rows_path = os.path.join(out_dir, "prefill.jsonl")
         from int8attn.bench import environment
 
+        self.f = open(os.path.join(out_dir, "prefill_log.txt"), "a")
+        self.rows_path = os.path.join(out_dir, "prefill.jsonl")
         self.env = environment()
         self.rows = []
 
@@ -277,254 +300,134 @@ class Log:
             f.write(json.dumps(full, sort_keys=True, default=str) + "\n")
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
-    ap.add_argument("--workers", type=int, default=12)
-    ap.add_argument("--rep-ms", type=float, default=80)
-    ap.add_argument("--variants", default="", help="comma-separated variant names to keep (default: all)")
-    ap.add_argument("--prefixes", default=",".join(str(p) for p in PREFIXES))
-    ap.add_argument("--sdpa", default="", help="comma-separated SDPA variant names to keep (default: all)")
-    ap.add_argument("--no-extras", action="store_true", help="skip quantize/producer timings and copy bandwidth")
-    ap.add_argument("--mixed-early", action="store_true", help="run the mixed-batch check after the first case")
-    ap.add_argument("--shape-prefixes", default="", help="per-shape prefixes, e.g. 32q8kv_d128=28672")
-    args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    smoke = args.smoke
-    if smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
+# --------------------------------------------------------------------------- one case
+def run_case(log, args, shape_name, prefix, do_sweep, variants, best, smoke, timeit, chunk, dev):
+    """Check and time the case's variants and SDPA; returns the summary rows."""
     from int8attn import reference
-    from int8attn.bench import time_eager
+    from int8attn.reference import gather_kv
     import int8attn.ops.prefill as prefill_ops
 
-    log = Log(args.out)
-    dev = "cpu" if smoke else "cuda"
-    chunk = 40 if smoke else CHUNK
-    prefixes = (33, 0) if smoke else tuple(int(p) for p in args.prefixes.split(","))
-    shapes = {"smoke": (4, 2, 64)} if smoke else {k: SHAPES[k] for k in args.shapes.split(",")}
-    t_start = time.time()
-    log("env", json.dumps(log.env))
+    hq, hkv, d = SHAPES[shape_name] if not smoke else (4, 2, 64)
+    scale = d ** -0.5
+    flops = unmasked_flops(hq, d, chunk, prefix)
+    rows = sample_rows(chunk)
+    raw = build_batch((hq, hkv, d), prefix, chunk, "bf16", dev)
+    ref_e2e = reference_rows(raw.query, raw.key.to(torch.float64), raw.value.to(torch.float64), prefix, rows, scale)
+    case = {"shape": shape_name, "num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d, "q_len": chunk,
+            "prefix": prefix, "block_size": BLOCK_SIZE, "unmasked_flops": flops}
+    times = {}
+    for kv in ("int8", "fp8", "bf16"):
+        todo = [v for v in variants if v["kv"] == kv and (do_sweep or v["default"] or v["name"] in best.values())]
+        if not todo:
+            continue
+        batch = with_cache(raw, kv)
+        kd, vd = gather_kv(batch.cache, batch.block_table[0], prefix + chunk)
+        ref_deq = reference_rows(batch.query, kd, vd, prefix, rows, scale)
+        ref_q = reference_rows(batch.query, kd, vd, prefix, rows, scale, query_kv_dtype=kv if kv != "bf16" else None)
+        del kd, vd
+        for var in todo:
+            name = var["name"]
+            try:
+                out = torch.full(batch.query.shape, float("nan"), dtype=torch.bfloat16, device=dev)
+                fn = run_variant(batch, var, out=out)
+                fn()
+                if not smoke:
+                    torch.cuda.synchronize()
+                all_written = bool(torch.isfinite(out).all())
+                got = take_rows(out, rows)
+                acc = {"e2e": reference.error_stats(got, ref_e2e),
+                       "vs_dequant_cache": reference.error_stats(got, ref_deq),
+                       "vs_quantized_query": reference.error_stats(got, ref_q)}
+                sass = {} if smoke else sass_summary(prefill_ops.last_compiled_kernel)
+                us = timeit(fn)
+                tflops = flops / (us * 1e-6) / 1e12
+                ok = all_written and acc["e2e"]["rel_l2"] <= 0.05
+                if ok:
+                    times[name] = (us, var)
+                loop = sass.get("main_loop", {})
+                log(f"{shape_name} prefix={prefix:5d} {name:30s} {us / 1e3:8.3f} ms {tflops:6.1f} TFLOP/s "
+                    f"e2e={acc['e2e']['rel_l2']:.4f} deq={acc['vs_dequant_cache']['rel_l2']:.4f} "
+                    f"qq={acc['vs_quantized_query']['rel_l2']:.4f} written={all_written} "
+                    f"regs={sass.get('n_regs')} spills={sass.get('n_spills')} "
+                    f"main_loop_ins={loop.get('instructions')} loop_LDL_STL={loop.get('LDL_STL')} mma={sass.get('mma')}")
+                log.row(kind="prefill_kernel", variant=name, kv_dtype=kv, pv_mode=var["pv"], config=var["cfg"],
+                        library_default=var["default"], prequantized_q=var["prequant"], time_us=us,
+                        effective_tflops=tflops, all_rows_written=all_written, accuracy=acc, sass=sass,
+                        timing="MEANINGLESS (interpreter)" if smoke else "eager (do_bench median, L2 flushed)",
+                        **case)
+            except Exception as e:
+                log(f"{shape_name} prefix={prefix} {name} FAILED {e!r}"[:600])
+                traceback.print_exc()
+                log.row(kind="prefill_kernel", variant=name, kv_dtype=kv, error=repr(e)[:500], **case)
+        del batch
 
-    def timeit(fn):
-        if smoke:
-            t = time.time()
-            fn()
-            return 1e6 * (time.time() - t)
-        return time_eager(fn, warmup_ms=20, rep_ms=args.rep_ms)
-
-    # ---- parallel compile
-    all_vars = {name: (smoke_variants if smoke else variants)(shape[2]) for name, shape in shapes.items()}
-    if args.variants:
-        keep = set(args.variants.split(","))
-        all_vars = {name: [v for v in vs if v["name"] in keep] for name, vs in all_vars.items()}
+    # ---- SDPA BF16 on contiguous K/V (all query heads), same tokens: fastest exact backend
+    sdpa_best = None
     if not smoke:
-        import multiprocessing as mp
-
-        jobs = [(shape, chunk, var) for name, shape in shapes.items() for var in all_vars[name]]
-        if args.mixed_early:
-            jobs.insert(0, (None, chunk, "mixed"))
-        t = time.time()
-        with mp.get_context("spawn").Pool(min(args.workers, len(jobs))) as pool:
-            for name, secs, err in pool.imap_unordered(_warm_worker, jobs):
-                log(f"compiled {name} in {secs}s" + (f" ERROR {err}" if err else ""))
-        log(f"parallel compile: {len(jobs)} variants in {time.time() - t:.1f}s")
-        if torch.cuda.is_available() and not args.no_extras:
-            from int8attn.bench import copy_bandwidth
-
-            log(f"copy bandwidth {copy_bandwidth() / 1e12:.2f} TB/s")
-
-    # ---- query quantization alone and the fused producer
-    if not smoke and not args.no_extras:
         try:
-            from int8attn.ops.producer import quantize_query
-
-            q = torch.randn(CHUNK, 24, 256, device="cuda").to(torch.bfloat16)
-            us = timeit(lambda: quantize_query(q, "int8"))
-            log(f"quantize_query 4096x24x256 int8: {us:.1f} us")
-            log.row(kind="quantize_query", num_tokens=CHUNK, num_heads=24, head_dim=256, kv_dtype="int8", time_us=us)
-        except Exception as e:
-            log(f"quantize_query timing failed {e!r}")
-        try:
-            from int8attn import reference as R
-            from int8attn.cache import PagedKVCache
-            from int8attn.ops.producer import rope_quantize_and_write
-
-            cache = PagedKVCache(CHUNK // 16 + 4, 16, 4, 256, kv_dtype="int8", device="cuda")
-            qx = torch.randn(CHUNK, 24, 256, device="cuda").to(torch.bfloat16)
-            kx = torch.randn(CHUNK, 4, 256, device="cuda").to(torch.bfloat16)
-            vx = torch.randn(CHUNK, 4, 256, device="cuda").to(torch.bfloat16)
-            pos = torch.arange(CHUNK, device="cuda")
-            cs = R.rope_cos_sin_cache(CHUNK, 64, device="cuda")
-            slots = torch.arange(CHUNK, device="cuda")
-            rope_quantize_and_write(qx, kx, vx, pos, cs, cache, slots)
-            us = timeit(lambda: rope_quantize_and_write(qx, kx, vx, pos, cs, cache, slots))
-            log(f"fused producer (RoPE 64 of 256 + K/V write + Q quant) 4096 tokens 24q/4kv/D256: {us:.1f} us")
-            log.row(kind="fused_producer", num_tokens=CHUNK, num_q_heads=24, num_kv_heads=4, head_dim=256,
-                    rotary_dim=64, kv_dtype="int8", time_us=us)
-        except Exception as e:
-            log(f"producer timing failed {e!r}")
-
-
-    summary = []
-    sass_seen = {}
-    mixed_done = False
-    per_shape = dict(kv.split("=") for kv in args.shape_prefixes.split(";") if kv)
-    for shape_name, shape in shapes.items():
-        hq, hkv, d = shape
-        scale = d ** -0.5
-        best = {}
-        shape_prefixes = prefixes
-        if shape_name in per_shape:
-            shape_prefixes = tuple(int(x) for x in per_shape[shape_name].split(","))
-        for prefix in shape_prefixes:
-            flops = unmasked_flops(hq, d, chunk, prefix)
-            rows = sample_rows(chunk)
-            raw = build_batch(shape, prefix, chunk, "bf16", dev)
-            k_raw = raw.key.to(torch.float64)
-            v_raw = raw.value.to(torch.float64)
-            ref_e2e = reference_rows(raw.query, k_raw, v_raw, prefix, rows, scale)
-            del k_raw, v_raw
-            case = {"shape": shape_name, "num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d, "q_len": chunk,
-                    "prefix": prefix, "block_size": BLOCK_SIZE, "unmasked_flops": flops}
-            times = {}
-            first = prefix == shape_prefixes[0]
-            for kv in ("int8", "fp8", "bf16"):
-                batch = with_cache(raw, kv)
-                from int8attn.reference import gather_kv
-
-                kd, vd = gather_kv(batch.cache, batch.block_table[0], prefix + chunk)
-                ref_deq = reference_rows(batch.query, kd, vd, prefix, rows, scale)
-                ref_q = reference_rows(batch.query, kd, vd, prefix, rows, scale,
-                                       query_kv_dtype=kv if kv != "bf16" else None)
-                del kd, vd
-                for var in all_vars[shape_name]:
-                    if var["kv"] != kv:
-                        continue
-                    name = var["name"]
-                    # the sweep runs at the first prefix; later prefixes time the best of
-                    # each (kv dtype, pv mode) family and the pre-quantized-query variant
-                    if not first and name not in best.values() and not var["prequant"]:
-                        continue
-                    try:
-                        out = torch.full(batch.query.shape, float("nan"), dtype=torch.bfloat16, device=dev)
-                        fn = run_variant(batch, var, out=out)
-                        fn()
-                        if not smoke:
-                            torch.cuda.synchronize()
-                        all_written = bool(torch.isfinite(out).all())
-                        got = take_rows(out, rows)
-                        acc = {
-                            "e2e": reference.error_stats(got, ref_e2e),
-                            "vs_dequant_cache": reference.error_stats(got, ref_deq),
-                            "vs_quantized_query": reference.error_stats(got, ref_q),
-                        }
-                        if name not in sass_seen:
-                            sass_seen[name] = {} if smoke else sass_summary(prefill_ops.last_compiled_kernel)
-                        sass = sass_seen[name]
-                        us = timeit(fn)
-                        tflops = flops / (us * 1e-6) / 1e12
-                        times[name] = us
-                        log(f"{shape_name} prefix={prefix} {name:24s} {us / 1e3:8.3f} ms {tflops:7.1f} TFLOP/s "
-                            f"e2e_rel_l2={acc['e2e']['rel_l2']:.4f} deq={acc['vs_dequant_cache']['rel_l2']:.4f} "
-                            f"qq={acc['vs_quantized_query']['rel_l2']:.4f} written={all_written} "
-                            f"mma={sass.get('mma')} regs={sass.get('n_regs')} spills={sass.get('n_spills')}")
-                        log.row(kind="prefill_kernel", variant=name, kv_dtype=kv, pv_mode=var["pv"],
-                                config=var["cfg"], prequantized_q=var["prequant"], time_us=us,
-                                effective_tflops=tflops, all_rows_written=all_written, accuracy=acc, sass=sass,
-                                timing=("MEANINGLESS (interpreter)" if smoke
-                                        else "eager (do_bench median, L2 flushed)"),
-                                **case)
-                    except Exception as e:
-                        log(f"{shape_name} prefix={prefix} {name} FAILED {e!r}")
-                        traceback.print_exc()
-                        log.row(kind="prefill_kernel", variant=name, kv_dtype=kv, error=repr(e)[:500], **case)
-                del batch
-
-            # ---- SDPA BF16 on contiguous K/V (all query heads), same tokens
-            sdpa_best = None
-            if not smoke:
-                g = hq // hkv
-                q4 = raw.query.transpose(0, 1).unsqueeze(0).contiguous()
-                k4 = raw.key.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
-                v4 = raw.value.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
-                for name, fn in sdpa_variants(q4, k4, v4, prefix, chunk, scale).items():
-                    if args.sdpa and name not in args.sdpa.split(","):
-                        continue
-                    try:
-                        o = fn()
-                        torch.cuda.synchronize()
-                        got = take_rows(o[0].transpose(0, 1), rows)
-                        err = reference.error_stats(got, ref_e2e)
-                        us = timeit(fn)
-                        tflops = flops / (us * 1e-6) / 1e12
-                        exact = not name.startswith("proxy")
-                        log(f"{shape_name} prefix={prefix} {name:28s} {us / 1e3:8.3f} ms {tflops:7.1f} TFLOP/s "
-                            f"e2e_rel_l2={err['rel_l2']:.4f}")
-                        log.row(kind="sdpa_bf16", variant=name, time_us=us, effective_tflops=tflops,
-                                accuracy={"e2e": err}, exact_problem=exact, **case)
-                        if exact and err["rel_l2"] < 0.02 and (sdpa_best is None or us < sdpa_best[1]):
-                            sdpa_best = (name, us)
-                    except Exception as e:
-                        log(f"{shape_name} prefix={prefix} {name} unavailable: {e!r}"[:400])
-                        log.row(kind="sdpa_bf16", variant=name, error=repr(e)[:300], **case)
-                del q4, k4, v4
-            if first:
-                fams = {}
-                for var in all_vars[shape_name]:
-                    if var["name"] in times and not var["prequant"]:
-                        key = (var["kv"], var["pv"])
-                        if key not in fams or times[var["name"]] < times[fams[key]]:
-                            fams[key] = var["name"]
-                best.update({f"fam_{k[0]}_{k[1]}": n for k, n in fams.items()})
-            # ---- ratios
-            for kv in ("int8", "fp8", "bf16"):
-                cands = {n: t for n, t in times.items() if n.startswith(kv) and "preq" not in n}
-                if not cands:
-                    continue
-                bname, bus = min(cands.items(), key=lambda x: x[1])
-                bf = min((t for n, t in times.items() if n.startswith("bf16")), default=None)
-                r = {"kind": "prefill_summary", "kv_dtype": kv, "best_variant": bname, "time_us": bus,
-                     "effective_tflops": flops / (bus * 1e-6) / 1e12,
-                     "ratio_vs_own_bf16_cache": (bf / bus) if bf else None,
-                     "sdpa_best": sdpa_best[0] if sdpa_best else None,
-                     "ratio_vs_sdpa_bf16": (sdpa_best[1] / bus) if sdpa_best else None, **case}
-                log.row(**r)
-                summary.append(r)
-            del raw
-            if not smoke:
-                torch.cuda.empty_cache()
-            if args.mixed_early and not mixed_done:
-                mixed_done = True
+            g = hq // hkv
+            q4 = raw.query.transpose(0, 1).unsqueeze(0).contiguous()
+            k4 = raw.key.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+            v4 = raw.value.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+            for name, fn in sdpa_fastest_exact(q4, k4, v4, prefix, chunk, scale):
                 try:
-                    mixed_batch_check(log, smoke, timeit)
+                    o = fn()
+                    torch.cuda.synchronize()
+                    err = reference.error_stats(take_rows(o[0].transpose(0, 1), rows), ref_e2e)
+                    us = timeit(fn)
+                    tflops = flops / (us * 1e-6) / 1e12
+                    log(f"{shape_name} prefix={prefix:5d} {name:30s} {us / 1e3:8.3f} ms {tflops:6.1f} TFLOP/s "
+                        f"e2e={err['rel_l2']:.4f}")
+                    log.row(kind="sdpa_bf16", variant=name, time_us=us, effective_tflops=tflops,
+                            accuracy={"e2e": err}, exact_problem=True, **case)
+                    if err["rel_l2"] < 0.02:
+                        sdpa_best = (name, us)
+                        break  # the fastest backend worked: the fallback is not needed
                 except Exception as e:
-                    log(f"mixed batch check failed {e!r}")
+                    log(f"{shape_name} prefix={prefix} {name} unavailable: {e!r}"[:400])
+                    log.row(kind="sdpa_bf16", variant=name, error=repr(e)[:300], **case)
+            del q4, k4, v4
+        except Exception as e:
+            log(f"{shape_name} prefix={prefix} SDPA section failed {e!r}"[:400])
 
-    # ---- mixed batch through attention(): plan, eager and CUDA-graph replay
-    try:
-        if not mixed_done:
-            mixed_batch_check(log, smoke, timeit)
-    except Exception as e:
-        log(f"mixed batch check failed {e!r}")
-        traceback.print_exc()
+    # ---- best per family (the sweep's winners are reused by later cases of this shape)
+    fam_best = {}
+    for name, (us, var) in times.items():
+        key = (var["kv"], var["pv"])
+        if var["prequant"]:
+            continue
+        if key not in fam_best or us < fam_best[key][1]:
+            fam_best[key] = (name, us, var)
+    if do_sweep:
+        for key, (name, _, _) in fam_best.items():
+            best[key] = name
+    bf = fam_best.get(("bf16", "bf16"))
+    summary = []
+    for key in FAMILIES:
+        if key not in fam_best:
+            continue
+        name, us, var = fam_best[key]
+        default = next((times[v["name"]][0] for v in variants
+                        if v["default"] and (v["kv"], v["pv"]) == key and v["name"] in times), None)
+        r = {"kind": "prefill_summary", "kv_dtype": key[0], "pv_mode": key[1], "best_variant": name, "time_us": us,
+             "effective_tflops": flops / (us * 1e-6) / 1e12, "library_default_time_us": default,
+             "ratio_vs_own_bf16_cache": (bf[1] / us) if bf else None,
+             "sdpa_best": sdpa_best[0] if sdpa_best else None, "sdpa_time_us": sdpa_best[1] if sdpa_best else None,
+             "ratio_vs_sdpa_bf16": (sdpa_best[1] / us) if sdpa_best else None, **case}
+        log.row(**r)
+        summary.append(r)
+    return summary
 
-    log("==== summary ====")
-    for r in summary:
-        log(f"{r['shape']:12s} prefix={r['prefix']:6d} {r['kv_dtype']:5s} best={r['best_variant']:24s} "
-            f"{r['time_us'] / 1e3:7.3f} ms {r['effective_tflops']:7.1f} TFLOP/s "
-            f"vs own bf16 {r['ratio_vs_own_bf16_cache'] or float('nan'):5.2f}x "
-            f"vs SDPA({r['sdpa_best']}) {r['ratio_vs_sdpa_bf16'] or float('nan'):5.2f}x")
-    log(f"total {time.time() - t_start:.0f}s")
 
-
+# --------------------------------------------------------------------------- mixed batch
 def mixed_batch_check(log, smoke, timeit, warm_only=False):
-    """Decode + prefill sequences in one attention() call: plan vs no plan vs one by one,
-    and the planned run replayed from a CUDA graph."""
+    """Decode + prefill sequences in one attention() call, checked against float64 on every
+    row: no plan, a plan read from the batch, a plan from host bounds only (no read), and
+    the planned run captured in a CUDA graph and replayed."""
     from int8attn import reference, testing
     from int8attn.bench import time_graph
     from int8attn.ops.attention import attention, plan_attention
+    from int8attn.ops.decode import MAX_DECODE_QUERY_LEN
 
     if smoke:
         seq_lens, q_lens, shape = [20, 33, 9, 40], [1, 20, 9, 3], (4, 2, 64)
@@ -537,26 +440,212 @@ def mixed_batch_check(log, smoke, timeit, warm_only=False):
     out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=b.query.device))
     attention(*args, out=out)
     plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, hq)
+    bound_plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, hq,
+                                num_tokens=sum(q_lens), max_query_len=max(q_lens), has_decode=True, has_prefill=True)
     out_plan = testing.poisoned_like(out)
     attention(*args, out=out_plan, plan=plan)
+    out_bound = testing.poisoned_like(out)
+    attention(*args, out=out_bound, plan=bound_plan)
     if warm_only:
         return
     ref = reference.attention_reference(*args)
-    err = reference.error_stats(out, ref)
-    same = bool(torch.equal(out, out_plan))
-    log(f"mixed batch: all written={bool(torch.isfinite(out).all())} rel_l2 vs float64={err['rel_l2']:.4f} "
-        f"plan==no-plan {same} launches={plan.launches}")
-    row = {"kind": "mixed_batch", "seq_lens": seq_lens, "q_lens": q_lens, "rel_l2_vs_reference": err["rel_l2"],
-           "plan_equals_no_plan": same, "launches": list(plan.launches)}
+    ref_q = reference.attention_reference_quantized(*args)
+    is_decode = torch.tensor([1 <= q <= MAX_DECODE_QUERY_LEN for q in q_lens for _ in range(q)])
+    row = {"kind": "mixed_batch", "seq_lens": seq_lens, "q_lens": q_lens, "num_q_heads": hq, "num_kv_heads": hkv,
+           "head_dim": d, "kv_dtype": "int8", "launches": list(plan.launches)}
+    for tag, o in (("no_plan", out), ("plan", out_plan), ("bound_plan", out_bound)):
+        err = reference.error_stats(o, ref)
+        row[f"{tag}_all_written"] = bool(torch.isfinite(o).all())
+        row[f"{tag}_rel_l2"] = err["rel_l2"]
+    row["rel_l2_vs_quantized_query_ref"] = reference.error_stats(out, ref_q)["rel_l2"]
+    oc = out.float().cpu()
+    row["decode_rows_rel_l2"] = reference.error_stats(oc[is_decode], ref[is_decode])["rel_l2"]
+    row["prefill_rows_rel_l2"] = reference.error_stats(oc[~is_decode], ref[~is_decode])["rel_l2"]
+    row["plan_equals_no_plan"] = bool(torch.equal(out, out_plan))
+    row["bound_plan_equals_plan"] = bool(torch.equal(out_bound, out_plan))
+    log(f"mixed batch: written={row['no_plan_all_written']}/{row['plan_all_written']}/{row['bound_plan_all_written']} "
+        f"rel_l2 no-plan={row['no_plan_rel_l2']:.4f} plan={row['plan_rel_l2']:.4f} "
+        f"bound-plan={row['bound_plan_rel_l2']:.4f} (decode rows {row['decode_rows_rel_l2']:.4f}, "
+        f"prefill rows {row['prefill_rows_rel_l2']:.4f}) plan==no-plan {row['plan_equals_no_plan']} "
+        f"launches={plan.launches}")
     if not smoke:
         row["eager_no_plan_us"] = timeit(lambda: attention(*args, out=out))
         row["eager_plan_us"] = timeit(lambda: attention(*args, out=out_plan, plan=plan))
-        out_graph = testing.poisoned_like(out)
-        row["graph_plan_us"] = time_graph(lambda: attention(*args, out=out_graph, plan=plan), replays=5, repeats=5)
-        row["graph_equals_eager"] = bool(torch.equal(out_graph, out_plan))
+        try:
+            out_graph = testing.poisoned_like(out)
+            row["graph_plan_us"] = time_graph(lambda: attention(*args, out=out_graph, plan=bound_plan),
+                                              replays=5, repeats=5)
+            row["graph_all_written"] = bool(torch.isfinite(out_graph).all())
+            row["graph_equals_eager"] = bool(torch.equal(out_graph, out_bound))
+            row["graph_rel_l2"] = reference.error_stats(out_graph, ref)["rel_l2"]
+            # a graph replayed after the inputs changed in place sees the new values
+            out_graph.fill_(float("nan"))
+            g = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                attention(*args, out=out_graph, plan=bound_plan)
+            torch.cuda.current_stream().wait_stream(s)
+            with torch.cuda.graph(g):
+                attention(*args, out=out_graph, plan=bound_plan)
+            out_graph.fill_(float("nan"))
+            q_saved = b.query.clone()
+            b.query.mul_(0.5)
+            g.replay()
+            torch.cuda.synchronize()
+            ref_half = reference.attention_reference(*args)
+            row["graph_replay_new_inputs_rel_l2"] = reference.error_stats(out_graph, ref_half)["rel_l2"]
+            row["graph_replay_new_inputs_all_written"] = bool(torch.isfinite(out_graph).all())
+            b.query.copy_(q_saved)
+            del g
+        except Exception as e:
+            row["graph_error"] = repr(e)[:300]
         log(f"mixed batch: eager no-plan {row['eager_no_plan_us']:.1f} us, plan {row['eager_plan_us']:.1f} us, "
-            f"graph replay {row['graph_plan_us']:.1f} us, graph==eager {row['graph_equals_eager']}")
+            f"graph replay {row.get('graph_plan_us', float('nan')):.1f} us, graph==eager "
+            f"{row.get('graph_equals_eager')}, graph rel_l2 {row.get('graph_rel_l2', float('nan')):.4f}, "
+            f"replay with new inputs rel_l2 {row.get('graph_replay_new_inputs_rel_l2', float('nan')):.4f} "
+            f"{row.get('graph_error', '')}")
     log.row(**row)
+    return row
+
+
+# --------------------------------------------------------------------------- extras
+def extras(log, timeit):
+    """Query quantization alone and inside the fused producer (4096 tokens, 24q/4kv/D256)."""
+    from int8attn import reference as R
+    from int8attn.cache import PagedKVCache
+    from int8attn.ops.producer import quantize_query, rope_quantize_and_write
+
+    q = torch.randn(CHUNK, 24, 256, device="cuda").to(torch.bfloat16)
+    us = timeit(lambda: quantize_query(q, "int8"))
+    log(f"quantize_query 4096x24x256 int8: {us:.1f} us")
+    log.row(kind="quantize_query", num_tokens=CHUNK, num_heads=24, head_dim=256, kv_dtype="int8", time_us=us)
+    cache = PagedKVCache(CHUNK // 16 + 4, 16, 4, 256, kv_dtype="int8", device="cuda")
+    kx = torch.randn(CHUNK, 4, 256, device="cuda").to(torch.bfloat16)
+    vx = torch.randn(CHUNK, 4, 256, device="cuda").to(torch.bfloat16)
+    pos = torch.arange(CHUNK, device="cuda")
+    cs = R.rope_cos_sin_cache(CHUNK, 64, device="cuda")
+    slots = torch.arange(CHUNK, device="cuda")
+    rope_quantize_and_write(q, kx, vx, pos, cs, cache, slots)
+    us = timeit(lambda: rope_quantize_and_write(q, kx, vx, pos, cs, cache, slots))
+    log(f"fused producer (RoPE 64 of 256 + K/V write + Q quant) 4096 tokens 24q/4kv/D256: {us:.1f} us")
+    log.row(kind="fused_producer", num_tokens=CHUNK, num_q_heads=24, num_kv_heads=4, head_dim=256, rotary_dim=64,
+            kv_dtype="int8", time_us=us)
+
+
+# --------------------------------------------------------------------------- summary
+def write_summary(path, summary, mixed, log):
+    lines = ["| shape | prefix | cache | PV | best variant | ms | TFLOP/s | default ms | vs own BF16 | vs SDPA BF16 "
+             "| SDPA ms (backend) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in summary:
+        fmt = lambda x, f: (f.format(x) if x is not None else "-")  # noqa: E731
+        lines.append(f"| {r['shape']} | {r['prefix']} | {r['kv_dtype']} | {r['pv_mode']} | {r['best_variant']} "
+                     f"| {r['time_us'] / 1e3:.3f} | {r['effective_tflops']:.0f} "
+                     f"| {fmt(r['library_default_time_us'] and r['library_default_time_us'] / 1e3, '{:.3f}')} "
+                     f"| {fmt(r['ratio_vs_own_bf16_cache'], '{:.2f}')} | {fmt(r['ratio_vs_sdpa_bf16'], '{:.2f}')} "
+                     f"| {fmt(r['sdpa_time_us'] and r['sdpa_time_us'] / 1e3, '{:.3f}')} ({r['sdpa_best']}) |")
+    if mixed:
+        lines += ["", "Mixed batch (attention(), int8 cache): "
+                  + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in mixed.items()
+                              if k not in ("kind",))]
+    text = "\n".join(lines) + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+    log("==== summary ====\n" + text)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--rep-ms", type=float, default=30)
+    ap.add_argument("--budget-s", type=float, default=150, help="start no new section after this many seconds")
+    ap.add_argument("--cases", default="", help="subset of case indices into CASES, e.g. 0,2")
+    ap.add_argument("--extras", action="store_true", help="also time quantize_query and the fused producer")
+    args = ap.parse_args()
+    t_start = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    smoke = args.smoke
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+    from int8attn.bench import time_eager
+
+    log = Log(args.out)
+    dev = "cpu" if smoke else "cuda"
+    chunk = 40 if smoke else CHUNK
+    cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else list(CASES)
+    if smoke:
+        cases = [("smoke", 33, True), ("smoke", 0, False)]
+        SHAPES["smoke"] = (4, 2, 64)
+    variants = {name: (smoke_sweep if smoke else sweep)(SHAPES[name][2]) for name in {c[0] for c in cases}}
+    log("env", json.dumps(log.env))
+
+    def timeit(fn):
+        if smoke:
+            t = time.time()
+            fn()
+            return 1e6 * (time.time() - t)
+        return time_eager(fn, warmup_ms=10, rep_ms=args.rep_ms)
+
+    def over_budget(what):
+        spent = time.time() - t_start
+        if spent > args.budget_s:
+            log(f"SKIPPED {what}: {spent:.0f}s spent of the {args.budget_s:.0f}s budget")
+            log.row(kind="skipped", section=what, elapsed_s=spent)
+            return True
+        return False
+
+    # ---- 1. parallel compile
+    if not smoke:
+        try:
+            import multiprocessing as mp
+
+            jobs = [(None, "mixed")] + [(SHAPES[name], v) for name in variants for v in variants[name]]
+            t = time.time()
+            with mp.get_context("spawn").Pool(min(args.workers, len(jobs))) as pool:
+                for name, secs, err in pool.imap_unordered(_warm_worker, jobs):
+                    log(f"compiled {name} in {secs}s" + (f" ERROR {err}" if err else ""))
+            log(f"parallel compile: {len(jobs)} jobs in {time.time() - t:.1f}s")
+        except Exception as e:
+            log(f"parallel compile failed {e!r} (kernels compile on first use)")
+
+    # ---- 2./3. cases; the mixed batch right after the headline
+    summary, mixed, best = [], None, {}
+    for i, (shape_name, prefix, do_sweep) in enumerate(cases):
+        if over_budget(f"case {shape_name} prefix {prefix}"):
+            continue
+        try:
+            t = time.time()
+            summary += run_case(log, args, shape_name, prefix, do_sweep, variants[shape_name],
+                                best.setdefault(shape_name, {}), smoke, timeit, chunk, dev)
+            log(f"case {shape_name} prefix {prefix}: {time.time() - t:.1f}s")
+        except Exception as e:
+            log(f"case {shape_name} prefix {prefix} failed {e!r}"[:600])
+            traceback.print_exc()
+        if not smoke:
+            torch.cuda.empty_cache()
+        if i == 0 and not over_budget("mixed batch"):
+            try:
+                t = time.time()
+                mixed = mixed_batch_check(log, smoke, timeit)
+                log(f"mixed batch: {time.time() - t:.1f}s")
+            except Exception as e:
+                log(f"mixed batch check failed {e!r}"[:600])
+                traceback.print_exc()
+
+    # ---- 5. extras
+    if args.extras and not smoke and not over_budget("extras"):
+        try:
+            extras(log, timeit)
+        except Exception as e:
+            log(f"extras failed {e!r}"[:400])
+
+    try:
+        write_summary(os.path.join(args.out, "prefill_summary.md"), summary, mixed, log)
+    except Exception as e:
+        log(f"summary failed {e!r}")
+    log(f"total {time.time() - t_start:.0f}s")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ every cache dtype and PV precision, varlen batches, skipped sequences, pre-quant
 queries, and inputs rejected before any launch."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -76,10 +77,32 @@ def test_gqa_head_dims_page_sizes(hq, hkv, d, bs, device):
     (PrefillConfig(block_m=16, block_n=64, dv=16, num_warps=4, num_stages=1), "int8"),   # 4 chunks, tile > page
     (PrefillConfig(block_m=64, block_n=16, p_shift=True, num_warps=4, num_stages=1), "int8"),  # P on 0..255
     (PrefillConfig(block_m=32, block_n=32, dv=16, num_warps=4, num_stages=1), "bf16"),   # 16-bit PV, 4 chunks
-], ids=["dv2", "dv4_n64", "shift", "pv16_dv4"])
+    # V loaded right before each PV dot; cvt_asm asked for but off outside CUDA (portable path)
+    (PrefillConfig(block_m=32, block_n=32, dv=32, v_late=True, cvt_asm=True, num_warps=4, num_stages=1), "bf16"),
+    (PrefillConfig(block_m=16, block_n=32, dv=16, v_late=True, num_warps=4, num_stages=1), "int8"),
+], ids=["dv2", "dv4_n64", "shift", "pv16_dv4", "pv16_late_dv2", "pv8_late_dv4"])
 def test_kernel_variants(config, pv, device):
     b = batch([97, 5], [60, 5], seed=11, device=device)
     run_and_check(b, config=config, pv=pv)
+
+
+@pytest.mark.parametrize("kv,scale", [("int8", 2.0), ("bf16", 2.0), ("fp8", 0.05)])
+def test_lazy_rescale_matches_eager_rescale(kv, scale, device):
+    """16-bit PV rescales the accumulator only when a running max grows by > 2**4; with
+    peaked scores (softmax_scale 2: maxima jump by far more than 4 in log2 units from tile
+    to tile) and flat ones, lazy and every-tile rescaling agree with the references."""
+    b = batch([70, 45], [50, 45], kv=kv, seed=21, device=device)
+    # peaked softmax magnifies the query's quantization error, so the bound that holds is
+    # the one against the quantized-query reference
+    refq = reference.attention_reference_quantized(*args_of(b), softmax_scale=scale)
+    outs = []
+    for lazy in (True, False):
+        out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
+        prefill_attention(*args_of(b), out=out, pv_mode="bf16", config=replace(SMALL, lazy_rescale=lazy),
+                          softmax_scale=scale)
+        testing.assert_close_verbose(out, refq, rel_l2=TOL_QUANTIZED[(kv, "bf16")], name=f"lazy={lazy}")
+        outs.append(out)
+    testing.assert_close_verbose(outs[0], outs[1].float(), rel_l2=2e-3, name="lazy vs eager rescale")
 
 
 def test_varlen_batch(device):
@@ -137,6 +160,20 @@ def test_outlier_free_gaussian_and_tiny_values(device):
         run_and_check(b, pv=pv)
 
 
+def test_small_values_in_the_first_tile(device):
+    """The fp16 P unit comes from the first KV tile's V scales: values 1e-3 smaller there
+    than later (a sink-like start) must neither overflow P nor lose the later keys."""
+    def writer(c, k, v, s):
+        v = v.clone()
+        v[:20] *= 1e-3
+        reference.write_kv_reference(c, k, v, s)
+
+    b = testing.make_paged_batch([90], [40], num_q_heads=4, num_kv_heads=2, head_dim=64, seed=13, device=device,
+                                 writer=writer)
+    out = run_and_check(b, pv="bf16")
+    assert torch.isfinite(out.float()).all()
+
+
 # --------------------------------------------------------------------------- bad input
 def _bad_calls(b):
     q, cache, bt, sl, qsl = args_of(b)
@@ -156,6 +193,8 @@ def _bad_calls(b):
         "config type": (TypeError, dict(config={"block_m": 16})),
         "config block_n": (ValueError, dict(config=PrefillConfig(block_n=24))),
         "config dv": (ValueError, dict(config=PrefillConfig(dv=128))),
+        "config v_late": (TypeError, dict(config=PrefillConfig(v_late=1))),
+        "config cvt_asm": (TypeError, dict(config=PrefillConfig(cvt_asm="yes"))),
         "q_scale without q_quant": (ValueError, dict(q_scale=torch.ones(q.shape[:2]))),
         "out shape": (ValueError, dict(out=torch.empty(3, 4, 64, dtype=torch.bfloat16))),
     }
@@ -199,3 +238,22 @@ def test_gpu_default_config(kv):
     key = (kv, DEFAULT_PV[kv])
     testing.assert_close_verbose(out, ref, rel_l2=TOL_REFERENCE[key])
     assert math.isfinite(float(out.float().abs().max()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d,hq,hkv", [(256, 24, 4), (128, 32, 8)])
+def test_gpu_ptx_v_conversion_matches_portable(d, hq, hkv):
+    """INT8 V -> fp16 by PTX byte permutes (the CUDA default) gives the same bits as the
+    portable conversion, early or late V loads, and stays within the reference bound."""
+    b = batch([900, 200], [500, 200], hq=hq, hkv=hkv, d=d, kv="int8", seed=12, device="cuda")
+    outs = {}
+    for late in (False, True):
+        for asm in (False, True):
+            out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+            cfg = PrefillConfig(block_m=128, block_n=64, dv=128, v_late=late, cvt_asm=asm, num_warps=8, num_stages=2)
+            prefill_attention(*args_of(b), out=out, pv_mode="bf16", config=cfg)
+            outs[late, asm] = out
+    ref = reference.attention_reference(*args_of(b))
+    testing.assert_close_verbose(outs[True, True], ref, rel_l2=TOL_REFERENCE[("int8", "bf16")])
+    assert torch.equal(outs[False, True], outs[False, False])
+    assert torch.equal(outs[True, True], outs[True, False])

@@ -29,15 +29,20 @@ Per KV tile:
   whose low byte is the int8 (no float->int conversion). The int8 x int8 PV dot again
   starts at ``0x4B400000``. ``PV_FP8``: ``p * sV / r`` with ``r = rowmax / 448`` cast to
   e4m3, fp8 dot into the fp32 accumulator. ``PV_BF16``: 16-bit P times V in the same
-  precision -- bf16 for a bf16 cache; fp16 for 8-bit caches (``r`` = the tile's largest
-  V scale; int8 V becomes fp16 exactly by a bit trick, without a conversion instruction).
-* The output accumulator is kept in units of the current tile's ``r``: one FMA per
-  element and tile (after the exact bias subtraction for int8 PV; inside the dot for
-  16-bit and fp8 PV), ``acc = acc * (alpha * r_old / r_new) + pv`` (alpha the online
-  softmax rescale); for 8-bit P, ``r`` is bounded below by ``max(sV) * 2**-20 / levels``
-  so the units never run away on tiles with negligible weight.
+  precision -- bf16 for a bf16 cache; fp16 for 8-bit caches, where ``r`` is one unit per
+  program (16 x the largest V scale of the first KV tile: no per-tile reduction) and
+  int8 V becomes fp16 exactly without a conversion instruction (``CVT_ASM``: PTX byte
+  permutes, 4 values per register; otherwise a portable bit trick).
+* The output accumulator is kept in units of ``r``: one FMA per element and tile (after
+  the exact bias subtraction for int8 PV; inside the dot for 16-bit and fp8 PV),
+  ``acc = acc * (alpha * r_old / r_new) + pv`` (alpha the online softmax rescale; for
+  fp16 P, ``r_old == r_new``); for 8-bit P, ``r`` is bounded below by
+  ``max(sV) * 2**-20 / levels`` so the units never run away on tiles with negligible weight.
 * ``DV``: the PV product and accumulator are split in ``HEAD_DIM // DV`` column chunks
-  (one dot each), which bounds the live int32 PV tile at head_dim 256.
+  (one dot each), which bounds the live int32 PV tile at head_dim 256. ``V_LATE`` loads
+  each V chunk right before its dot instead of before QK: at head_dim 256 the V tile
+  otherwise stays live across QK and softmax next to the 128-register accumulator and
+  the compiler spills inside the loop.
 
 Tensor layouts (last dims unit stride, other strides passed explicitly):
 
@@ -82,6 +87,12 @@ MAGIC_I = tl.constexpr(0x4B400000)
 NEG_BIG = tl.constexpr(-1.0e30)
 #: Lower bound of the P quantization step relative to the tile's largest V scale (2**-20).
 MIN_REL_STEP = tl.constexpr(9.5367431640625e-07)
+#: Lazy rescaling threshold (log2 units): the running max moves only when it grew by more,
+#: so p <= 2**LAZY_TAU = 16.
+LAZY_TAU = tl.constexpr(4.0)
+#: fp16 P unit (8-bit caches, 16-bit PV) over the first KV tile's largest V scale: with
+#: p <= 16, P = p * sV / unit <= sV / max(sV of the first tile).
+P_UNIT_MARGIN = tl.constexpr(16.0)
 
 
 @triton.jit
@@ -119,9 +130,23 @@ def _load_v(v_ptr, row_off, col0, offs_dv, in_seq, MASKED: tl.constexpr, KV_KIND
 
 
 @triton.jit
+def _int8_to_fp16_ptx(v):
+    """int8 -> fp16 exactly, four values per 32-bit register: flip the sign bits (v + 128 as
+    a byte), byte-permute each byte under 0x64 (the fp16 1024 + byte), subtract 1152 on
+    pairs: 1.25 instructions per value (LOP3, 2 PRMT, 2 HADD2 per 4). NVIDIA PTX only; the
+    launcher sets CVT_ASM on CUDA devices and the portable bit trick is used elsewhere."""
+    return tl.inline_asm_elementwise(
+        "{.reg .b32 t, c; xor.b32 t, $2, 0x80808080; mov.b32 c, 0x64806480; "
+        "prmt.b32 $0, t, 0x64646464, 0x5150; prmt.b32 $1, t, 0x64646464, 0x5352; "
+        "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c;}",
+        "=r,=r,r", [v], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
 def _pv_chunk(acc, p_op, factor, v,
               BLOCK_M: tl.constexpr, DV: tl.constexpr,
-              KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr, INTERPRET: tl.constexpr):
+              KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr, CVT_ASM: tl.constexpr,
+              LAZY: tl.constexpr, INTERPRET: tl.constexpr):
     """``acc * factor + P . v`` for one column chunk ``v`` [BLOCK_N, DV] of the V tile."""
     if PV_KIND == PV_INT8:
         start = tl.full([BLOCK_M, DV], MAGIC_I, tl.int32)
@@ -137,24 +162,31 @@ def _pv_chunk(acc, p_op, factor, v,
         if INTERPRET:
             v = v.to(tl.float32)
         elif KV_KIND == KIND_INT8:
-            # int8 -> fp16 without a conversion instruction: the fp16 with bits
-            # 0x6400 + (v + 128) is 1024 + 128 + v exactly.
-            v = (v.to(tl.int16) + (0x6400 + 128)).to(tl.float16, bitcast=True) - 1152.0
+            if CVT_ASM:
+                v = _int8_to_fp16_ptx(v)
+            else:
+                # int8 -> fp16 without a conversion instruction: the fp16 with bits
+                # 0x6400 + (v + 128) is 1024 + 128 + v exactly.
+                v = (v.to(tl.int16) + (0x6400 + 128)).to(tl.float16, bitcast=True) - 1152.0
         elif KV_KIND == KIND_FP8:
-            v = v.to(tl.float16)
-        acc = tl.dot(p_op, v, acc * factor[:, None])
+            v = v.to(tl.float16)  # already two values per cvt (F2FP) in the SASS
+        if LAZY:
+            acc = tl.dot(p_op, v, acc)
+        else:
+            acc = tl.dot(p_op, v, acc * factor[:, None])
     return acc
 
 
 @triton.jit
 def _attend_tile(
     start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
-    q, row_scale, row_limit, kv_end,
+    q, row_scale, row_limit, kv_end, inv_unit,
     bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
     offs_n, offs_d, offs_dv,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DV: tl.constexpr,
     PAGE: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
-    MASKED: tl.constexpr, INTERPRET: tl.constexpr,
+    MASKED: tl.constexpr, V_LATE: tl.constexpr, CVT_ASM: tl.constexpr, LAZY: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """One KV tile of keys ``[start, start + BLOCK_N)`` folded into the running state."""
     pos = start + offs_n
@@ -168,18 +200,20 @@ def _attend_tile(
     scale_off = blk * stride_sb + scale_head + slot
     NUM_DV: tl.constexpr = HEAD_DIM // DV
     # 8-bit V reaches the tensor cores through registers (the dot wants it K-major, the
-    # cache stores it row-major): issue its loads first so they overlap QK and softmax.
-    v0 = _load_v(v_ptr, row_off, 0, offs_dv, in_seq, MASKED, KV_KIND)
-    if NUM_DV > 1:
-        v1 = _load_v(v_ptr, row_off, DV, offs_dv, in_seq, MASKED, KV_KIND)
-    else:
-        v1 = v0
-    if NUM_DV > 2:
-        v2 = _load_v(v_ptr, row_off, 2 * DV, offs_dv, in_seq, MASKED, KV_KIND)
-        v3 = _load_v(v_ptr, row_off, 3 * DV, offs_dv, in_seq, MASKED, KV_KIND)
-    else:
-        v2 = v0
-        v3 = v0
+    # cache stores it row-major): issue its loads first so they overlap QK and softmax,
+    # unless V_LATE (fewer live registers across QK and softmax).
+    if not V_LATE:
+        v0 = _load_v(v_ptr, row_off, 0, offs_dv, in_seq, MASKED, KV_KIND)
+        if NUM_DV > 1:
+            v1 = _load_v(v_ptr, row_off, DV, offs_dv, in_seq, MASKED, KV_KIND)
+        else:
+            v1 = v0
+        if NUM_DV > 2:
+            v2 = _load_v(v_ptr, row_off, 2 * DV, offs_dv, in_seq, MASKED, KV_KIND)
+            v3 = _load_v(v_ptr, row_off, 3 * DV, offs_dv, in_seq, MASKED, KV_KIND)
+        else:
+            v2 = v0
+            v3 = v0
     if MASKED:
         k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0)
     else:
@@ -194,7 +228,9 @@ def _attend_tile(
             k_scale = tl.load(k_scale_ptr + scale_off)
         start_acc = tl.full([BLOCK_M, BLOCK_N], MAGIC_I, tl.int32)
         x = tl.dot(q, tl.trans(k), acc=start_acc, out_dtype=tl.int32).to(tl.float32, bitcast=True)
-        t = (x - MAGIC_F) * k_scale[None, :]
+        # (x - MAGIC_F) * sK as one FMA per score, x * sK + c with the per-key c = -MAGIC_F * sK
+        # rounded once (off by at most one unit of the integer dot times sK).
+        t = x * k_scale[None, :] + (k_scale * -MAGIC_F)[None, :]
     elif KV_KIND == KIND_FP8:
         if MASKED:
             k_scale = tl.load(k_scale_ptr + scale_off, mask=in_seq, other=0.0)
@@ -210,9 +246,28 @@ def _attend_tile(
 
     # ---- online softmax (base 2)
     m_new = tl.maximum(m_i, tl.max(t, 1) * row_scale)
-    alpha = tl.exp2(m_i - m_new)
+    if LAZY:
+        # 16-bit PV: rescale the accumulator only when some row's running max grew by more
+        # than LAZY_TAU (one scalar test per tile instead of an FMUL per accumulator
+        # element); otherwise keep the old max, so p <= 2**LAZY_TAU (bf16 P: no range
+        # issue; fp16 P: see P_UNIT_MARGIN).
+        if tl.max(m_new - m_i, 0) > LAZY_TAU:
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha
+            acc0 = acc0 * alpha[:, None]
+            if NUM_DV > 1:
+                acc1 = acc1 * alpha[:, None]
+            if NUM_DV > 2:
+                acc2 = acc2 * alpha[:, None]
+                acc3 = acc3 * alpha[:, None]
+            m_i = m_new
+        m_new = m_i
+        alpha = tl.full([BLOCK_M], 1.0, tl.float32)
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha
     p = tl.exp2(t * row_scale[:, None] - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i + tl.sum(p, 1)
 
     # ---- P operand (V scale folded in) and the accumulator's rescale factor
     pv = p
@@ -228,12 +283,11 @@ def _attend_tile(
             factor = alpha
             p_op = pv.to(tl.bfloat16)
         else:
-            # fp16 P scaled by the tile's largest V scale, so small V scales never push
-            # P into fp16 subnormals; the accumulator follows in units of that scale.
-            r_new = tl.full([BLOCK_M], 1.0, tl.float32) * tl.max(v_scale, 0)
-            factor = alpha * (r_i / r_new)
-            r_i = r_new
-            p_op = (p * (v_scale * (1.0 / tl.max(v_scale, 0)))[None, :]).to(tl.float16)
+            # fp16 P = p * sV / unit with one unit per program (``inv_unit``, set from the
+            # first KV tile, see the kernel): no per-tile reduction, and the accumulator
+            # stays in that unit (r_i), so the rescale factor is alpha alone.
+            factor = alpha
+            p_op = (p * (v_scale * inv_unit)[None, :]).to(tl.float16)
         if INTERPRET:
             p_op = p_op.to(tl.float32)
     else:
@@ -260,12 +314,20 @@ def _attend_tile(
                 u = pv * inv_r[:, None] + MAGIC_F
             p_op = u.to(tl.int32, bitcast=True).to(tl.int8)
 
-    acc0 = _pv_chunk(acc0, p_op, factor, v0, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, INTERPRET)
+    if V_LATE:
+        v0 = _load_v(v_ptr, row_off, 0, offs_dv, in_seq, MASKED, KV_KIND)
+    acc0 = _pv_chunk(acc0, p_op, factor, v0, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     if NUM_DV > 1:
-        acc1 = _pv_chunk(acc1, p_op, factor, v1, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, INTERPRET)
+        if V_LATE:
+            v1 = _load_v(v_ptr, row_off, DV, offs_dv, in_seq, MASKED, KV_KIND)
+        acc1 = _pv_chunk(acc1, p_op, factor, v1, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     if NUM_DV > 2:
-        acc2 = _pv_chunk(acc2, p_op, factor, v2, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, INTERPRET)
-        acc3 = _pv_chunk(acc3, p_op, factor, v3, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, INTERPRET)
+        if V_LATE:
+            v2 = _load_v(v_ptr, row_off, 2 * DV, offs_dv, in_seq, MASKED, KV_KIND)
+        acc2 = _pv_chunk(acc2, p_op, factor, v2, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
+        if V_LATE:
+            v3 = _load_v(v_ptr, row_off, 3 * DV, offs_dv, in_seq, MASKED, KV_KIND)
+        acc3 = _pv_chunk(acc3, p_op, factor, v3, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     return m_new, l_i, r_i, acc0, acc1, acc2, acc3
 
 
@@ -289,7 +351,8 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
-    Q_QUANTIZED: tl.constexpr, SEARCH: tl.constexpr, INTERPRET: tl.constexpr,
+    Q_QUANTIZED: tl.constexpr, SEARCH: tl.constexpr, V_LATE: tl.constexpr, CVT_ASM: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tile = num_tiles - 1 - tl.program_id(0)  # longest tiles first
     kv_head = tl.program_id(1)
@@ -350,24 +413,42 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     r_i = tl.full([BLOCK_M], 1.0, tl.float32)
+    inv_unit = 1.0
+    if KV_KIND != KIND_BF16:
+        if PV_KIND == PV_BF16:
+            # Unit of the fp16 P operand and of the accumulator: P_UNIT_MARGIN x the
+            # largest V scale of the first KV tile. P = p * sV / unit (p <= 16 with lazy
+            # rescaling) stays below 65504 unless a later key's V scale is 65504 times
+            # that; P turns fp16-subnormal (absolute error <= 2**-25) only where
+            # p * sV / max(sV of the first tile) < 2**-10.
+            pos0 = offs_n
+            blk0 = tl.load(bt_row + pos0 // PAGE, mask=pos0 < kv_end, other=0).to(tl.int64)
+            v_first = tl.load(v_scale_ptr + blk0 * stride_sb + scale_head + pos0 % PAGE, mask=pos0 < kv_end,
+                              other=0.0)
+            unit = tl.max(v_first, 0) * P_UNIT_MARGIN
+            unit = tl.where(unit > 0.0, unit, 1.0)
+            inv_unit = 1.0 / unit
+            r_i = tl.full([BLOCK_M], 1.0, tl.float32) * unit
     acc0 = tl.zeros([BLOCK_M, DV], tl.float32)
     acc1 = tl.zeros([BLOCK_M, DV], tl.float32)
     acc2 = tl.zeros([BLOCK_M, DV], tl.float32)
     acc3 = tl.zeros([BLOCK_M, DV], tl.float32)
+    # lazy rescaling needs a fixed accumulator unit: 16-bit PV only
+    LAZY: tl.constexpr = LAZY_RESCALE and PV_KIND == PV_BF16
     for start in range(0, full_end, BLOCK_N):
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
             start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
-            q, row_scale, row_limit, kv_end,
+            q, row_scale, row_limit, kv_end, inv_unit,
             bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
             offs_n, offs_d, offs_dv,
-            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, INTERPRET)
+            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, CVT_ASM, LAZY, INTERPRET)
     for start in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
             start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
-            q, row_scale, row_limit, kv_end,
+            q, row_scale, row_limit, kv_end, inv_unit,
             bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
             offs_n, offs_d, offs_dv,
-            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, INTERPRET)
+            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, CVT_ASM, LAZY, INTERPRET)
 
     norm = tl.where(l_i > 0.0, r_i / l_i, 0.0)
     out_rows = q_row * stride_ot + row_head * stride_oh

@@ -47,7 +47,12 @@ class PrefillConfig:
     block_m: rows per program (query tokens x GQA group, padded); block_n: keys per KV
     tile; dv: output columns per PV dot (head_dim // dv dots per tile); p_shift: INT8 PV
     with P on 0..255 (stored minus 128, shift added back as 128 * colsum(V)) instead of
-    0..127; num_warps / num_stages: Triton launch options.
+    0..127; num_warps / num_stages: Triton launch options; v_late: load each V chunk
+    right before its PV dot instead of before QK (fewer live registers, V latency exposed);
+    cvt_asm: INT8 V to fp16 for 16-bit PV by PTX byte permutes (4 values per register);
+    None = on CUDA devices, off elsewhere (ROCm, interpreter); lazy_rescale: with 16-bit
+    PV, rescale the accumulator only when a row's running max grew by more than 2**4
+    (one test per tile instead of a multiply per accumulator element).
     """
 
     block_m: int = 128
@@ -56,25 +61,32 @@ class PrefillConfig:
     p_shift: bool = False
     num_warps: int = 8
     num_stages: int = 2
+    v_late: bool = False
+    cvt_asm: bool | None = None
+    lazy_rescale: bool = True
 
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> PrefillConfig:
-    """Tile / warps / stages per cache dtype, PV precision and head_dim: the fastest of the
-    H200 sweep in benchmarks/bench_prefill.py (benchmarks/notes/prefill.md); the
-    interpreter gets small tiles."""
+    """Tile / warps / stages per cache dtype, PV precision and head_dim: the H200 sweep of
+    round 1 and the sm_90 compile analysis of round 2 (no local-memory traffic in the KV
+    loop where reachable; benchmarks/notes/prefill.md); the interpreter gets small tiles."""
     if interpret_mode():
         return PrefillConfig(block_m=32, block_n=32, dv=None, num_warps=4, num_stages=1)
     if kv_dtype == "bf16":
         if head_dim > 128:
             return PrefillConfig(block_m=128, block_n=64, dv=head_dim, num_warps=8, num_stages=2)
         return PrefillConfig(block_m=128, block_n=128, dv=head_dim, num_warps=8, num_stages=2)
+    # 8-bit caches (sm_90 AOT compile, Triton 3.6, benchmarks/notes/prefill.md): at head_dim
+    # 256 the 64 x 256 fp32 accumulator alone is 128 registers per thread, so V is loaded
+    # right before its PV dot (v_late) and the main loop runs without local-memory traffic.
     if pv_mode == "bf16":
-        return PrefillConfig(block_m=128, block_n=64, dv=min(head_dim, 128), num_warps=8, num_stages=2)
+        return PrefillConfig(block_m=128, block_n=64, dv=min(head_dim, 128), num_warps=8, num_stages=2,
+                             v_late=head_dim > 128)
     # 8-bit PV: a fresh int32 (or fp8 partial) PV tile per dot; column chunks keep the
     # live registers within budget at head_dim 256.
     if head_dim > 128:
-        return PrefillConfig(block_m=128, block_n=64, dv=64, num_warps=8, num_stages=2)
-    return PrefillConfig(block_m=128, block_n=128, dv=head_dim, num_warps=8, num_stages=2)
+        return PrefillConfig(block_m=128, block_n=64, dv=64, num_warps=8, num_stages=2, v_late=True)
+    return PrefillConfig(block_m=128, block_n=64, dv=head_dim, num_warps=8, num_stages=2, v_late=True)
 
 
 def resolve_pv_mode(kv_dtype: str, pv_mode: str | None) -> str:
@@ -106,6 +118,11 @@ def _check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) -
 def _check_config(config: PrefillConfig, cache: PagedKVCache, group: int) -> PrefillConfig:
     d = cache.head_dim
     dv = config.dv or d
+    for name in ("p_shift", "v_late", "lazy_rescale"):
+        if not isinstance(getattr(config, name), bool):
+            raise TypeError(f"config.{name} must be a bool, got {getattr(config, name)!r}")
+    if config.cvt_asm not in (None, True, False):
+        raise TypeError(f"config.cvt_asm must be None or a bool, got {config.cvt_asm!r}")
     for name, value in (("block_m", config.block_m), ("block_n", config.block_n), ("dv", dv)):
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name}={value} must be a power of two >= 16")
@@ -187,6 +204,14 @@ def launch_grid(num_tokens: int, num_seqs: int, block_q: int, max_query_len: int
     return searched, 0, True
 
 
+def _use_cvt_asm(config: PrefillConfig, cache: PagedKVCache) -> bool:
+    """PTX conversion only where PTX exists: a CUDA (not ROCm) device, not the interpreter."""
+    native = cache.device.type == "cuda" and torch.version.hip is None and not interpret_mode()
+    if config.cvt_asm is None:
+        return native
+    return bool(config.cvt_asm) and native
+
+
 def _run(config: PrefillConfig, pv_mode: str, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
          out, q_quant, q_scale, min_query_len, max_query_len) -> torch.Tensor:
     """Launch with a checked config (no validation)."""
@@ -237,7 +262,8 @@ def _run(config: PrefillConfig, pv_mode: str, query, cache, block_table, seq_len
             GROUP=group, HEAD_DIM=head_dim, DV=config.dv, PAGE=cache.block_size,
             BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
             KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=_PV_KIND[pv_mode], P_SHIFT=bool(config.p_shift),
-            Q_QUANTIZED=q_quantized or not cache.quantized, SEARCH=search, INTERPRET=interpret_mode(),
+            Q_QUANTIZED=q_quantized or not cache.quantized, SEARCH=search, V_LATE=bool(config.v_late),
+            CVT_ASM=_use_cvt_asm(config, cache), LAZY_RESCALE=bool(config.lazy_rescale), INTERPRET=interpret_mode(),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out
