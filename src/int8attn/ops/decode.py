@@ -72,11 +72,27 @@ BUFFER_BUDGET = 180 * 1024
 SMEM_OVERHEAD = 36 * 1024
 
 
+#: Winners of the H200 sweep in benchmarks/bench_decode.py (2026-11-30, one pass of <= 16
+#: packed rows at head_dim 256; the same config won at bs16 L32k, bs1 L32k and bs64 L8k):
+#: int8 32/4/9 ran 429.7 us at bs16 L32k against 549.0 for the rule below (64/8/9), bf16
+#: 64/8/5 479.9 against 608.2 (32/8/9). Other shapes keep the rule: at 32 packed rows the
+#: 4-warp and 128-key configs spill.
+MEASURED_BEST = {
+    ("int8", 256, 16): DecodeConfig(block_n=32, num_warps=4, num_stages=9),
+    ("fp8", 256, 16): DecodeConfig(block_n=64, num_warps=8, num_stages=7),
+    ("bf16", 256, 16): DecodeConfig(block_n=64, num_warps=8, num_stages=5),
+}
+
+
 def default_config(kv_dtype: str, head_dim: int, block_m: int, block_size: int) -> DecodeConfig:
-    """Tile, warps and stages per cache dtype / head_dim: a K+V tile of ~TILE_BYTES
+    """Tile, warps and stages per cache dtype / head_dim: the measured winner where the
+    H200 sweep covered the shape (``MEASURED_BEST``), else a K+V tile of ~TILE_BYTES
     (64 keys at D=256 int8, 32 at D=256 bf16), as many buffered tiles as fit in
-    BUFFER_BUDGET (at most 4), 8 warps for D >= 128. Chosen from the H200 sweep in
-    benchmarks/bench_decode.py; ``block_n`` is raised to the page size if smaller."""
+    BUFFER_BUDGET (at most 4), 8 warps for D >= 128. ``block_n`` is raised to the page
+    size if smaller."""
+    best = MEASURED_BEST.get((kv_dtype, head_dim, block_m))
+    if best is not None and best.block_n >= block_size:
+        return best
     elem = 1 if kv_dtype in ("int8", "fp8") else 2
     block_n = max(16, min(128, TILE_BYTES // (2 * head_dim * elem)), block_size)
     buffers = max(1, min(4, BUFFER_BUDGET // (2 * block_n * head_dim * elem)))
