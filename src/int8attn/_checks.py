@@ -16,6 +16,7 @@ Two tiers of checks:
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -226,6 +227,18 @@ def check_attention_values(num_tokens: int, cache, block_table, seq_lens, query_
 
 
 # --------------------------------------------------------------------------- writes
+def check_kernel_options(cache, softmax_scale, op: str) -> None:
+    """What every attention kernel needs of the cache's head_dim and of softmax_scale."""
+    d = cache.head_dim
+    if d & (d - 1) or not 16 <= d <= 256:
+        raise ValueError(f"{op} needs a power-of-two head_dim in [16, 256], got {d}")
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
+
+
 def check_kv(key, value, cache) -> None:
     """key, value [N, Hkv, D] bf16 (fp16 / fp32 accepted), same shape, matching the cache."""
     dev = cache.device

@@ -285,14 +285,7 @@ def decode_attention(query, cache, block_table, seq_lens, query_start_loc, *, so
 
 
 def _check_decode_options(cache, softmax_scale, workspace) -> None:
-    d = cache.head_dim
-    if d & (d - 1) or not 16 <= d <= 256:
-        raise ValueError(f"decode_attention needs a power-of-two head_dim in [16, 256], got {d}")
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
+    _checks.check_kernel_options(cache, softmax_scale, "decode_attention")
     if workspace is not None:
         if not isinstance(workspace, DecodeWorkspace):
             raise TypeError(f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")

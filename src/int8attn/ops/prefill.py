@@ -103,14 +103,7 @@ def resolve_pv_mode(kv_dtype: str, pv_mode: str | None) -> str:
 
 
 def _check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) -> None:
-    d = cache.head_dim
-    if d & (d - 1) or not 16 <= d <= 256:
-        raise ValueError(f"prefill_attention needs a power-of-two head_dim in [16, 256], got {d}")
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            raise ValueError(f"softmax_scale must be a positive finite float, got {softmax_scale}")
+    _checks.check_kernel_options(cache, softmax_scale, "prefill_attention")
     if isinstance(min_query_len, bool) or not isinstance(min_query_len, int) or min_query_len < 0:
         raise ValueError(f"min_query_len must be an int >= 0, got {min_query_len!r}")
     if max_query_len is not None and (
