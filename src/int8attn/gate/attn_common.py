@@ -10,12 +10,26 @@ sequence when the file holds fewer tokens than a case needs.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
 
 from ..cache import PagedKVCache
 from ..reference import attend, gather_kv
+
+
+def missing_modules(names) -> list[str]:
+    """The modules of ``names`` that cannot be imported here (an experiment is then
+    reported as not available instead of failing)."""
+    missing = []
+    for name in names:
+        try:
+            if importlib.util.find_spec(name) is None:
+                missing.append(name)
+        except (ImportError, ValueError):
+            missing.append(name)
+    return missing
 
 
 def _keys_on_device(num_tokens: int, num_heads: int, head_dim: int, gen: torch.Generator, device) -> torch.Tensor:

@@ -17,12 +17,11 @@ Accuracy: every output row against float64 attention over the exact (BF16) token
 
 from __future__ import annotations
 
-import importlib.util
 
 import torch
 
 from . import metrics
-from .attn_common import build_cache_set, decode_scales, kv_bytes, make_queries, reference_attention
+from .attn_common import build_cache_set, missing_modules, decode_scales, kv_bytes, make_queries, reference_attention
 from .results import ExperimentResult, ScaleInfo
 from .runner import GateContext, PathSpec, ProofSpec, StepSpec, run_case
 
@@ -42,19 +41,8 @@ SIZES = {
 DECODE_KERNEL = "_decode_split_kernel"  # the merge kernel (no matrix product) runs only with splits
 
 
-def _missing() -> list[str]:
-    missing = []
-    for name in REQUIRES:
-        try:
-            if importlib.util.find_spec(name) is None:
-                missing.append(name)
-        except (ImportError, ValueError):
-            missing.append(name)
-    return missing
-
-
 def availability(ctx) -> str | None:
-    missing = _missing()
+    missing = missing_modules(REQUIRES)
     if missing:
         return f"not available yet: {', '.join(missing)} is not in this build (E2 runs once the decode kernel lands)"
     return None

@@ -16,12 +16,11 @@ only when ``int8attn.ops.prefill`` is present.
 
 from __future__ import annotations
 
-import importlib.util
 
 import torch
 
 from . import metrics
-from .attn_common import build_cache_set, decode_scales, kv_bytes, make_queries, reference_attention
+from .attn_common import build_cache_set, missing_modules, decode_scales, kv_bytes, make_queries, reference_attention
 from .results import ExperimentResult, ScaleInfo
 from .runner import GateContext, PathSpec, ProofSpec, StepSpec, run_case
 
@@ -49,19 +48,8 @@ SIZES = {
 PREFILL_SAMPLE_ROWS = 64
 
 
-def _missing(names) -> list[str]:
-    missing = []
-    for name in names:
-        try:
-            if importlib.util.find_spec(name) is None:
-                missing.append(name)
-        except (ImportError, ValueError):
-            missing.append(name)
-    return missing
-
-
 def availability(ctx) -> str | None:
-    missing = _missing(REQUIRES)
+    missing = missing_modules(REQUIRES)
     if missing:
         return f"not available yet: {', '.join(missing)} not in this build (E4 runs once the decode kernel lands)"
     return None
@@ -195,7 +183,7 @@ def run(ctx: GateContext) -> ExperimentResult:
     hq, hkv, d = _shape(ctx, size)
     scale = d ** -0.5
     _decode_cases(ctx, exp, size, hq, hkv, d, scale)
-    if _missing(("int8attn.ops.prefill",)):
+    if missing_modules(("int8attn.ops.prefill",)):
         exp.notes.append("prefill cases: not available yet (int8attn.ops.prefill is not in this build)")
     else:
         _prefill_cases(ctx, exp, size, hq, hkv, d, scale)
