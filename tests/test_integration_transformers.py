@@ -1,0 +1,263 @@
+"""transformers integration: generate() end to end with the INT8 paged cache on a tiny
+Qwen3 model (random weights), compared with transformers' own SDPA path; the cache holds
+INT8 pages only; unsupported uses fail with clear errors. CPU runs use the Triton
+interpreter, so the model is tiny (2 layers, hidden 128, head_dim 64)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+from int8attn.integrations.transformers import (  # noqa: E402
+    CUDAGraphDecoder,
+    Int8PagedCache,
+    cache_argument_name,
+    register,
+)
+
+GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def tiny_config(**overrides):
+    kw = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=512)
+    kw.update(overrides)
+    return Qwen3Config(**kw)
+
+
+@pytest.fixture(scope="module")
+def model():
+    register()
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return Qwen3ForCausalLM(tiny_config()).to(device=device, dtype=torch.bfloat16).eval()
+
+
+def device_of(model):
+    return next(model.parameters()).device
+
+
+def prompt(model, batch, length, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (batch, length), generator=gen).to(device_of(model))
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model, cache, tokens, prompt_len):
+    """Prefill tokens[:, :prompt_len], then feed tokens[:, t] one by one; logits of every step."""
+    kw = {cache_argument_name(model): cache, "use_cache": True}
+    logits = [model(tokens[:, :prompt_len], **kw).logits[:, -1].float()]
+    for t in range(prompt_len, tokens.shape[1]):
+        logits.append(model(tokens[:, t: t + 1], **kw).logits[:, -1].float())
+    return torch.stack(logits, 1)
+
+
+def rel_l2(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+# --------------------------------------------------------------------------- generate
+@pytest.mark.parametrize("kv_dtype,bound", [("int8", 0.05), ("bf16", 0.02)])
+def test_generate_end_to_end_matches_sdpa(model, kv_dtype, bound):
+    ids = prompt(model, 2, 11)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(ids, max_new_tokens=5, do_sample=False)
+    ref_logits = teacher_forced_logits(model, DynamicCache(config=model.config), ref, ids.shape[1])
+    model.set_attn_implementation("int8attn")
+    try:
+        cache = Int8PagedCache(model.config, max_batch_size=2, max_cache_len=32, kv_dtype=kv_dtype)
+        out = model.generate(ids, max_new_tokens=5, do_sample=False, **{cache_argument_name(model): cache})
+        assert out.shape == ref.shape and torch.equal(out[:, :11], ids)
+        cache = Int8PagedCache(model.config, max_batch_size=2, max_cache_len=32, kv_dtype=kv_dtype)
+        logits = teacher_forced_logits(model, cache, ref, ids.shape[1])
+    finally:
+        model.set_attn_implementation("sdpa")
+    for step in range(logits.shape[1]):
+        assert rel_l2(logits[:, step], ref_logits[:, step]) < bound, f"step {step}"
+    # Greedy tokens: random weights give near-flat logits, so a token may flip on a near-tie;
+    # it must agree wherever SDPA's top-1 margin exceeds twice the largest logit error.
+    first = ref_logits[:, 0].topk(2, dim=-1).values
+    margin = first[:, 0] - first[:, 1]
+    err = (logits[:, 0] - ref_logits[:, 0]).abs().amax(-1)
+    confident = margin > 2 * err
+    assert torch.equal(out[:, 11][confident], ref[:, 11][confident])
+
+
+def test_cache_holds_int8_pages_only(model):
+    ids = prompt(model, 2, 20, seed=1)
+    model.set_attn_implementation("int8attn")
+    try:
+        cache = Int8PagedCache(model.config, max_batch_size=2, max_cache_len=40, block_size=16)
+        model.generate(ids, max_new_tokens=3, do_sample=False, **{cache_argument_name(model): cache})
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert cache.get_seq_length() == 22  # the last generated token is never fed back
+    for layer in cache.layers:
+        paged = layer.paged
+        assert paged.key.dtype == torch.int8 and paged.value.dtype == torch.int8
+        assert layer.keys is paged.key and layer.values is paged.value  # no dense copy anywhere
+        assert paged.key_mean is not None and torch.isfinite(paged.key_scale).all()
+        assert layer.length == 22
+    # 22 tokens per sequence = 2 pages each, 4 distinct pages in all.
+    table = cache.block_table[:2, :2].cpu()
+    assert table.unique().numel() == 4
+    assert cache.nbytes() == sum(layer.paged.nbytes() for layer in cache.layers)
+
+
+def test_reset_then_generate_again_is_identical(model):
+    """Also: a cache first filled under inference_mode keeps working outside it."""
+    ids = prompt(model, 1, 9, seed=2)
+    model.set_attn_implementation("int8attn")
+    try:
+        cache = Int8PagedCache(model.config, max_batch_size=1, max_cache_len=24)
+        kw = {cache_argument_name(model): cache}
+        with torch.inference_mode():
+            model(ids, **kw, use_cache=True)
+        cache.reset()
+        first = model.generate(ids, max_new_tokens=3, do_sample=False, **kw)
+        cache.reset()
+        second = model.generate(ids, max_new_tokens=3, do_sample=False, **kw)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(first, second)
+
+
+@torch.inference_mode()
+def test_multi_token_step_and_custom_ops_path(model):
+    """A 3-token verification step after a prefill gives the logits of three 1-token steps;
+    the torch.library op path gives the same numbers as the direct launchers."""
+    ids = prompt(model, 1, 14, seed=3)
+    model.set_attn_implementation("int8attn")
+    try:
+        results = []
+        for use_custom_ops, chunks in ((False, (11, 1, 1, 1)), (False, (11, 3)), (True, (11, 3))):
+            cache = Int8PagedCache(model.config, max_batch_size=1, max_cache_len=32, use_custom_ops=use_custom_ops)
+            kw = {cache_argument_name(model): cache, "use_cache": True}
+            start, logits = 0, []
+            for n in chunks:
+                logits.append(model(ids[:, start: start + n], **kw).logits.float())
+                start += n
+            results.append(torch.cat(logits, 1)[:, 10:])
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert rel_l2(results[1], results[0]) < 0.02
+    assert torch.equal(results[1], results[2])
+
+
+# --------------------------------------------------------------------------- refusals
+def test_refuses_what_it_does_not_support(model):
+    ids = prompt(model, 2, 6)
+    model.set_attn_implementation("int8attn")
+    try:
+        with pytest.raises(RuntimeError, match="Int8PagedCache"):
+            model.generate(ids, max_new_tokens=1, do_sample=False)  # transformers' own DynamicCache
+        padded = torch.ones_like(ids)
+        padded[0, :2] = 0
+        cache = Int8PagedCache(model.config, max_batch_size=2, max_cache_len=16)
+        with pytest.raises(ValueError, match="padded"):
+            model.generate(ids, attention_mask=padded, max_new_tokens=1, do_sample=False,
+                           **{cache_argument_name(model): cache})
+        small = Int8PagedCache(model.config, max_batch_size=1, max_cache_len=16)
+        with pytest.raises(ValueError, match="at most 1"):
+            model(ids, **{cache_argument_name(model): small, "use_cache": True})
+        short = Int8PagedCache(model.config, max_batch_size=2, max_cache_len=4)
+        with pytest.raises(ValueError, match="max_cache_len"):
+            model(ids, **{cache_argument_name(model): short, "use_cache": True})
+    finally:
+        model.set_attn_implementation("sdpa")
+    sliding = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True)
+    with pytest.raises(ValueError, match="full-attention"):
+        Int8PagedCache(sliding, max_batch_size=1, max_cache_len=16)
+    with pytest.raises(ValueError):
+        Int8PagedCache(model.config, max_batch_size=1, max_cache_len=16, kv_dtype="int4")
+    with pytest.raises(ValueError):
+        Int8PagedCache(model.config, max_batch_size=1, max_cache_len=16, block_size=12)
+
+
+# --------------------------------------------------------------------------- CUDA graphs (GPU)
+@GPU
+@torch.inference_mode()
+def test_cuda_graph_decode_matches_eager_decode(model):
+    ids = prompt(model, 3, 40, seed=4)
+    model.set_attn_implementation("int8attn")
+    try:
+        kw_name = cache_argument_name(model)
+        caches = [Int8PagedCache(model.config, max_batch_size=3, max_cache_len=80) for _ in range(2)]
+        first = []
+        for cache in caches:
+            first.append(model(ids, **{kw_name: cache, "use_cache": True}, logits_to_keep=1).logits[:, -1])
+        token = first[0].argmax(-1, keepdim=True)
+        pos = torch.full((3, 1), 40, dtype=torch.long, device=ids.device)
+        runner = CUDAGraphDecoder(model, caches[1], batch_size=3)
+        for _ in range(20):  # crosses page boundaries (block_size 16) several times
+            eager = model(token, position_ids=pos, **{kw_name: caches[0], "use_cache": True}).logits[:, -1]
+            graphed = runner.step(token, pos)
+            assert rel_l2(graphed.float(), eager.float()) < 1e-3
+            token = eager.argmax(-1, keepdim=True)
+            pos += 1
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == 60
+
+
+@GPU
+@torch.inference_mode()
+def test_cuda_graph_static_cache_refuses_overflow_on_the_host(model):
+    """A StaticCache write past max_cache_len is a device-side assert (the CUDA context is
+    lost): the decoder refuses that step on the host, and the context stays usable."""
+    from transformers import StaticCache
+
+    ids = prompt(model, 2, 10, seed=6)
+    model.set_attn_implementation("sdpa")
+    cache = StaticCache(config=model.config, max_cache_len=13)
+    token = model(ids, **{cache_argument_name(model): cache, "use_cache": True}).logits[:, -1:].argmax(-1)
+    runner = CUDAGraphDecoder(model, cache, batch_size=2)
+    pos = torch.full((2, 1), 10, dtype=torch.long, device=ids.device)
+    for _ in range(3):  # positions 10, 11, 12 fit
+        token = runner.step(token, pos).argmax(-1, keepdim=True)
+        pos += 1
+    with pytest.raises(ValueError, match="max_cache_len=13"):
+        runner.step(token, pos)
+    torch.cuda.synchronize()
+    assert int(cache.layers[0].cumulative_length) == 13
+
+
+# --------------------------------------------------------------------------- continuous batching
+def _has_paged_dispatch() -> bool:
+    from transformers import AttentionInterface
+
+    return "paged|sdpa" in AttentionInterface._global_mapping
+
+
+@GPU
+@pytest.mark.skipif(not _has_paged_dispatch(), reason="this transformers release has no paged| attention dispatch")
+def test_continuous_batching_paged_variant(model):
+    """transformers' continuous batching (generate_batch) with paged|int8attn: the pages
+    transformers hands out are mirrored as INT8 pages and give SDPA's tokens."""
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    from int8attn.integrations import transformers as integ
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in (7, 30, 19)]
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    # Small pages and a small pool: sequences span several pages.
+    cb_config = ContinuousBatchingConfig(block_size=16, num_blocks=32, max_batch_tokens=128)
+    results = {}
+    for impl in ("paged|sdpa", "paged|int8attn"):
+        model.set_attn_implementation(impl)
+        try:
+            out = model.generate_batch(inputs=prompts, generation_config=config,
+                                       continuous_batching_config=cb_config)
+        finally:
+            model.set_attn_implementation("sdpa")
+        results[impl] = [out[k].generated_tokens for k in sorted(out)]
+    assert all(len(t) == 6 for t in results["paged|int8attn"])
+    ref = torch.tensor(results["paged|sdpa"])
+    got = torch.tensor(results["paged|int8attn"])
+    assert (got == ref).float().mean() >= 0.8, (got, ref)
+    mirrors = next(iter(integ._PAGED_MIRRORS.values()))[1]
+    assert len(mirrors) == model.config.num_hidden_layers
+    assert all(m.key.dtype == torch.int8 for m in mirrors.values())
