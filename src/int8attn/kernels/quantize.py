@@ -243,40 +243,42 @@ def _store_rows_to_cache(
 
 
 @triton.jit
-def _rope_tables(cos_sin_ptr, pos, d, ROTARY_DIM: tl.constexpr):
-    """Per-channel RoPE factors of the token at ``pos``, [BLOCK_D] vectors, and the
-    rotation partner of every channel.
-
-    NeoX pairing over the first ROTARY_DIM channels: channel ``d < h`` (h = ROTARY_DIM/2)
-    pairs with ``d + h`` and ``d + h`` with ``d``; ``y[d] = x[d] * c[d] + x[partner] * s[d]``
-    with ``c = cos``, ``s = -sin`` on the first half, ``+sin`` on the second, and
-    ``c = 1, s = 0, partner = d`` past the rotary part (``x * 1 + x * 0`` is ``x`` bit for
-    bit, the sign of a zero included). cos_sin [max_pos, ROTARY_DIM] fp32: cos of the h
-    frequencies, then sin. Loaded once per program as vectors (a few values per thread) and
-    broadcast over the rows: the tables cost per column, not per element.
-    """
+def _rope_partner(d, ROTARY_DIM: tl.constexpr):
+    """NeoX rotation partner of every channel ``d``: ``d < h`` (h = ROTARY_DIM/2) pairs
+    with ``d + h``, ``d + h`` with ``d``, and a channel past the rotary part with itself."""
     HALF: tl.constexpr = ROTARY_DIM // 2
-    first = d < HALF
-    in_rot = d < ROTARY_DIM
-    freq = d % HALF  # contiguous runs the compiler can prove, for vector loads
-    row = cos_sin_ptr + pos * ROTARY_DIM
-    cos = tl.load(row + freq, mask=in_rot, other=1.0)
-    sin = tl.load(row + HALF + freq, mask=in_rot, other=0.0)
-    sin = tl.where(first, -sin, sin)
-    partner = tl.where(first, d + HALF, tl.where(in_rot, d - HALF, d))
-    return cos, sin, partner
+    return tl.where(d < HALF, d + HALF, tl.where(d < ROTARY_DIM, d - HALF, d))
 
 
 @triton.jit
-def _load_rows_rope(row_ptr, mask, d, cos, sin, partner, FULL: tl.constexpr):
-    """Rows ``row_ptr`` [R] (pointers to channel 0), RoPE'd in fp32 -> [R, BLOCK_D].
+def _load_rows_rope(row_ptr, mask, d, cos_sin_row, ROTARY_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    FULL: tl.constexpr):
+    """Rows ``row_ptr`` [R] (pointers to channel 0), NeoX RoPE'd in fp32 -> [R, BLOCK_D].
+
+    ``y[d] = x[d] * c[d] + x[partner] * s[d]`` with ``c = cos``, ``s = -sin`` on the first
+    half, ``+sin`` on the second, and ``y[d] = x[d]`` past the rotary part. ``cos_sin_row``
+    points at the token's row of the cos_sin table [max_pos, ROTARY_DIM] fp32 (cos of the
+    ROTARY_DIM/2 frequencies, then sin).
 
     Each channel's rotation partner comes from a second load at permuted offsets (the same
-    row, so it hits L1): one tile, one register layout, one reduction per row afterwards.
+    row, so it hits L1). The cos/sin factors are loaded as [R, BLOCK_D] tiles with a row
+    stride of 0 (L1 hits after the first row): a tile of the rows' shape that feeds the rows'
+    arithmetic gets the rows' register layout from the compiler, where a [BLOCK_D] vector
+    broadcast over the rows had to be redistributed through shared memory with barriers.
     """
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    first = d < HALF
+    freq = d % HALF  # contiguous runs the compiler can prove, for vector loads
     x = _load_tile(row_ptr[:, None] + d[None, :], mask, FULL)
-    xp = _load_tile(row_ptr[:, None] + partner[None, :], mask, FULL)
-    return x * cos[None, :] + xp * sin[None, :]
+    xp = _load_tile(row_ptr[:, None] + _rope_partner(d, ROTARY_DIM)[None, :], mask, FULL)
+    # freq < HALF: every table address is in the row, so the loads need no mask
+    table = cos_sin_row + tl.zeros(mask.shape, tl.int32) + freq[None, :]  # [R, BLOCK_D], row stride 0
+    cos = tl.load(table)
+    sin = tl.load(table + HALF)
+    y = x * cos + xp * tl.where(first[None, :], -sin, sin)
+    if ROTARY_DIM < BLOCK_D:
+        y = tl.where((d < ROTARY_DIM)[None, :], y, x)
+    return y
 
 
 @triton.jit
@@ -284,13 +286,13 @@ def _write_kv_token(
     tok, slot, k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
     num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
-    cos, sin, partner,
+    cos_sin_row,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    FULL: tl.constexpr, ROTATE: tl.constexpr, KIND: tl.constexpr, HAS_MEAN: tl.constexpr,
+    FULL: tl.constexpr, ROTATE: tl.constexpr, ROTARY_DIM: tl.constexpr, KIND: tl.constexpr, HAS_MEAN: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Quantize token ``tok``'s K rows (RoPE'd with the tables ``cos``, ``sin``, ``partner``
-    when ROTATE, minus the smoothing mean when HAS_MEAN) and V rows into page
+    """Quantize token ``tok``'s K rows (RoPE'd with the cos/sin row ``cos_sin_row`` of
+    ROTARY_DIM values when ROTATE, minus the smoothing mean when HAS_MEAN) and V rows into page
     ``slot // BLOCK_SIZE`` at offset ``slot % BLOCK_SIZE``. FULL: num_kv_heads % BLOCK_H == 0
     and HEAD_DIM == BLOCK_D.
 
@@ -306,7 +308,7 @@ def _write_kv_token(
         mask = heads_ok[:, None] & (d < HEAD_DIM)[None, :]
         k_rows = k_ptr + tok * stride_kt + heads * stride_kh
         if ROTATE:
-            k = _load_rows_rope(k_rows, mask, d, cos, sin, partner, FULL)
+            k = _load_rows_rope(k_rows, mask, d, cos_sin_row, ROTARY_DIM, BLOCK_D, FULL)
         else:
             k = _load_tile(k_rows[:, None] + d[None, :], mask, FULL)
         v = _load_tile(v_ptr + tok * stride_vt + (heads * stride_vh)[:, None] + d[None, :], mask, FULL)
@@ -338,7 +340,6 @@ def _write_kv_kernel(
     cb/ch/co, unit stride on D); scales [num_blocks, Hkv, block_size] (strides sb/sh/so);
     mean [Hkv, D] fp32 contiguous, subtracted from K when HAS_MEAN.
     """
-    d = tl.arange(0, BLOCK_D)
     for i in tl.static_range(TOKENS_PER_PROGRAM):
         tok = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM + i
         if tok < num_tokens:
@@ -347,8 +348,9 @@ def _write_kv_kernel(
                 _write_kv_token(tok, slot, key_ptr, value_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr,
                                 mean_ptr, num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
                                 stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
-                                d, d, d,  # no RoPE: the table arguments are unused
-                                BLOCK_SIZE, HEAD_DIM, BLOCK_H, BLOCK_D, FULL, False, KIND, HAS_MEAN, INTERPRET)
+                                slot_ptr,  # no RoPE: the table pointer is unused
+                                BLOCK_SIZE, HEAD_DIM, BLOCK_H, BLOCK_D, FULL, False, BLOCK_D, KIND, HAS_MEAN,
+                                INTERPRET)
 
 
 # --------------------------------------------------------------------------- fused producer
@@ -386,12 +388,12 @@ def _rope_quantize_write_kernel(
     for i in tl.static_range(TOKENS_PER_PROGRAM):
         tok = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM + i
         if tok < num_tokens:
-            pos = tl.load(pos_ptr + tok).to(tl.int64)
-            cos, sin, partner = _rope_tables(cos_sin_ptr, pos, d, ROTARY_DIM)
+            cos_sin_row = cos_sin_ptr + tl.load(pos_ptr + tok).to(tl.int64) * ROTARY_DIM
             if group < num_q_groups:
                 heads = group * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
                 mask = (heads < num_q_heads)[:, None] & (d < HEAD_DIM)[None, :]
-                y = _load_rows_rope(q_ptr + tok * stride_qt + heads * stride_qh, mask, d, cos, sin, partner, FULL_Q)
+                y = _load_rows_rope(q_ptr + tok * stride_qt + heads * stride_qh, mask, d, cos_sin_row,
+                                    ROTARY_DIM, BLOCK_D, FULL_Q)
                 q, scale = _quantize_rows(y, KIND, INTERPRET)
                 out_row = tok * stride_ot + heads * stride_oh
                 _store_tile(q_out_ptr + out_row[:, None] + d[None, :], q, mask, FULL_Q)
@@ -403,6 +405,6 @@ def _rope_quantize_write_kernel(
                     _write_kv_token(tok, slot, k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr,
                                     mean_ptr, num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
                                     stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
-                                    cos, sin, partner,
-                                    BLOCK_SIZE, HEAD_DIM, BLOCK_HKV, BLOCK_D, FULL_KV, True, KIND, HAS_MEAN,
+                                    cos_sin_row,
+                                    BLOCK_SIZE, HEAD_DIM, BLOCK_HKV, BLOCK_D, FULL_KV, True, ROTARY_DIM, KIND, HAS_MEAN,
                                     INTERPRET)
