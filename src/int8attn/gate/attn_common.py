@@ -32,6 +32,15 @@ def missing_modules(names) -> list[str]:
     return missing
 
 
+def head_shape(ctx, size) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim): from the user's tensors (``--tensors``) when given,
+    else from the experiment's size table."""
+    if ctx.tensors is not None:
+        return ctx.tensors["q"].shape[1], ctx.tensors["k"].shape[1], ctx.tensors["k"].shape[2]
+    (hq, hkv), d = size["heads"], size["head_dim"]
+    return hq, hkv, d
+
+
 def _keys_on_device(num_tokens: int, num_heads: int, head_dim: int, gen: torch.Generator, device) -> torch.Tensor:
     """N(0, 1) keys with 4 outlier channels per head (offset 10-30, fixed sign), bf16."""
     k = torch.randn(num_tokens, num_heads, head_dim, generator=gen, device=device, dtype=torch.float32)

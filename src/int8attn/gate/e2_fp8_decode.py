@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 
 from . import metrics
-from .attn_common import build_cache_set, missing_modules, decode_scales, kv_bytes, make_queries, reference_attention
+from .attn_common import (
+    build_cache_set, decode_scales, head_shape, kv_bytes, make_queries, missing_modules, reference_attention,
+)
 from .results import ExperimentResult, ScaleInfo
 from .runner import GateContext, PathSpec, ProofSpec, StepSpec, run_case
 
@@ -48,21 +50,13 @@ def availability(ctx) -> str | None:
     return None
 
 
-def _shape(ctx, size):
-    if ctx.tensors is not None:
-        q, k = ctx.tensors["q"], ctx.tensors["k"]
-        return q.shape[1], k.shape[1], k.shape[2]
-    (hq, hkv), d = size["heads"], size["head_dim"]
-    return hq, hkv, d
-
-
 def run(ctx: GateContext) -> ExperimentResult:
     from ..ops.decode import DecodeWorkspace, decode_attention
 
     size = SIZES[ctx.size]
     exp = ExperimentResult(key=KEY, title=TITLE, claim=CLAIM, accuracy_bound=ACCURACY_BOUND,
                            accuracy_note=ACCURACY_NOTE, x_label="KV length")
-    hq, hkv, d = _shape(ctx, size)
+    hq, hkv, d = head_shape(ctx, size)
     batch, lengths = size["batch"], size["lengths"]
     scale = d ** -0.5
     cs = build_cache_set(ctx, num_seqs=batch, capacity=max(lengths), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,

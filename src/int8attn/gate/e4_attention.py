@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 
 from . import metrics
-from .attn_common import build_cache_set, missing_modules, decode_scales, kv_bytes, make_queries, reference_attention
+from .attn_common import (
+    build_cache_set, decode_scales, head_shape, kv_bytes, make_queries, missing_modules, reference_attention,
+)
 from .results import ExperimentResult, ScaleInfo
 from .runner import GateContext, PathSpec, ProofSpec, StepSpec, run_case
 
@@ -53,13 +55,6 @@ def availability(ctx) -> str | None:
     if missing:
         return f"not available yet: {', '.join(missing)} not in this build (E4 runs once the decode kernel lands)"
     return None
-
-
-def _shape(ctx, size):
-    if ctx.tensors is not None:
-        return ctx.tensors["q"].shape[1], ctx.tensors["k"].shape[1], ctx.tensors["k"].shape[2]
-    (hq, hkv), d = size["heads"], size["head_dim"]
-    return hq, hkv, d
 
 
 def _pair(name_suffix, label, run_bf16, run_int8, out_bf16, out_int8, kernel, traffic_bf16, traffic_int8, flops,
@@ -180,7 +175,7 @@ def run(ctx: GateContext) -> ExperimentResult:
     size = SIZES[ctx.size]
     exp = ExperimentResult(key=KEY, title=TITLE, claim=CLAIM, accuracy_bound=ACCURACY_BOUND,
                            accuracy_note=ACCURACY_NOTE, x_label="case")
-    hq, hkv, d = _shape(ctx, size)
+    hq, hkv, d = head_shape(ctx, size)
     scale = d ** -0.5
     _decode_cases(ctx, exp, size, hq, hkv, d, scale)
     if missing_modules(("int8attn.ops.prefill",)):
