@@ -65,13 +65,13 @@ DTYPES = ("int8", "fp8")
 
 #: Launch configurations swept (the first of each list is round 2's starting point).
 SWEEP = {
-    "producer": [dict(BLOCK_HQ=8, num_warps=4, TOKENS_PER_PROGRAM=1),
-                 dict(BLOCK_HQ=8, num_warps=2, TOKENS_PER_PROGRAM=1),
-                 dict(BLOCK_HQ=4, num_warps=2, TOKENS_PER_PROGRAM=1),
-                 dict(BLOCK_HQ=4, num_warps=1, TOKENS_PER_PROGRAM=1),
-                 dict(BLOCK_HQ=8, num_warps=2, TOKENS_PER_PROGRAM=2)],
-    "write_kv": [dict(num_warps=4, TOKENS_PER_PROGRAM=1), dict(num_warps=2, TOKENS_PER_PROGRAM=1),
-                 dict(num_warps=1, TOKENS_PER_PROGRAM=1), dict(num_warps=2, TOKENS_PER_PROGRAM=2)],
+    "producer": [dict(BLOCK_HQ=8, num_warps=2, TOKENS_PER_PROGRAM=1, KV_TOKENS=2, BLOCK_HKV=4),
+                 dict(BLOCK_HQ=8, num_warps=4, TOKENS_PER_PROGRAM=1, KV_TOKENS=4, BLOCK_HKV=4),
+                 dict(BLOCK_HQ=8, num_warps=2, TOKENS_PER_PROGRAM=1, KV_TOKENS=1, BLOCK_HKV=4),
+                 dict(BLOCK_HQ=4, num_warps=2, TOKENS_PER_PROGRAM=1, KV_TOKENS=2, BLOCK_HKV=4),
+                 dict(BLOCK_HQ=8, num_warps=4, TOKENS_PER_PROGRAM=1, KV_TOKENS=16, BLOCK_HKV=1)],
+    "write_kv": [dict(num_warps=4, KV_TOKENS=4, BLOCK_HKV=4), dict(num_warps=4, KV_TOKENS=2, BLOCK_HKV=4),
+                 dict(num_warps=4, KV_TOKENS=16, BLOCK_HKV=1), dict(num_warps=8, KV_TOKENS=8, BLOCK_HKV=4)],
     "quantize_query": [dict(BLOCK_R=8, num_warps=4), dict(BLOCK_R=16, num_warps=4), dict(BLOCK_R=8, num_warps=2),
                        dict(BLOCK_R=4, num_warps=1)],
 }
@@ -288,7 +288,7 @@ def check_correctness(device, n, rec):
             rv, rvs = reference.quantize_rows(v.cpu().float(), kv_dtype)
             blk, off = slots.cpu() // BLOCK, slots.cpu() % BLOCK
             got = {"q": (out_q, out_s), "k": (cache.key.cpu()[blk, :, off], cache.key_scale.cpu()[blk, :, off]),
-                   "v": (cache.value.cpu()[blk, :, off], cache.value_scale.cpu()[blk, :, off])}
+                   "v": (cache.value_rows.cpu()[blk, :, off], cache.value_scale.cpu()[blk, :, off])}
             want = {"q": (rq, rs), "k": (rk, rks), "v": (rv, rvs)}
             for name in got:
                 codes = (bits(got[name][0]) != bits(want[name][0])).sum().item()

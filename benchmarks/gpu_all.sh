@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project in as few device calls as possible, from the repo root:
 #
-#   OUT=/some/dir bash benchmarks/gpu_all.sh kernels   # decode, prefill, gate (~8 min)
+#   OUT=/some/dir bash benchmarks/gpu_all.sh kernels   # decode, producer, prefill, gate (~10 min)
+#   OUT=/some/dir bash benchmarks/gpu_all.sh tests     # the kernel test files on the GPU
 #   OUT=/some/dir bash benchmarks/gpu_all.sh serve     # transformers e2e + 2-GPU tensor parallel
+#   STEPS="decode producer" OUT=... bash benchmarks/gpu_all.sh kernels   # only these steps
 #
 # Each step runs under its own timeout; a failing step is reported and the next one runs.
 # Everything lands in $OUT/<part>.tgz (the device tool returns at most 8 files), plus a log.
@@ -19,6 +21,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu
 step() {  # step NAME TIMEOUT_S CMD...
   local name=$1 limit=$2
   shift 2
+  if [ -n "${STEPS:-}" ] && [[ " $STEPS " != *" $name "* ]]; then
+    echo "=== $name: not in STEPS, skipped"
+    return
+  fi
   local t0=$(date +%s)
   echo "=== $name (limit ${limit}s): $*"
   timeout --signal=TERM --kill-after=10 "$limit" "$@" >"$work/$name.log" 2>&1
@@ -30,9 +36,20 @@ step() {  # step NAME TIMEOUT_S CMD...
 case "$part" in
   kernels)
     step decode 230 python3 benchmarks/bench_decode.py --out "$work/decode"
+    # the write paths of an older commit (default: the last one with row-major 8-bit V
+    # pages), side by side with today's; PRODUCER_BASE_FILE for a checkout without git
+    git show "${PRODUCER_BASE:-889bb9f}:src/int8attn/kernels/quantize.py" >"$work/quantize_base.py" 2>/dev/null \
+      || cp "${PRODUCER_BASE_FILE:-/dev/null}" "$work/quantize_base.py"
+    step producer 150 env OUT="$work" INT8ATTN_CHECK_VALUES=0 PYTHONPATH="src:benchmarks" \
+      python3 benchmarks/compare_producer_rounds.py "$work/quantize_base.py" rows_v transposed_v vt_layout
     step prefill 190 python3 benchmarks/bench_prefill.py ${PREFILL_ARGS:-} --out "$work/prefill"
     step gate 140 python3 benchmarks/bench_gate.py --out "$work/gate-report" --record "$work/gate.jsonl" \
       --sass-dir "$work/gate-sass" --time-budget 100
+    ;;
+  tests)
+    step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cache.py tests/test_write.py \
+      tests/test_producer.py tests/test_decode.py tests/test_prefill.py tests/test_attention.py \
+      tests/test_library.py tests/test_checks.py
     ;;
   serve)
     step gpu_tests 120 python3 -m pytest -q -p no:cacheprovider -m "not slow" -rs \

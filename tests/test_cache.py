@@ -11,11 +11,22 @@ from int8attn.cache import BlockAllocator, PagedKVCache
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_layout(kv_dtype, storage, head_dim, device):
     cache = PagedKVCache(5, 16, 4, head_dim, kv_dtype=kv_dtype, device=device)
-    for t in (cache.key, cache.value):
-        assert t.shape == (5, 4, 16, head_dim) and t.dtype == storage and t.is_contiguous()
-        # each (block, head) page is block_size x head_dim contiguous, rows 16-byte aligned
-        assert t.stride() == (4 * 16 * head_dim, 16 * head_dim, head_dim, 1)
+    for t in (cache.key, cache.value_rows):
+        assert t.shape == (5, 4, 16, head_dim) and t.dtype == storage
         assert (head_dim * t.element_size()) % 16 == 0
+    # each (block, head) page is block_size x head_dim contiguous, rows 16-byte aligned;
+    # 8-bit V pages are transposed (keys contiguous), bf16 V pages are not
+    assert cache.key.stride() == (4 * 16 * head_dim, 16 * head_dim, head_dim, 1)
+    assert cache.value_transposed == (kv_dtype != "bf16")
+    if cache.value_transposed:
+        assert cache.value.shape == (5, 4, head_dim, 16) and cache.value.is_contiguous()
+        assert cache.value.stride() == (4 * 16 * head_dim, 16 * head_dim, 16, 1)
+    else:
+        assert cache.value.shape == (5, 4, 16, head_dim) and cache.value.is_contiguous()
+        assert cache.value_rows.data_ptr() == cache.value.data_ptr()
+    # value_rows is a view: a write through it lands in the storage
+    cache.value_rows[3, 1, 7, 5] = 2
+    assert float(cache.value.float()[3, 1, 5, 7] if cache.value_transposed else cache.value.float()[3, 1, 7, 5]) == 2
     if kv_dtype == "bf16":
         assert cache.key_scale is None and cache.value_scale is None and not cache.quantized
         assert cache.key_smoothing == "none"

@@ -93,7 +93,7 @@ def test_stale_slots_never_leak(device, kv, hq, d, bs):
     owned = torch.zeros(cache.num_blocks * bs, dtype=torch.bool, device=device)
     owned[batch.slot_mapping] = True
     stale = ~owned.view(cache.num_blocks, 1, bs)
-    for t in (cache.key, cache.value):
+    for t in (cache.key, cache.value_rows):
         if kv == "bf16":
             t.masked_fill_(stale[..., None], float("nan"))
         else:  # int8: an extreme value; fp8: 0x7f is NaN in e4m3fn

@@ -185,16 +185,17 @@ def test_fake_impl_reports_bad_shapes_at_trace_time(device):
 
     with FakeTensorMode():
         kc = torch.empty(4, 2, 16, 64, dtype=torch.int8)
+        vc = torch.empty(4, 2, 64, 16, dtype=torch.int8)  # 8-bit V pages are stored transposed
         sc = torch.empty(4, 2, 16)
         q = torch.empty(3, 5, 64, dtype=torch.bfloat16)  # 5 heads over 2 KV heads
         bt = torch.empty(1, 4, dtype=torch.int32)
         sl = torch.empty(1, dtype=torch.int32)
         qsl = torch.empty(2, dtype=torch.int32)
         with pytest.raises(ValueError):
-            torch.ops.int8attn.attention(q, kc, kc, sc, sc, bt, sl, qsl, torch.empty_like(q), None, None, None, None)
+            torch.ops.int8attn.attention(q, kc, vc, sc, sc, bt, sl, qsl, torch.empty_like(q), None, None, None, None)
         with pytest.raises(TypeError):
             torch.ops.int8attn.write_kv(torch.empty(3, 2, 64, dtype=torch.int32), torch.empty(3, 2, 64),
-                                        torch.empty(3, dtype=torch.int64), kc, kc, sc, sc, None)
+                                        torch.empty(3, dtype=torch.int64), kc, vc, sc, sc, None)
 
 
 # --------------------------------------------------------------------------- CUDA graphs (GPU)

@@ -3,6 +3,7 @@ crossing tiles, prefixes on and off page boundaries, GQA ratios, head dims, page
 every cache dtype and PV precision, varlen batches, skipped sequences, pre-quantized
 queries, and inputs rejected before any launch."""
 
+import copy
 import math
 from dataclasses import replace
 
@@ -34,11 +35,19 @@ def args_of(b):
     return b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc
 
 
+def on_device(config, pv, device):
+    """``config`` as compiled code accepts it: 8-bit PV dots need >= 32 keys per tile on a
+    GPU (the interpreter runs the 16-key tiles that make small tests cross many tiles)."""
+    if config is not None and device != "cpu" and pv in ("int8", "fp8") and config.block_n < 32:
+        return replace(config, block_n=32)
+    return config
+
+
 def run_and_check(b, *, pv=None, config=SMALL, name="out", **kw):
-    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=b.query.device))
-    prefill_attention(*args_of(b), out=out, pv_mode=pv, config=config, **kw)
     kv = b.cache.kv_dtype
     key = (kv, pv or DEFAULT_PV[kv])
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=b.query.device))
+    prefill_attention(*args_of(b), out=out, pv_mode=pv, config=on_device(config, key[1], b.query.device.type), **kw)
     scale = kw.get("softmax_scale")
     refq = reference.attention_reference_quantized(*args_of(b), softmax_scale=scale)
     ref = reference.attention_reference(*args_of(b), softmax_scale=scale)
@@ -174,7 +183,49 @@ def test_small_values_in_the_first_tile(device):
     assert torch.isfinite(out.float()).all()
 
 
+def _poison_then_write(c, k, v, s):
+    """Fill every slot with bytes that must never reach the output -- NaN for fp8 / bf16
+    data (0x7F is an e4m3 NaN), -128 for int8 (the worst case of the shifted int8 P),
+    NaN scales -- then write the sequences' tokens."""
+    for t in (c.key, c.value):
+        if c.kv_dtype == "fp8":
+            t.view(torch.uint8).fill_(0x7F)
+        elif c.kv_dtype == "int8":
+            t.fill_(-128)
+        else:
+            t.fill_(float("nan"))
+    if c.quantized:
+        c.key_scale.fill_(float("nan"))
+        c.value_scale.fill_(float("nan"))
+    reference.write_kv_reference(c, k, v, s)
+
+
+@pytest.mark.parametrize("kv,pv,bs,config", [
+    ("fp8", "fp8", 16, SMALL),
+    ("fp8", "bf16", 64, replace(SMALL, block_n=32)),                   # tile inside a page
+    ("int8", "int8", 8, replace(SMALL, block_n=64, p_shift=True)),     # 8 pages per tile
+    ("int8", "bf16", 16, replace(SMALL, block_n=64, dv=32, v_late=True)),
+    ("bf16", "bf16", 16, replace(SMALL, block_n=32)),
+], ids=["fp8_pv8", "fp8_pv16_in_page", "int8_shift_8pages", "int8_pv16_late", "bf16"])
+def test_stale_slots_never_leak(kv, pv, bs, config, device):
+    """Keys past the end of a sequence are read from memory (the rest of its last page,
+    block 0 for pages past the end; 8-bit V pages are gathered a page at a time, without
+    a per-key mask) but must contribute nothing, whatever those bytes hold. (The CPU
+    interpreter reads e4m3 0x7F as 480, not NaN: the fp8 NaN case bites on the GPU only.)"""
+    b = testing.make_paged_batch([37, 50, 9], [20, 9, 9], num_q_heads=8, num_kv_heads=2, head_dim=64,
+                                 block_size=bs, kv_dtype=kv, seed=17, device=device, writer=_poison_then_write)
+    out = run_and_check(b, pv=pv, config=config)
+    assert torch.isfinite(out.float()).all()
+
+
 # --------------------------------------------------------------------------- bad input
+def _with_value(cache, value):
+    """A shallow copy of ``cache`` whose V storage is ``value`` (data shared)."""
+    bad = copy.copy(cache)
+    bad.value = value
+    return bad
+
+
 def _bad_calls(b):
     q, cache, bt, sl, qsl = args_of(b)
     return {
@@ -197,6 +248,11 @@ def _bad_calls(b):
         "config cvt_asm": (TypeError, dict(config=PrefillConfig(cvt_asm="yes"))),
         "q_scale without q_quant": (ValueError, dict(q_scale=torch.ones(q.shape[:2]))),
         "out shape": (ValueError, dict(out=torch.empty(3, 4, 64, dtype=torch.bfloat16))),
+        # 8-bit V pages must be stored [D, block_size]: neither row pages, nor the right
+        # shape over row-major memory
+        "V pages not transposed": (ValueError, dict(cache=_with_value(cache, cache.value_rows.contiguous()))),
+        "V transposed view of row pages": (
+            ValueError, dict(cache=_with_value(cache, cache.value_rows.contiguous().transpose(-1, -2)))),
     }
 
 
@@ -238,6 +294,17 @@ def test_gpu_default_config(kv):
     key = (kv, DEFAULT_PV[kv])
     testing.assert_close_verbose(out, ref, rel_l2=TOL_REFERENCE[key])
     assert math.isfinite(float(out.float().abs().max()))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("fp8", "fp8")])
+def test_gpu_8bit_pv_needs_32_key_tiles(kv, pv, monkeypatch):
+    import int8attn.ops.prefill as ops
+
+    b = batch([20], [10], kv=kv, device="cuda")
+    monkeypatch.setattr(ops, "_run", lambda *a, **k: pytest.fail("kernel launched despite bad input"))
+    with pytest.raises(ValueError, match="block_n=16 must be >= 32"):
+        prefill_attention(*args_of(b), pv_mode=pv, config=SMALL)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -108,7 +108,8 @@ def test_write_kv_bit_exact_vs_reference(n, num_kv_heads, head_dim, block_size, 
         assert cache.key_mean is not None  # default "auto" smooths quantized caches
 
 
-@pytest.mark.parametrize("launch", [{"TOKENS_PER_PROGRAM": 2, "num_warps": 2}, {"TOKENS_PER_PROGRAM": 4}])
+@pytest.mark.parametrize("launch", [{"KV_TOKENS": 2, "num_warps": 2}, {"KV_TOKENS": 32, "BLOCK_HKV": 1},
+                                    {"KV_TOKENS": 1, "BLOCK_HKV": 2}])
 def test_write_kv_launch_variants_bit_exact(launch, gen, device):
     """Several tokens per program (the last program half empty, padding inside it)."""
     cache, key, value, slots = make_case(17, 4, 64, "int8", 16, gen, device, pad_every=3)
@@ -163,7 +164,7 @@ def test_round_trip_error_bounds(kv_dtype, gen, device):
     cache, key, value, slots = make_case(97, 4, 128, kv_dtype, 16, gen, device, smoothing="none")
     write_kv(cache, key, value, slots)
     blk, off = slots.long() // cache.block_size, slots.long() % cache.block_size
-    for src, data, scale in ((key, cache.key, cache.key_scale), (value, cache.value, cache.value_scale)):
+    for src, data, scale in ((key, cache.key, cache.key_scale), (value, cache.value_rows, cache.value_scale)):
         x = src.double().cpu()
         s = scale[blk, :, off].double().cpu()
         deq = reference.dequantize_rows(data[blk, :, off].cpu(), s)

@@ -66,8 +66,21 @@ def _dtype_names(dtypes) -> str:
 
 
 def check_cache(cache) -> None:
+    """A PagedKVCache whose storage has the layout the kernels address (see
+    :mod:`int8attn.cache`): contiguous key [B, Hkv, P, D], value [B, Hkv, D, P] for 8-bit
+    caches or [B, Hkv, P, D] for bf16, of the cache's storage dtype."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be an int8attn.PagedKVCache, got {type(cache).__name__}")
+    rows = (cache.num_blocks, cache.num_kv_heads, cache.block_size, cache.head_dim)
+    value_shape = rows[:2] + rows[:1:-1] if cache.value_transposed else rows
+    for name, t, shape in (("key", cache.key, rows), ("value", cache.value, value_shape)):
+        if not isinstance(t, torch.Tensor) or t.dtype != cache.storage_dtype or tuple(t.shape) != shape:
+            raise ValueError(
+                f"cache.{name} must be a {str(cache.storage_dtype).replace('torch.', '')} tensor of shape {shape}, "
+                f"got {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
+            )
+        if not t.is_contiguous():
+            raise ValueError(f"cache.{name} must be contiguous (strides {t.stride()})")
 
 
 def check_tensor(

@@ -2,19 +2,33 @@
 
 Layout (all tensors contiguous, on one device)::
 
-    key, value   [num_blocks, num_kv_heads, block_size, head_dim]
+    key          [num_blocks, num_kv_heads, block_size, head_dim]   every kv_dtype
+    value        [num_blocks, num_kv_heads, head_dim, block_size]   int8 | fp8 (transposed page)
+                 [num_blocks, num_kv_heads, block_size, head_dim]   bf16
                  dtype int8 | float8_e4m3fn | bfloat16   (kv_dtype "int8" | "fp8" | "bf16")
     key_scale,   [num_blocks, num_kv_heads, block_size]  float32, None for "bf16"
     value_scale
     key_mean     [num_kv_heads, head_dim] float32, or None (key smoothing off / not yet set)
 
-Each (block, KV head) pair owns one ``block_size x head_dim`` tile that is contiguous in
-memory, so a read kernel streams a whole page of one head with unit-stride 16-byte loads
-(head_dim 64/128/256 keeps every row 16-byte aligned for every dtype). Scales live in
-their own tensors, never inline with the data, so data rows stay aligned.
+Each (block, KV head) pair owns one ``block_size x head_dim`` tile of K and one of V,
+each contiguous in memory, so a read kernel streams a whole page of one head with
+unit-stride 16-byte loads (head_dim 64/128/256 and block_size >= 16 keep every run
+16-byte aligned). Scales live in their own tensors, never inline with the data, so data
+rows stay aligned.
+
+Why 8-bit V is stored transposed within its page: the PV product reduces over keys, and
+the int8 / fp8 tensor-core instructions (``mma`` s8/e4m3, ``wgmma`` s8/e4m3) only take
+operands whose reduction axis is contiguous ("K-major"). There is no ``ldmatrix.trans``
+for 8-bit elements, so a key-major V tile has to be byte-transposed through registers on
+every tile of every query, which costs decode about a fifth of its instructions. Storing
+the page as ``[head_dim, block_size]`` moves that transpose into the write, done once
+per token. BF16 V keeps the row layout (``ldmatrix.trans`` transposes 16-bit tiles for
+free). ``cache.value_rows`` views V as ``[num_blocks, num_kv_heads, block_size,
+head_dim]`` for every dtype.
 
 A token at ``slot = block_id * block_size + offset`` of KV head ``h`` sits at
-``key[block_id, h, offset, :]`` and its scale at ``key_scale[block_id, h, offset]``.
+``key[block_id, h, offset, :]``, ``value_rows[block_id, h, offset, :]`` and its scales at
+``key_scale[block_id, h, offset]``, ``value_scale[block_id, h, offset]``.
 Dequantized key: ``key[...] * key_scale[...] + key_mean[h]`` (``key_mean`` only when key
 smoothing is active; see :func:`int8attn.write_kv`). Attention kernels never add
 ``key_mean`` back: ``q . mean`` is the same for every key of a query, so softmax is
@@ -34,6 +48,12 @@ KV_DTYPES = {
 }
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 KEY_SMOOTHING_MODES = ("auto", "none", "first_write")
+
+
+def value_transposed(kv_dtype: str) -> bool:
+    """Whether a ``kv_dtype`` cache stores V pages transposed ([head_dim, block_size]):
+    the 8-bit ones, whose tensor-core PV product needs keys contiguous."""
+    return kv_dtype != "bf16"
 
 
 class PagedKVCache:
@@ -94,7 +114,8 @@ class PagedKVCache:
         storage_dtype = KV_DTYPES[kv_dtype]
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.key = torch.zeros(shape, dtype=storage_dtype, device=self.device)
-        self.value = torch.zeros(shape, dtype=storage_dtype, device=self.device)
+        value_shape = (num_blocks, num_kv_heads, head_dim, block_size) if value_transposed(kv_dtype) else shape
+        self.value = torch.zeros(value_shape, dtype=storage_dtype, device=self.device)
         if kv_dtype == "bf16":
             self.key_scale = None
             self.value_scale = None
@@ -107,6 +128,17 @@ class PagedKVCache:
     @property
     def storage_dtype(self) -> torch.dtype:
         return KV_DTYPES[self.kv_dtype]
+
+    @property
+    def value_transposed(self) -> bool:
+        """True when ``value`` stores each page as [head_dim, block_size] (8-bit caches)."""
+        return value_transposed(self.kv_dtype)
+
+    @property
+    def value_rows(self) -> torch.Tensor:
+        """V as [num_blocks, num_kv_heads, block_size, head_dim] for every kv_dtype: a
+        view of ``value`` (writes through it land in the cache)."""
+        return self.value.transpose(-1, -2) if self.value_transposed else self.value
 
     @property
     def num_slots(self) -> int:

@@ -105,7 +105,7 @@ def write_kv_reference(cache, key: torch.Tensor, value: torch.Tensor, slot_mappi
         key = key - cache.key_mean
     slots = slots[valid]
     blk, off = slots // cache.block_size, slots % cache.block_size
-    for src, data, scale in ((key, cache.key, cache.key_scale), (value, cache.value, cache.value_scale)):
+    for src, data, scale in ((key, cache.key, cache.key_scale), (value, cache.value_rows, cache.value_scale)):
         q, s = quantize_rows(src[valid].to(torch.float32), cache.kv_dtype)
         data[blk, :, off] = q.to(data.device)
         if scale is not None:
@@ -123,7 +123,7 @@ def gather_kv(cache, block_table_row: torch.Tensor, length: int, add_key_mean: b
     slots = token_slots(block_table_row, length, cache.block_size)
     blk, off = slots // cache.block_size, slots % cache.block_size
     k = cache.key[blk, :, off].to(torch.float64)
-    v = cache.value[blk, :, off].to(torch.float64)
+    v = cache.value_rows[blk, :, off].to(torch.float64)
     if cache.key_scale is not None:
         k = k * cache.key_scale[blk, :, off].to(torch.float64).unsqueeze(-1)
         v = v * cache.value_scale[blk, :, off].to(torch.float64).unsqueeze(-1)
@@ -203,7 +203,7 @@ class _CpuView:
     def __init__(self, cache):
         self.block_size = cache.block_size
         self.key = cache.key.cpu()
-        self.value = cache.value.cpu()
+        self.value_rows = cache.value_rows.cpu()
         self.key_scale = None if cache.key_scale is None else cache.key_scale.cpu()
         self.value_scale = None if cache.value_scale is None else cache.value_scale.cpu()
         self.key_mean = None if cache.key_mean is None else cache.key_mean.cpu()

@@ -92,7 +92,7 @@ def run(ctx: GateContext) -> ExperimentResult:
         def dequantize_pages():
             # The article's route: FP8 pages -> BF16 (x per-token scale) by plain PyTorch ops.
             for src, src_scale, dst in ((fp8.key, fp8.key_scale, scratch.key),
-                                        (fp8.value, fp8.value_scale, scratch.value)):
+                                        (fp8.value_rows, fp8.value_scale, scratch.value)):
                 pages = src.index_select(0, used).to(torch.float32) * src_scale.index_select(0, used)[..., None]
                 dst.index_copy_(0, used, pages.to(torch.bfloat16))
 

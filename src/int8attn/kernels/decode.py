@@ -37,7 +37,9 @@ are not written).
 Tensor layouts (strides passed explicitly, last dims unit stride):
 
 * q [T, Hq, D] (int8 | e4m3 | bf16/fp16/fp32 for the bf16 cache), q_scale [T, Hq] fp32;
-* cache key/value [num_blocks, Hkv, PAGE, D], key_scale/value_scale [num_blocks, Hkv, PAGE];
+* cache key [num_blocks, Hkv, PAGE, D]; value [num_blocks, Hkv, D, PAGE] for 8-bit caches
+  (pages transposed, see :func:`_load_v_pages`), [num_blocks, Hkv, PAGE, D] for bf16; both
+  with key's block and head strides; key_scale/value_scale [num_blocks, Hkv, PAGE];
 * block_table [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32,
   query_start_loc [num_seqs + 1] int32;
 * out [T, Hq, D]; part_acc [T, Hq, S, D] fp32; part_ml [T, Hq, S, 2] fp32 (max, sum).
@@ -143,11 +145,24 @@ def _decode_split_kernel(
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        for tile in range(tile_lo, tile_lo + tile_count):
+        # Only the sequence's last tile holds slots past seq_len. An fp8 cache zeroes their
+        # V (stale e4m3 bytes may be NaN), so that tile is peeled off the loop and the
+        # others skip the select; int8 and bf16 tiles take one loop.
+        tile_end = tile_lo + tile_count
+        loop_end = tile_end
+        if KV_KIND == KIND_FP8:
+            loop_end = tl.minimum(tile_end, tl.cdiv(seq_len, BLOCK_N) - 1)
+        for tile in range(tile_lo, loop_end):
             m_i, l_i, acc = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
                                          k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
                                          stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
-                                         INTERPRET)
+                                         KV_KIND != KIND_FP8, INTERPRET)
+        if KV_KIND == KIND_FP8:
+            if loop_end < tile_end:
+                m_i, l_i, acc = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile_end - 1, seq_len, bt_row,
+                                             k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                             stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND,
+                                             PV_KIND, True, INTERPRET)
         _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, row_head, split, n_active,
                     row_valid, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
                     stride_ms, HEAD_DIM)
@@ -181,7 +196,7 @@ def _decode_split_kernel(
             m_i, l_i, acc = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile_lo + tile_idx, seq_len,
                                          bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
                                          stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
-                                         INTERPRET)
+                                         True, INTERPRET)
             # Last tile of the pass: its rows go to out (one active split) or to the partials.
             # (tl.where rather than `row_valid & last`: the interpreter mistypes that mask)
             last = tile_idx == tile_count - 1
@@ -213,7 +228,7 @@ def _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_q
 def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
                  k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                 KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, INTERPRET: tl.constexpr):
+                 KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr, INTERPRET: tl.constexpr):
     """One KV tile (keys ``tile * BLOCK_N ...``) folded into the online-softmax state.
 
     Loads carry as few masks as correctness allows: a key past ``seq_len`` reads block 0
@@ -255,10 +270,11 @@ def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
 
-    if KV_KIND == KIND_INT8:
-        v = tl.load(v_ptr + row_off[:, None] + offs_d[None, :])
-    else:
+    if KV_KIND == KIND_BF16:
         v = tl.load(v_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+    else:
+        v = _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM, PAGE, NUM_PAGES,
+                          KV_KIND == KIND_FP8 and TAIL)
     if KV_KIND == KIND_BF16:
         if INTERPRET:
             acc += tl.dot(p, v.to(tl.float32))
@@ -268,6 +284,33 @@ def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
         v_scale = tl.load(v_scale_ptr + scale_off, mask=in_seq, other=0.0)
         acc += _pv_product(p * v_scale[None, :], v, BLOCK_M, BLOCK_N, PV_KIND, INTERPRET)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                  NUM_PAGES: tl.constexpr, ZERO_STALE: tl.constexpr):
+    """The [NUM_PAGES * PAGE, HEAD_DIM] V tile of an 8-bit cache, whose pages are stored
+    transposed ([HEAD_DIM, PAGE], keys contiguous; see int8attn.cache).
+
+    Loaded page by page as a [NUM_PAGES, HEAD_DIM, PAGE] tile -- one base address per
+    page, so the compiler sees PAGE contiguous bytes per (page, channel) and issues 16-byte
+    async copies -- then permuted to [keys, HEAD_DIM] in registers. That view is K-major
+    for the PV dot (the keys are its reduction axis), the operand layout 8-bit MMAs need,
+    so no byte transpose happens. (Gathering per key instead loses the contiguity and
+    falls back to 1-byte loads.) int8 loads need no mask: stale slots past ``seq_len``
+    are finite and meet P = 0; stale e4m3 bytes may be NaN, so on a tile that may hold
+    keys past ``seq_len`` (ZERO_STALE) an fp8 cache's are set to 0."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_s = tl.arange(0, PAGE)
+    base = blk_page.to(tl.int64) * stride_cb + data_head
+    ptrs = v_ptr + base[:, None, None] + (offs_d * PAGE)[None, :, None] + offs_s[None, None, :]
+    v = tl.reshape(tl.permute(tl.load(ptrs), (0, 2, 1)), (NUM_PAGES * PAGE, HEAD_DIM))
+    if ZERO_STALE:
+        # a mask on the load itself would cost the 16-byte copies (its pattern varies
+        # along the contiguous axis); zero the stale keys in registers instead
+        key_pos = tl.reshape(page[:, None] * PAGE + offs_s[None, :], (NUM_PAGES * PAGE,))
+        v = tl.where((key_pos < seq_len)[:, None], v, 0.0)
+    return v
 
 
 @triton.jit
@@ -334,11 +377,15 @@ def _decode_merge_kernel(
     stride_pt, stride_ph, stride_ps,
     stride_mt, stride_mh, stride_ms,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MAX_QUERY_LEN: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
-    """One program per (query head, sequence): combine the split partials of each of the
-    sequence's query tokens into ``out`` (log-sum-exp weights in base 2)."""
+    """One program per (query head, sequence, BLOCK_D output columns): combine the split
+    partials of each of the sequence's query tokens into ``out`` (log-sum-exp weights in
+    base 2). Column blocks multiply the programs of a small batch (24 heads x 1 sequence
+    would leave most SMs idle while each program walks every split's partial row)."""
     head = tl.program_id(0)
     seq = tl.program_id(1)
+    col0 = tl.program_id(2) * BLOCK_D
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     if (q_len <= 0) | (q_len > MAX_QUERY_LEN):
@@ -349,7 +396,7 @@ def _decode_merge_kernel(
         return  # written directly by the split kernel
 
     offs_c = tl.arange(0, SPLIT_CHUNK)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = col0 + tl.arange(0, BLOCK_D)
     for t in range(0, q_len):
         tok = (q_start + t).to(tl.int64)
         ml = part_ml_ptr + tok * stride_mt + head * stride_mh
@@ -359,7 +406,7 @@ def _decode_merge_kernel(
             sp = c0 + offs_c
             m_run = tl.maximum(m_run, tl.load(ml + sp * stride_ms, mask=sp < n_active, other=float("-inf")))
         m_max = tl.max(m_run, 0)
-        acc = tl.zeros([HEAD_DIM], tl.float32)
+        acc = tl.zeros([BLOCK_D], tl.float32)
         denom = tl.zeros([SPLIT_CHUNK], tl.float32)
         for c0 in range(0, n_active, SPLIT_CHUNK):
             sp = c0 + offs_c

@@ -7,10 +7,11 @@ query head ``kv_head * GROUP + r % GROUP``), so each K/V tile is read once for t
 GQA group; rows past ``BLOCK_Q * GROUP`` are padding. Query token ``j`` of a sequence sits
 at position ``seq_len - q_len + j`` and sees keys at positions ``<=`` its own.
 
-The program walks the keys in tiles of ``BLOCK_N`` (any multiple of 16; every key row is
-gathered through the block table, so tiles may span or split pages): first the tiles
-every row of the tile sees in full (no mask arithmetic), then the diagonal tiles
-(causal mask); tiles past the last row's position are never visited.
+The program walks the keys in tiles of ``BLOCK_N`` (a power of two >= 16, starting at
+multiples of ``BLOCK_N``; K rows are gathered per key through the block table, transposed
+V pages per page, so a tile covers whole pages or a part of one): first the tiles every
+row of the tile sees in full (no mask arithmetic), then the diagonal tiles (causal
+mask); tiles past the last row's position are never visited.
 
 Per KV tile:
 
@@ -49,7 +50,10 @@ Tensor layouts (last dims unit stride, other strides passed explicitly):
 * q [T, Hq, D]: bf16/fp16/fp32 (quantized in-kernel when ``Q_QUANTIZED`` is False, bit
   for bit as :func:`int8attn.reference.quantize_rows`), or int8 / e4m3 (as uint8) with
   q_scale [T, Hq] fp32 when ``Q_QUANTIZED``;
-* cache key/value [num_blocks, Hkv, PAGE, D] (e4m3 data passed as uint8),
+* cache key [num_blocks, Hkv, PAGE, D]; value [num_blocks, Hkv, D, PAGE] for 8-bit caches
+  (``V_TRANSPOSED``: element (slot, d) of a page at ``d * PAGE + slot``, keys contiguous,
+  the K-major operand order of the 8-bit PV MMAs) or [num_blocks, Hkv, PAGE, D] (bf16);
+  K and V share the block and head strides; e4m3 data passed as uint8;
   key_scale/value_scale [num_blocks, Hkv, PAGE] fp32 (unused for bf16);
 * block_table [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32;
   query_start_loc [num_seqs + 1] int32;
@@ -120,12 +124,34 @@ def _as_storage(x, KV_KIND: tl.constexpr):
 
 
 @triton.jit
-def _load_v(v_ptr, row_off, col0, offs_dv, in_seq, MASKED: tl.constexpr, KV_KIND: tl.constexpr):
-    ptrs = v_ptr + row_off[:, None] + (col0 + offs_dv)[None, :]
-    if MASKED:
-        v = tl.load(ptrs, mask=in_seq[:, None], other=0)
+def _load_v(v_ptr, row_off, page_base, slot0, col0, offs_dv, offs_slot, in_seq, tile_valid,
+            BLOCK_N: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+            MASKED: tl.constexpr, KV_KIND: tl.constexpr, V_TRANSPOSED: tl.constexpr):
+    """Columns ``[col0, col0 + DV)`` of the tile's V as the [BLOCK_N, DV] PV operand.
+
+    ``V_TRANSPOSED`` (8-bit caches, pages [D, PAGE]): one [pages, DV, slots] gather per
+    page of the tile -- ``page_base`` per page, slots ``slot0 + offs_slot`` -- so each
+    channel's keys are a contiguous run (16-byte cp.async for 16-token pages) and the
+    operand arrives K-major, the order the 8-bit MMAs read: it reaches their shared-memory
+    layout with 16-byte stores, no byte transpose. A per-key gather ([DV, BLOCK_N] with a
+    block id per key) loses that contiguity in the compiler's address analysis.
+    Keys past the sequence (``MASKED`` tiles) read valid memory -- a stale slot of the
+    last page, or block 0 for pages past the end -- and meet P = 0; only e4m3 needs them
+    zeroed (stale bytes may be NaN, and NaN * 0 = NaN in the dot). The zeroing is a
+    select after the load: a per-key load mask would split the contiguous runs."""
+    if V_TRANSPOSED:
+        addr = (page_base[:, None, None] + (col0 + offs_dv)[None, :, None] * PAGE
+                + (slot0 + offs_slot)[None, None, :])
+        vt = tl.load(v_ptr + addr)
+        if MASKED and KV_KIND == KIND_FP8:
+            vt = tl.where(tile_valid[:, None, :], vt, 0)
+        v = tl.reshape(tl.permute(vt, (0, 2, 1)), (BLOCK_N, DV))
     else:
-        v = tl.load(ptrs)
+        ptrs = v_ptr + row_off[:, None] + (col0 + offs_dv)[None, :]
+        if MASKED:
+            v = tl.load(ptrs, mask=in_seq[:, None], other=0)
+        else:
+            v = tl.load(ptrs)
     return _as_storage(v, KV_KIND)
 
 
@@ -185,8 +211,8 @@ def _attend_tile(
     offs_n, offs_d, offs_dv,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DV: tl.constexpr,
     PAGE: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
-    MASKED: tl.constexpr, V_LATE: tl.constexpr, CVT_ASM: tl.constexpr, LAZY: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    MASKED: tl.constexpr, V_LATE: tl.constexpr, V_TRANSPOSED: tl.constexpr, CVT_ASM: tl.constexpr,
+    LAZY: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One KV tile of keys ``[start, start + BLOCK_N)`` folded into the running state."""
     pos = start + offs_n
@@ -199,18 +225,40 @@ def _attend_tile(
     row_off = blk * stride_cb + data_head + slot * HEAD_DIM
     scale_off = blk * stride_sb + scale_head + slot
     NUM_DV: tl.constexpr = HEAD_DIM // DV
-    # 8-bit V reaches the tensor cores through registers (the dot wants it K-major, the
-    # cache stores it row-major): issue its loads first so they overlap QK and softmax,
-    # unless V_LATE (fewer live registers across QK and softmax).
+    # Transposed V pages are gathered per page: the tile covers NUM_PAGES whole pages
+    # (BLOCK_N >= PAGE) or one run of BLOCK_N slots inside a page (BLOCK_N < PAGE); tiles
+    # start at multiples of BLOCK_N, so both are exact (PAGE and BLOCK_N powers of two).
+    NUM_PAGES: tl.constexpr = BLOCK_N // PAGE if BLOCK_N >= PAGE else 1
+    SLOTS: tl.constexpr = BLOCK_N // NUM_PAGES
+    offs_slot = tl.arange(0, SLOTS)
+    page_base = data_head
+    slot0 = 0
+    tile_valid = in_seq
+    if V_TRANSPOSED:
+        page = start // PAGE + tl.arange(0, NUM_PAGES)
+        if BLOCK_N < PAGE:
+            slot0 = tl.multiple_of(start % PAGE, SLOTS)
+        tile_valid = (page * PAGE + slot0)[:, None] + offs_slot[None, :] < kv_end
+        if MASKED:
+            blk_page = tl.load(bt_row + page, mask=page * PAGE < kv_end, other=0).to(tl.int64)
+        else:
+            blk_page = tl.load(bt_row + page).to(tl.int64)
+        page_base = blk_page * stride_cb + data_head
+    # Issue the V loads first so they overlap QK and softmax, unless V_LATE (fewer live
+    # registers across QK and softmax).
     if not V_LATE:
-        v0 = _load_v(v_ptr, row_off, 0, offs_dv, in_seq, MASKED, KV_KIND)
+        v0 = _load_v(v_ptr, row_off, page_base, slot0, 0, offs_dv, offs_slot, in_seq, tile_valid,
+                     BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
         if NUM_DV > 1:
-            v1 = _load_v(v_ptr, row_off, DV, offs_dv, in_seq, MASKED, KV_KIND)
+            v1 = _load_v(v_ptr, row_off, page_base, slot0, DV, offs_dv, offs_slot, in_seq, tile_valid,
+                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
         else:
             v1 = v0
         if NUM_DV > 2:
-            v2 = _load_v(v_ptr, row_off, 2 * DV, offs_dv, in_seq, MASKED, KV_KIND)
-            v3 = _load_v(v_ptr, row_off, 3 * DV, offs_dv, in_seq, MASKED, KV_KIND)
+            v2 = _load_v(v_ptr, row_off, page_base, slot0, 2 * DV, offs_dv, offs_slot, in_seq, tile_valid,
+                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
+            v3 = _load_v(v_ptr, row_off, page_base, slot0, 3 * DV, offs_dv, offs_slot, in_seq, tile_valid,
+                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
         else:
             v2 = v0
             v3 = v0
@@ -315,18 +363,22 @@ def _attend_tile(
             p_op = u.to(tl.int32, bitcast=True).to(tl.int8)
 
     if V_LATE:
-        v0 = _load_v(v_ptr, row_off, 0, offs_dv, in_seq, MASKED, KV_KIND)
+        v0 = _load_v(v_ptr, row_off, page_base, slot0, 0, offs_dv, offs_slot, in_seq, tile_valid,
+                     BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
     acc0 = _pv_chunk(acc0, p_op, factor, v0, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     if NUM_DV > 1:
         if V_LATE:
-            v1 = _load_v(v_ptr, row_off, DV, offs_dv, in_seq, MASKED, KV_KIND)
+            v1 = _load_v(v_ptr, row_off, page_base, slot0, DV, offs_dv, offs_slot, in_seq, tile_valid,
+                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
         acc1 = _pv_chunk(acc1, p_op, factor, v1, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     if NUM_DV > 2:
         if V_LATE:
-            v2 = _load_v(v_ptr, row_off, 2 * DV, offs_dv, in_seq, MASKED, KV_KIND)
+            v2 = _load_v(v_ptr, row_off, page_base, slot0, 2 * DV, offs_dv, offs_slot, in_seq, tile_valid,
+                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
         acc2 = _pv_chunk(acc2, p_op, factor, v2, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
         if V_LATE:
-            v3 = _load_v(v_ptr, row_off, 3 * DV, offs_dv, in_seq, MASKED, KV_KIND)
+            v3 = _load_v(v_ptr, row_off, page_base, slot0, 3 * DV, offs_dv, offs_slot, in_seq, tile_valid,
+                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
         acc3 = _pv_chunk(acc3, p_op, factor, v3, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     return m_new, l_i, r_i, acc0, acc1, acc2, acc3
 
@@ -351,8 +403,8 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
-    Q_QUANTIZED: tl.constexpr, SEARCH: tl.constexpr, V_LATE: tl.constexpr, CVT_ASM: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
+    Q_QUANTIZED: tl.constexpr, SEARCH: tl.constexpr, V_LATE: tl.constexpr, V_TRANSPOSED: tl.constexpr,
+    CVT_ASM: tl.constexpr, LAZY_RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tile = num_tiles - 1 - tl.program_id(0)  # longest tiles first
     kv_head = tl.program_id(1)
@@ -441,14 +493,16 @@ def _prefill_kernel(
             q, row_scale, row_limit, kv_end, inv_unit,
             bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
             offs_n, offs_d, offs_dv,
-            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, CVT_ASM, LAZY, INTERPRET)
+            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, V_TRANSPOSED, CVT_ASM,
+            LAZY, INTERPRET)
     for start in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
             start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
             q, row_scale, row_limit, kv_end, inv_unit,
             bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
             offs_n, offs_d, offs_dv,
-            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, CVT_ASM, LAZY, INTERPRET)
+            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED, CVT_ASM,
+            LAZY, INTERPRET)
 
     norm = tl.where(l_i > 0.0, r_i / l_i, 0.0)
     out_rows = q_row * stride_ot + row_head * stride_oh

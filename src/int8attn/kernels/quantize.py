@@ -225,12 +225,15 @@ def _store_rows_to_cache(
     x, heads, heads_ok, mask, d, blk, off,
     data_ptr, scale_ptr,
     stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
+    BLOCK_SIZE: tl.constexpr, TRANSPOSED: tl.constexpr,
     FULL: tl.constexpr, KIND: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Quantize fp32 rows ``x`` [BLOCK_H, BLOCK_D] (one per KV head; masked lanes hold 0)
     and store the rows with their scales at page ``blk``, offset ``off``; ``heads_ok``
     [BLOCK_H] and ``mask`` [BLOCK_H, BLOCK_D] mark the rows and lanes that exist (unused
-    when FULL)."""
+    when FULL). TRANSPOSED: the page is [head_dim, BLOCK_SIZE] (8-bit V; channel ``d`` of
+    the row at ``d * BLOCK_SIZE + off``), otherwise [BLOCK_SIZE, head_dim] (row stride
+    ``stride_co``)."""
     q, scale = _quantize_rows(x, KIND, INTERPRET)
     if KIND != _BF16:
         scale_ptrs = scale_ptr + blk * stride_sb + heads * stride_sh + off * stride_so
@@ -238,8 +241,12 @@ def _store_rows_to_cache(
             tl.store(scale_ptrs, scale)
         else:
             tl.store(scale_ptrs, scale, mask=heads_ok)
-    row = blk * stride_cb + heads * stride_ch + off * stride_co
-    _store_tile(data_ptr + row[:, None] + d[None, :], q, mask, FULL)
+    if TRANSPOSED:
+        page = blk * stride_cb + heads * stride_ch + off
+        _store_tile(data_ptr + page[:, None] + (d * BLOCK_SIZE)[None, :], q, mask, FULL)
+    else:
+        row = blk * stride_cb + heads * stride_ch + off * stride_co
+        _store_tile(data_ptr + row[:, None] + d[None, :], q, mask, FULL)
 
 
 @triton.jit
@@ -282,42 +289,59 @@ def _load_rows_rope(row_ptr, mask, d, cos_sin_row, ROTARY_DIM: tl.constexpr, BLO
 
 
 @triton.jit
-def _write_kv_token(
-    tok, slot, k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
+def _write_kv_tokens(
+    tok0, num_tokens, slot_ptr, pos_ptr, cos_sin_ptr,
+    k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
     num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
-    cos_sin_row,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    FULL: tl.constexpr, ROTATE: tl.constexpr, ROTARY_DIM: tl.constexpr, KIND: tl.constexpr, HAS_MEAN: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_D: tl.constexpr, ROTATE: tl.constexpr, ROTARY_DIM: tl.constexpr, KIND: tl.constexpr,
+    HAS_MEAN: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Quantize token ``tok``'s K rows (RoPE'd with the cos/sin row ``cos_sin_row`` of
-    ROTARY_DIM values when ROTATE, minus the smoothing mean when HAS_MEAN) and V rows into page
-    ``slot // BLOCK_SIZE`` at offset ``slot % BLOCK_SIZE``. FULL: num_kv_heads % BLOCK_H == 0
-    and HEAD_DIM == BLOCK_D.
+    """Quantize the K rows (RoPE'd with the cos/sin rows of the tokens' positions when
+    ROTATE, minus the smoothing mean when HAS_MEAN) and V rows of tokens ``tok0 ..
+    tok0 + BLOCK_T`` into the pages of their slots (tokens past ``num_tokens`` or with
+    slot -1 skipped), ``BLOCK_HKV`` KV heads at a time: a tile of BLOCK_HKV x BLOCK_T rows
+    (row ``r``: head ``r // BLOCK_T``, token ``r % BLOCK_T``) by BLOCK_D channels.
 
-    K and V tiles of a head block are both loaded before either is quantized, so their
-    memory latencies overlap.
+    Why tokens are in the tile: 8-bit V pages are stored transposed (see int8attn.cache),
+    so channel ``d`` of consecutive slots is contiguous, and the rows of one head's
+    tokens are neighbours in the tile, so one store instruction writes the bytes of up to
+    BLOCK_T neighbouring slots of a channel together (one token per program wrote
+    ``head_dim`` separate bytes per head). K and V tiles are both loaded before either is
+    quantized, so their latencies overlap.
     """
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
+    ROWS: tl.constexpr = BLOCK_HKV * BLOCK_T
+    r = tl.arange(0, ROWS)
+    tok = tok0 + r % BLOCK_T
+    head_in_block = r // BLOCK_T
+    live = tok < num_tokens
+    slot = tl.load(slot_ptr + tok, mask=live, other=-1).to(tl.int64)
+    blk = tl.where(slot >= 0, slot, 0) // BLOCK_SIZE
+    off = tl.where(slot >= 0, slot, 0) % BLOCK_SIZE
     d = tl.arange(0, BLOCK_D)
-    for h0 in range(0, num_kv_heads, BLOCK_H):
-        heads = h0 + tl.arange(0, BLOCK_H)
-        heads_ok = heads < num_kv_heads
-        mask = heads_ok[:, None] & (d < HEAD_DIM)[None, :]
+    if ROTATE:
+        pos = tl.load(pos_ptr + tok, mask=slot >= 0, other=0).to(tl.int64)
+        cos_sin_rows = (cos_sin_ptr + pos * ROTARY_DIM)[:, None]
+    for h0 in range(0, num_kv_heads, BLOCK_HKV):
+        heads = h0 + head_in_block
+        rows_ok = (slot >= 0) & (heads < num_kv_heads)
+        mask = rows_ok[:, None] & (d < HEAD_DIM)[None, :]
         k_rows = k_ptr + tok * stride_kt + heads * stride_kh
         if ROTATE:
-            k = _load_rows_rope(k_rows, mask, d, cos_sin_row, ROTARY_DIM, BLOCK_D, FULL)
+            k = _load_rows_rope(k_rows, mask, d, cos_sin_rows, ROTARY_DIM, BLOCK_D, False)
         else:
-            k = _load_tile(k_rows[:, None] + d[None, :], mask, FULL)
-        v = _load_tile(v_ptr + tok * stride_vt + (heads * stride_vh)[:, None] + d[None, :], mask, FULL)
+            k = _load_tile(k_rows[:, None] + d[None, :], mask, False)
+        v = _load_tile(v_ptr + (tok * stride_vt + heads * stride_vh)[:, None] + d[None, :], mask, False)
         if HAS_MEAN:
-            k = k - _load_tile(mean_ptr + (heads * HEAD_DIM)[:, None] + d[None, :], mask, FULL)
-        _store_rows_to_cache(k, heads, heads_ok, mask, d, blk, off, kcache_ptr, kscale_ptr,
-                             stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so, FULL, KIND, INTERPRET)
-        _store_rows_to_cache(v, heads, heads_ok, mask, d, blk, off, vcache_ptr, vscale_ptr,
-                             stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so, FULL, KIND, INTERPRET)
+            k = k - _load_tile(mean_ptr + (heads * HEAD_DIM)[:, None] + d[None, :], mask, False)
+        _store_rows_to_cache(k, heads, rows_ok, mask, d, blk, off, kcache_ptr, kscale_ptr,
+                             stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
+                             BLOCK_SIZE, False, False, KIND, INTERPRET)
+        # 8-bit V pages are stored transposed (see int8attn.cache)
+        _store_rows_to_cache(v, heads, rows_ok, mask, d, blk, off, vcache_ptr, vscale_ptr,
+                             stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
+                             BLOCK_SIZE, KIND != _BF16, False, KIND, INTERPRET)
 
 
 # --------------------------------------------------------------------------- write_kv
@@ -329,28 +353,25 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ch, stride_co,
     stride_sb, stride_sh, stride_so,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FULL: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr,
-    KIND: tl.constexpr, HAS_MEAN: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_TOKENS: tl.constexpr,
+    BLOCK_HKV: tl.constexpr, KIND: tl.constexpr, HAS_MEAN: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """TOKENS_PER_PROGRAM new tokens per program: quantize their K and V rows (all KV
-    heads) into the page of each token's slot (-1: skipped).
+    """KV_TOKENS new tokens per program: quantize their K and V rows (all KV heads,
+    BLOCK_HKV at a time) into the page of each token's slot (-1: skipped).
 
-    key/value [N, Hkv, D]; slot [N]; caches [num_blocks, Hkv, block_size, D] (strides
-    cb/ch/co, unit stride on D); scales [num_blocks, Hkv, block_size] (strides sb/sh/so);
-    mean [Hkv, D] fp32 contiguous, subtracted from K when HAS_MEAN.
+    key/value [N, Hkv, D]; slot [N]; key cache [num_blocks, Hkv, block_size, D] (strides
+    cb/ch/co, unit stride on D), value cache the same for bf16 and [num_blocks, Hkv, D,
+    block_size] (same cb/ch, contiguous pages) for 8-bit kinds; scales [num_blocks, Hkv,
+    block_size] (strides sb/sh/so); mean [Hkv, D] fp32 contiguous, subtracted from K when
+    HAS_MEAN.
     """
-    for i in tl.static_range(TOKENS_PER_PROGRAM):
-        tok = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM + i
-        if tok < num_tokens:
-            slot = tl.load(slot_ptr + tok).to(tl.int64)
-            if slot >= 0:
-                _write_kv_token(tok, slot, key_ptr, value_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr,
-                                mean_ptr, num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
-                                stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
-                                slot_ptr,  # no RoPE: the table pointer is unused
-                                BLOCK_SIZE, HEAD_DIM, BLOCK_H, BLOCK_D, FULL, False, BLOCK_D, KIND, HAS_MEAN,
-                                INTERPRET)
+    tok0 = tl.program_id(0).to(tl.int64) * KV_TOKENS
+    _write_kv_tokens(tok0, num_tokens, slot_ptr, slot_ptr, slot_ptr,  # no RoPE: no positions, no table
+                     key_ptr, value_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
+                     num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
+                     BLOCK_SIZE, HEAD_DIM, KV_TOKENS, BLOCK_HKV, BLOCK_D, False, BLOCK_D, KIND, HAS_MEAN,
+                     INTERPRET)
 
 
 # --------------------------------------------------------------------------- fused producer
@@ -365,33 +386,34 @@ def _rope_quantize_write_kernel(
     stride_cb, stride_ch, stride_co,
     stride_sb, stride_sh, stride_so,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
-    FULL_Q: tl.constexpr, FULL_KV: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_D: tl.constexpr,
+    FULL_Q: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr, KV_TOKENS: tl.constexpr, BLOCK_HKV: tl.constexpr,
     KIND: tl.constexpr, HAS_MEAN: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Grid (cdiv(N, TOKENS_PER_PROGRAM), cdiv(Hq, BLOCK_HQ) + 1). Program (i, g) with
-    g < cdiv(Hq, BLOCK_HQ) takes Q heads [g * BLOCK_HQ, (g + 1) * BLOCK_HQ) of its tokens:
-    NeoX RoPE on the first ROTARY_DIM channels, quantized to q_out [N, Hq, D] with q_scale
-    [N, Hq] (for KIND_BF16: RoPE'd bf16 Q, no scale); Q is emitted for every token, padding
-    included. The last program of a row (i, cdiv(Hq, BLOCK_HQ)) takes K (RoPE'd, minus the
-    smoothing mean) and V of all KV heads of its tokens into the pages at their slots
-    (skipped for slot -1). FULL_Q / FULL_KV: the head count is a multiple of the head block
-    and HEAD_DIM == BLOCK_D (no masks).
+    """Grid (rows, cdiv(Hq, BLOCK_HQ) + 1). Program (i, 0) takes K (RoPE'd, minus the
+    smoothing mean) and V of all KV heads of tokens [i * KV_TOKENS, (i + 1) * KV_TOKENS)
+    into the pages at their slots (skipped for slot -1; rows past the tokens exit): K/V
+    programs want a tile of tokens (see :func:`_write_kv_tokens`), and as the first
+    column of the grid they start before the Q programs instead of trailing them. Program
+    (i, g), g >= 1, takes Q heads [(g - 1) * BLOCK_HQ, g * BLOCK_HQ) of tokens [i *
+    TOKENS_PER_PROGRAM, ...): NeoX RoPE on the first ROTARY_DIM channels, quantized to
+    q_out [N, Hq, D] with q_scale [N, Hq] (for KIND_BF16: RoPE'd bf16 Q, no scale); Q is
+    emitted for every token, padding included. FULL_Q: the Q head count is a multiple of
+    BLOCK_HQ and HEAD_DIM == BLOCK_D (no masks).
 
     cos_sin [max_position, ROTARY_DIM] fp32 contiguous: cos of the ROTARY_DIM/2
     frequencies, then sin. Launched with ``enable_fp_fusion=False`` so RoPE rounds as
     PyTorch's fp32 ``x1 * cos - x2 * sin`` does.
     """
     group = tl.program_id(1)
-    num_q_groups = tl.cdiv(num_q_heads, BLOCK_HQ)
-    d = tl.arange(0, BLOCK_D)
-    for i in tl.static_range(TOKENS_PER_PROGRAM):
-        tok = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM + i
-        if tok < num_tokens:
-            cos_sin_row = cos_sin_ptr + tl.load(pos_ptr + tok).to(tl.int64) * ROTARY_DIM
-            if group < num_q_groups:
-                heads = group * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
-                mask = (heads < num_q_heads)[:, None] & (d < HEAD_DIM)[None, :]
+    if group > 0:
+        d = tl.arange(0, BLOCK_D)
+        heads = (group - 1) * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
+        mask = (heads < num_q_heads)[:, None] & (d < HEAD_DIM)[None, :]
+        for i in tl.static_range(TOKENS_PER_PROGRAM):
+            tok = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM + i
+            if tok < num_tokens:
+                cos_sin_row = cos_sin_ptr + tl.load(pos_ptr + tok).to(tl.int64) * ROTARY_DIM
                 y = _load_rows_rope(q_ptr + tok * stride_qt + heads * stride_qh, mask, d, cos_sin_row,
                                     ROTARY_DIM, BLOCK_D, FULL_Q)
                 q, scale = _quantize_rows(y, KIND, INTERPRET)
@@ -399,12 +421,12 @@ def _rope_quantize_write_kernel(
                 _store_tile(q_out_ptr + out_row[:, None] + d[None, :], q, mask, FULL_Q)
                 if KIND != _BF16:
                     tl.store(q_scale_ptr + tok * stride_qst + heads * stride_qsh, scale, mask=heads < num_q_heads)
-            else:
-                slot = tl.load(slot_ptr + tok).to(tl.int64)
-                if slot >= 0:
-                    _write_kv_token(tok, slot, k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr,
-                                    mean_ptr, num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
-                                    stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
-                                    cos_sin_row,
-                                    BLOCK_SIZE, HEAD_DIM, BLOCK_HKV, BLOCK_D, FULL_KV, True, ROTARY_DIM, KIND, HAS_MEAN,
-                                    INTERPRET)
+    else:
+        tok0 = tl.program_id(0).to(tl.int64) * KV_TOKENS
+        if tok0 < num_tokens:
+            _write_kv_tokens(tok0, num_tokens, slot_ptr, pos_ptr, cos_sin_ptr,
+                             k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
+                             num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
+                             stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
+                             BLOCK_SIZE, HEAD_DIM, KV_TOKENS, BLOCK_HKV, BLOCK_D, True, ROTARY_DIM, KIND,
+                             HAS_MEAN, INTERPRET)

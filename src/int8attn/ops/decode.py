@@ -33,6 +33,9 @@ from .write import KV_KIND, device_guard
 #: Longest query (new tokens of one sequence) the decode kernel handles; sequences with
 #: more are skipped here and left to the prefill kernel.
 MAX_DECODE_QUERY_LEN = 8
+#: Output columns per merge program (attention head_dims are powers of two, so this
+#: divides any head_dim >= 64).
+MERGE_BLOCK_D = 64
 #: Upper bound of ``num_splits`` (split-K segments per sequence and KV head).
 MAX_NUM_SPLITS = 256
 #: Query heads x query tokens packed into one program's rows at most (more tokens are
@@ -72,13 +75,15 @@ BUFFER_BUDGET = 180 * 1024
 SMEM_OVERHEAD = 36 * 1024
 
 
-#: Winners of the H200 sweep in benchmarks/bench_decode.py (2026-11-30, one pass of <= 16
-#: packed rows at head_dim 256; the same config won at bs16 L32k, bs1 L32k and bs64 L8k):
-#: int8 32/4/9 ran 429.7 us at bs16 L32k against 549.0 for the rule below (64/8/9), bf16
-#: 64/8/5 479.9 against 608.2 (32/8/9). Other shapes keep the rule: at 32 packed rows the
-#: 4-warp and 128-key configs spill.
+#: Winners of the H200 sweep in benchmarks/bench_decode.py (2026-11-30, 8-bit V pages
+#: transposed; one pass of <= 16 packed rows): int8 head_dim 256 64/4/6 (geometric mean of
+#: bs16 L32k, bs1 L32k and bs64 L8k; 128/4/4 was 2-4% faster at bs16 and bs64 but 7% slower
+#: at bs1), int8 head_dim 128 (32q/8kv) 128/4/5 (305 us at bs16 L32k against 501 for the
+#: rule below), fp8 64/8/7, bf16 64/8/5. Other shapes keep the rule: at 32 packed rows the
+#: 4-warp configs spill.
 MEASURED_BEST = {
-    ("int8", 256, 16): DecodeConfig(block_n=32, num_warps=4, num_stages=9),
+    ("int8", 256, 16): DecodeConfig(block_n=64, num_warps=4, num_stages=6),
+    ("int8", 128, 16): DecodeConfig(block_n=128, num_warps=4, num_stages=5),
     ("fp8", 256, 16): DecodeConfig(block_n=64, num_warps=8, num_stages=7),
     ("bf16", 256, 16): DecodeConfig(block_n=64, num_warps=8, num_stages=5),
 }
@@ -352,7 +357,8 @@ def _run(plan: DecodePlan, query, cache, block_table, seq_lens, query_start_loc,
         )
         merge = None
         if splits > 1:
-            merge = _decode_merge_kernel[(num_q_heads, num_seqs)](
+            merge_cols = min(head_dim, MERGE_BLOCK_D)
+            merge = _decode_merge_kernel[(num_q_heads, num_seqs, head_dim // merge_cols)](
                 out, part_acc, part_ml,
                 seq_lens, query_start_loc,
                 splits,
@@ -360,7 +366,7 @@ def _run(plan: DecodePlan, query, cache, block_table, seq_lens, query_start_loc,
                 part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
                 part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
                 HEAD_DIM=head_dim, BLOCK_N=block_n, MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN,
-                SPLIT_CHUNK=max(1, 4096 // head_dim),
+                SPLIT_CHUNK=max(1, 4096 // merge_cols), BLOCK_D=merge_cols,
                 num_warps=4,
             )
     LAST_LAUNCH.update(split_kernel=split_kernel, merge_kernel=merge, plan=plan, grid=(splits, cache.num_kv_heads,

@@ -43,7 +43,7 @@ from typing import Optional
 import torch
 
 from .._checks import INDEX_DTYPES, INPUT_DTYPES, check_cache, check_kv, check_query, check_tensor
-from ..cache import KV_DTYPES, PagedKVCache
+from ..cache import KV_DTYPES, PagedKVCache, value_transposed
 
 NAMESPACE = "int8attn"
 
@@ -84,11 +84,16 @@ def cache_view(
     kv_dtype = _KV_DTYPE_OF_STORAGE.get(key_cache.dtype)
     if kv_dtype is None:
         raise TypeError(f"key_cache dtype must be one of int8 / float8_e4m3fn / bfloat16, got {key_cache.dtype}")
-    if not isinstance(value_cache, torch.Tensor) or value_cache.shape != key_cache.shape or (
+    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+    value_shape = (num_blocks, num_kv_heads, head_dim, block_size) if value_transposed(kv_dtype) else key_cache.shape
+    if not isinstance(value_cache, torch.Tensor) or value_cache.shape != value_shape or (
         value_cache.dtype != key_cache.dtype
     ):
-        raise ValueError("value_cache must match key_cache in shape and dtype")
-    num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
+        raise ValueError(
+            f"value_cache must have key_cache's dtype and shape {tuple(value_shape)} "
+            f"(8-bit caches store V pages transposed, [num_blocks, num_kv_heads, head_dim, block_size]), "
+            f"got {getattr(value_cache, 'dtype', None)} {tuple(getattr(value_cache, 'shape', ()))}"
+        )
     scale_shape = (num_blocks, num_kv_heads, block_size)
     if kv_dtype == "bf16":
         if key_scale is not None or value_scale is not None or key_mean is not None:

@@ -30,8 +30,8 @@ PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
 #: Default PV precision per cache dtype. On the H200 (benchmarks/notes/prefill.md) the
 #: 16-bit PV was both faster and more accurate than 8-bit PV for 8-bit caches: INT8 cache
 #: 9.5 ms (fp16 PV) vs 14.4 ms (int8 PV) at 4096 tokens over 28672, end-to-end rel-L2
-#: 0.013 vs 0.018. 8-bit PV needs V K-major in shared memory, which this cache layout
-#: only gives through registers and byte-wise transposing stores.
+#: 0.013 vs 0.018. Those runs predate the transposed V pages of 8-bit caches (V now
+#: arrives K-major, as 8-bit MMAs need, without a byte transpose in registers).
 DEFAULT_PV = {"int8": "bf16", "fp8": "bf16", "bf16": "bf16"}
 _PV_KIND = {"int8": PV_INT8.value, "fp8": PV_FP8.value, "bf16": PV_BF16.value}
 
@@ -112,7 +112,7 @@ def _check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) -
         raise ValueError(f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
 
 
-def _check_config(config: PrefillConfig, cache: PagedKVCache, group: int) -> PrefillConfig:
+def _check_config(config: PrefillConfig, cache: PagedKVCache, group: int, pv_mode: str | None = None) -> PrefillConfig:
     d = cache.head_dim
     dv = config.dv or d
     for name in ("p_shift", "v_late", "lazy_rescale"):
@@ -125,6 +125,9 @@ def _check_config(config: PrefillConfig, cache: PagedKVCache, group: int) -> Pre
             raise ValueError(f"{name}={value} must be a power of two >= 16")
     if config.block_n > 256:
         raise ValueError(f"block_n={config.block_n} must be <= 256 (int32 PV headroom)")
+    if pv_mode in ("int8", "fp8") and config.block_n < 32 and not interpret_mode():
+        # the PV dot reduces over the tile's keys; compiled 8-bit dots need K >= 32
+        raise ValueError(f"block_n={config.block_n} must be >= 32 with {pv_mode} PV (8-bit dot, K >= 32)")
     if d % dv or d // dv not in (1, 2, 4):
         raise ValueError(f"dv={dv} must split head_dim={d} into 1, 2 or 4 chunks")
     block_m = max(config.block_m, triton.next_power_of_2(group))
@@ -132,12 +135,26 @@ def _check_config(config: PrefillConfig, cache: PagedKVCache, group: int) -> Pre
 
 
 def _check_cache_layout(cache: PagedKVCache) -> None:
-    """The kernel addresses a token row as ``page * stride(0) + head * stride(1) + slot * D``."""
-    want = (cache.block_size * cache.head_dim, cache.head_dim, 1)
-    for name, t in (("key", cache.key), ("value", cache.value)):
-        if t.stride()[1:] != want or t.stride() != cache.key.stride():
-            raise ValueError(f"cache.{name} must be laid out [num_blocks, Hkv, block_size, D] with unit stride "
-                             f"on D and contiguous pages, got strides {t.stride()}")
+    """The kernel addresses K row ``(page, head, slot)`` at ``page * stride(0) + head *
+    stride(1) + slot * D`` and V element ``(slot, d)`` of a page at ``d * PAGE + slot``
+    (8-bit caches, pages stored [D, PAGE]) or ``slot * D + d`` (bf16), with the block and
+    head strides of K shared by V."""
+    page, d = cache.block_size, cache.head_dim
+    key_strides = (cache.key.stride(0), page * d, d, 1)
+    if cache.value_transposed:
+        value_shape = (cache.num_blocks, cache.num_kv_heads, d, page)
+        value_strides = (cache.key.stride(0), page * d, page, 1)
+        layout = "[num_blocks, Hkv, D, block_size] (8-bit V pages are stored transposed)"
+    else:
+        value_shape = tuple(cache.key.shape)
+        value_strides = key_strides
+        layout = "[num_blocks, Hkv, block_size, D]"
+    if cache.key.stride() != key_strides:
+        raise ValueError(f"cache.key must be laid out [num_blocks, Hkv, block_size, D] with unit stride on D and "
+                         f"contiguous pages, got strides {cache.key.stride()}")
+    if tuple(cache.value.shape) != value_shape or cache.value.stride() != value_strides:
+        raise ValueError(f"cache.value must be laid out {layout} with contiguous pages and the key's block and head "
+                         f"strides, got shape {tuple(cache.value.shape)} strides {cache.value.stride()}")
     if cache.quantized:
         for name, t in (("key_scale", cache.key_scale), ("value_scale", cache.value_scale)):
             if t.stride(2) != 1 or t.stride() != cache.key_scale.stride():
@@ -186,7 +203,7 @@ def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, s
     elif not isinstance(config, PrefillConfig):
         raise TypeError(f"config must be a PrefillConfig, got {type(config).__name__}")
     group = query.shape[1] // cache.num_kv_heads
-    config = _check_config(config, cache, group)
+    config = _check_config(config, cache, group, pv_mode)
     return _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                 q_quant, q_scale, min_query_len, max_query_len)
 
@@ -260,7 +277,8 @@ def _run(config: PrefillConfig, pv_mode: str, query, cache, block_table, seq_len
             BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
             KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=_PV_KIND[pv_mode], P_SHIFT=bool(config.p_shift),
             Q_QUANTIZED=q_quantized or not cache.quantized, SEARCH=search, V_LATE=bool(config.v_late),
-            CVT_ASM=_use_cvt_asm(config, cache), LAZY_RESCALE=bool(config.lazy_rescale), INTERPRET=interpret_mode(),
+            V_TRANSPOSED=cache.value_transposed, CVT_ASM=_use_cvt_asm(config, cache),
+            LAZY_RESCALE=bool(config.lazy_rescale), INTERPRET=interpret_mode(),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return out
