@@ -118,8 +118,8 @@ class Int8PagedLayer(CacheLayerMixin):
 
     ``paged`` is created on the first update, when the local number of KV heads is known
     (under tensor parallelism each rank stores only its own heads). ``keys`` / ``values``
-    point at the paged storage (``[num_blocks, num_kv_heads, block_size, head_dim]``, INT8
-    for the default cache); there is no dense copy.
+    point at the paged storage (see :mod:`int8attn.cache`: INT8 for the default cache,
+    V pages transposed); there is no dense copy.
     """
 
     is_compileable = False

@@ -45,9 +45,8 @@ MAX_BLOCK_M = 32
 
 #: PV precisions each cache dtype accepts; the first is the default. INT8 PV (shifted
 #: 0..255 P) is within the accuracy goal on the H200 (rel-L2 0.008 vs float64 on
-#: outlier keys) and compiles to fewer instructions per key than the BF16-PV path (77 vs
-#: 84 warp-instructions per key for sm_90); its speed advantage is not yet measured with
-#: the pipelined kernel (benchmarks/notes/decode.md).
+#: outlier keys) and was as fast or faster than BF16 PV in the H200 run of 08:37
+#: (284 vs 298 us at bs16 L32k; benchmarks/notes/decode.md).
 PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
 _PV_KIND = {"int8": PV_INT8.value, "int8_signed": PV_INT8_SIGNED.value, "fp8": PV_FP8.value, "bf16": PV_BF16.value}
 

@@ -16,8 +16,9 @@ object, so they trace under ``torch.compile`` and record into CUDA graphs)::
                        Tensor? q_quant, Tensor? q_scale, str? pv_mode) -> ()
     int8attn::quantize_query(Tensor query, str kv_dtype) -> (Tensor, Tensor)
 
-Tensor layouts are those of :class:`int8attn.PagedKVCache` (key/value
-``[num_blocks, num_kv_heads, block_size, head_dim]``, scales
+Tensor layouts are those of :class:`int8attn.PagedKVCache` (key ``[num_blocks,
+num_kv_heads, block_size, head_dim]``; value the same for bf16 and ``[num_blocks,
+num_kv_heads, head_dim, block_size]`` for int8/fp8, whose V pages are transposed; scales
 ``[num_blocks, num_kv_heads, block_size]`` fp32, ``key_mean`` ``[num_kv_heads, head_dim]``
 fp32) and of DESIGN.md section 6 for the rest. ``mutates_args`` names exactly what each op
 writes: the cache tensors for the two writers, ``out`` (and ``out_q``/``out_q_scale``) for
