@@ -595,6 +595,36 @@ def split_sweep(r: Run) -> None:
         for s in sorted({max(1, base // 2), base * 2} & set(range(1, dec.MAX_NUM_SPLITS + 1))):
             time_path(r, "splits", "int8", "int8", None, cfg, HEADLINE, bs, ctx, num_splits=s, graph_only=True,
                       extra={"auto_splits": base})
+    if not SMOKE:
+        try:
+            kernel_profile(r, cfg, 1, TUNE_SHAPES[1][1])
+        except Exception as e:  # a profiler problem must not cost the rest of the run
+            log(f"kernel profile FAILED: {e!r}")
+
+
+def kernel_profile(r: Run, cfg, bs: int, ctx: int) -> None:
+    """Where a small-batch call's time goes: device time of the split and merge kernels
+    (torch profiler, median over 50 eager calls) next to the graph time of the whole call."""
+    runner = Decode(r.caches["int8"], HEADLINE, bs, ctx, 1, None, cfg)
+    for _ in range(5):
+        runner()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(50):
+            runner()
+        torch.cuda.synchronize()
+    per_kernel = collections.defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and "_decode_" in ev.name:
+            per_kernel[ev.name].append(ev.device_time)
+    med = {k: sorted(v)[len(v) // 2] for k, v in per_kernel.items()}
+    graph_us = timeit(runner, True)
+    row = dict(kind="kernel_profile", path="int8", bs=bs, context=ctx, num_splits=runner.plan.num_splits,
+               block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, graph_us=graph_us,
+               **{f"{k}_us": v for k, v in med.items()})
+    r.rec.add(**row)
+    log(f"profile int8 bs{bs} L{ctx} S{runner.plan.num_splits}: graph {graph_us:.1f}us, kernels "
+        + ", ".join(f"{k} {v:.1f}us" for k, v in med.items()))
 
 
 # --------------------------------------------------------------------------- summary

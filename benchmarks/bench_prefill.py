@@ -73,33 +73,77 @@ def _v(kv, pv, block_n=64, dv=None, late=False, stages=2, asm=None, lazy=True, p
     return {"name": name, "kv": kv, "pv": pv, "cfg": cfg, "prequant": prequant, "default": default}
 
 
+def _library_default(kv: str, head_dim: int, pv: str) -> dict:
+    """What ``default_config`` returns on a GPU (its interpreter branch bypassed, so a CPU
+    dry run labels the same rows)."""
+    import int8attn.ops.prefill as ops_prefill
+
+    saved = ops_prefill.interpret_mode
+    ops_prefill.interpret_mode = lambda: False
+    try:
+        c = ops_prefill.default_config(kv, head_dim, pv)
+    finally:
+        ops_prefill.interpret_mode = saved
+    return dict(block_m=c.block_m, block_n=c.block_n, dv=c.dv or head_dim, num_warps=c.num_warps,
+                num_stages=c.num_stages, v_late=bool(c.v_late))
+
+
+def _mark_defaults(variants: list[dict], head_dim: int) -> list[dict]:
+    """``default`` = the variant equal to ``default_config`` for its family (derived, not
+    hand-labelled); a family whose default is not in the list gets it appended."""
+    for kv, pv in FAMILIES:
+        want = _library_default(kv, head_dim, pv)
+        found = False
+        for v in variants:
+            if (v["kv"], v["pv"]) != (kv, pv):
+                continue
+            c = v["cfg"]
+            got = dict(block_m=c["block_m"], block_n=c["block_n"], dv=c["dv"] or head_dim,
+                       num_warps=c["num_warps"], num_stages=c["num_stages"], v_late=bool(c["v_late"]))
+            v["default"] = (got == want and c.get("cvt_asm") is None and c.get("lazy_rescale", True)
+                            and not v["prequant"] and not found)
+            found = found or v["default"]
+        if not found:
+            d = _v(kv, pv, want["block_n"], want["dv"], late=want["v_late"], stages=want["num_stages"])
+            d["cfg"].update(block_m=want["block_m"], num_warps=want["num_warps"])
+            d["default"] = True
+            variants.append(d)
+    return variants
+
+
 def sweep(head_dim: int) -> list[dict]:
-    """The tuning sweep per head_dim: the library default of each family (``default``)
-    plus the alternatives the sm_90 compile analysis left open; at head_dim 256 each
-    round-2 change is also undone once (``_eager``: rescale every tile; no ``_late``: V
-    prefetched before QK; ``_noasm``: portable int8 -> fp16) to measure what it gives."""
+    """The tuning sweep per head_dim: the library default of each family (``default``,
+    derived from ``default_config``) plus the alternatives the sm_90 compile analysis left
+    open; at head_dim 256 each round-2 change is also undone once (``_eager``: rescale
+    every tile; no ``_late``: V prefetched before QK; ``_noasm``: portable int8 -> fp16) to
+    measure what it gives. At head_dim 128 the 128-key tiles with V prefetched before QK
+    (no ``_late``) are timed next to the default: with transposed 8-bit V pages they are the
+    variant without spills in the diagonal loop (round 4, benchmarks/notes/prefill.md)."""
     if head_dim == 256:
-        return [
-            _v("int8", "bf16", 64, 128, late=True, default=True),
+        return _mark_defaults([
+            _v("int8", "bf16", 64, 128, late=True),
             _v("int8", "bf16", 64, 128, late=True, lazy=False),
             _v("int8", "bf16", 64, 128, late=False),
             _v("int8", "bf16", 64, 128, late=True, asm=False),
-            _v("int8", "int8", 64, 64, late=True, default=True),
-            _v("fp8", "bf16", 64, 128, late=True, default=True),
+            _v("int8", "int8", 64, 64, late=True),
+            _v("fp8", "bf16", 64, 128, late=True),
             _v("fp8", "fp8", 64, 64, late=True),
-            _v("bf16", "bf16", 64, 256, default=True),
+            _v("bf16", "bf16", 64, 256),
             _v("bf16", "bf16", 64, 256, lazy=False),
-        ]
-    return [
-        _v("int8", "bf16", 64, 128, default=True),
-        _v("int8", "bf16", 64, 128, lazy=False),
+        ], head_dim)
+    return _mark_defaults([
         _v("int8", "bf16", 128, 128, late=True),
-        _v("int8", "int8", 64, 128, late=True, default=True),
-        _v("fp8", "bf16", 64, 128, default=True),
+        _v("int8", "bf16", 128, 128, late=False),
+        _v("int8", "bf16", 128, 64, late=True),
+        _v("int8", "bf16", 64, 128),
+        _v("int8", "bf16", 64, 128, lazy=False),
+        _v("int8", "int8", 64, 128, late=True),
         _v("fp8", "bf16", 128, 128, late=True),
-        _v("bf16", "bf16", 128, 128, default=True),
+        _v("fp8", "bf16", 128, 128, late=False),
+        _v("fp8", "bf16", 64, 128),
+        _v("bf16", "bf16", 128, 128),
         _v("bf16", "bf16", 64, 128),
-    ]
+    ], head_dim)
 
 
 def smoke_sweep(head_dim: int) -> list[dict]:

@@ -320,3 +320,28 @@ def test_value_checks_can_be_disabled(gen, device, monkeypatch):
         write_kv(cache, key.to(torch.int32), value, slots)
     # the value check is off: an in-range call still works
     write_kv(cache, key, value, slots)
+
+
+@pytest.mark.parametrize("kv_dtype,head_dim,block_size", [("int8", 64, 16), ("fp8", 128, 16), ("int8", 80, 16),
+                                                          ("int8", 64, 32)])
+def test_whole_pages_take_the_aligned_store_and_stay_bit_exact(kv_dtype, head_dim, block_size, gen, device):
+    """Prefill-like slots: whole pages of consecutive slots (in permuted pages, the
+    kernel's aligned transposed-page store) next to a page entered mid-way, a page with
+    a padding token and a short tail -- all bit-exact against the reference."""
+    pages = 6
+    cache = PagedKVCache(pages + 2, block_size, 3, head_dim, kv_dtype=kv_dtype, device=device, key_smoothing="none")
+    fill_garbage(cache, gen)
+    order = torch.randperm(pages + 2, generator=gen)[:pages]
+    slots = torch.cat([order[0] * block_size + torch.arange(block_size),  # whole page
+                       order[1] * block_size + torch.arange(block_size),  # whole page
+                       order[2] * block_size + 3 + torch.arange(block_size - 3),  # mid-page start
+                       order[3] * block_size + torch.arange(block_size),  # page with a padding token
+                       order[4] * block_size + torch.arange(5)])  # short tail
+    slots[3 * block_size - 3 + 4] = -1
+    n = slots.shape[0]
+    key = make_keys(n, 3, head_dim, generator=gen).to(device)
+    value = make_normal((n, 3, head_dim), generator=gen).to(device)
+    slots = slots.to(device)
+    before = copy.deepcopy(cache)
+    write_kv(cache, key, value, slots)
+    assert_caches_equal(cache, reference_write(before, key, value, slots, cache))

@@ -323,6 +323,11 @@ def _write_kv_tokens(
     if ROTATE:
         pos = tl.load(pos_ptr + tok, mask=slot >= 0, other=0).to(tl.int64)
         cos_sin_rows = (cos_sin_ptr + pos * ROTARY_DIM)[:, None]
+    # A tile that is exactly one page of consecutive slots (prefill writes from a page
+    # boundary) stores each channel's BLOCK_SIZE bytes as one aligned 16-byte run.
+    WHOLE_PAGE_PATH: tl.constexpr = (BLOCK_HKV == 1) and (BLOCK_T == BLOCK_SIZE) and (KIND != _BF16)
+    slot0 = tl.load(slot_ptr + tok0, mask=tok0 < num_tokens, other=-1).to(tl.int64)
+    whole_page = (slot0 >= 0) & (slot0 % BLOCK_SIZE == 0) & (tl.sum((slot != slot0 + r).to(tl.int32), axis=0) == 0)
     for h0 in range(0, num_kv_heads, BLOCK_HKV):
         heads = h0 + head_in_block
         rows_ok = (slot >= 0) & (heads < num_kv_heads)
@@ -339,9 +344,35 @@ def _write_kv_tokens(
                              stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
                              BLOCK_SIZE, False, False, KIND, INTERPRET)
         # 8-bit V pages are stored transposed (see int8attn.cache)
-        _store_rows_to_cache(v, heads, rows_ok, mask, d, blk, off, vcache_ptr, vscale_ptr,
-                             stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
-                             BLOCK_SIZE, KIND != _BF16, False, KIND, INTERPRET)
+        if WHOLE_PAGE_PATH and whole_page:
+            _store_page_transposed(v, h0, slot0 // BLOCK_SIZE, vcache_ptr, vscale_ptr, stride_cb, stride_ch,
+                                   stride_sb, stride_sh, stride_so, BLOCK_SIZE, HEAD_DIM, BLOCK_D, KIND, INTERPRET)
+        else:
+            _store_rows_to_cache(v, heads, rows_ok, mask, d, blk, off, vcache_ptr, vscale_ptr,
+                                 stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
+                                 BLOCK_SIZE, KIND != _BF16, False, KIND, INTERPRET)
+
+
+@triton.jit
+def _store_page_transposed(x, head, blk, data_ptr, scale_ptr, stride_cb, stride_ch, stride_sb, stride_sh, stride_so,
+                           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                           KIND: tl.constexpr, INTERPRET: tl.constexpr):
+    """Quantize the BLOCK_SIZE rows ``x`` [BLOCK_SIZE, BLOCK_D] of one head that fill page
+    ``blk`` in slot order and store them as the transposed page [head_dim, BLOCK_SIZE]
+    with their scales. Row ``r`` of channel ``d`` lands at ``d * BLOCK_SIZE + r``: the
+    compiler sees BLOCK_SIZE contiguous, 16-byte aligned bytes per channel (page starts
+    are multiples of 16 for head_dim >= 16) and stores each run with one vector store
+    (the register transpose goes through shared memory)."""
+    q, scale = _quantize_rows(x, KIND, INTERPRET)
+    r = tl.arange(0, BLOCK_SIZE)
+    d = tl.arange(0, BLOCK_D)
+    tl.store(scale_ptr + blk * stride_sb + head * stride_sh + r * stride_so, scale)
+    page = tl.multiple_of(blk * stride_cb + head * stride_ch, 16)
+    ptrs = data_ptr + page + r[:, None] + (d * BLOCK_SIZE)[None, :]
+    if HEAD_DIM == BLOCK_D:
+        tl.store(ptrs, q)
+    else:
+        tl.store(ptrs, q, mask=(d < HEAD_DIM)[None, :])
 
 
 # --------------------------------------------------------------------------- write_kv

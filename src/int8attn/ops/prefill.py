@@ -81,10 +81,12 @@ def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> PrefillConfig:
     # right before its PV dot (v_late) and the main loop runs without local-memory traffic.
     if pv_mode == "bf16":
         if head_dim <= 128:
-            # H200, 32q/8kv/D128 over 28672 (benchmarks/results/prefill.jsonl, 07:15 run):
-            # 128-key tiles with the late V load ran 6.36 ms (int8) / 6.57 ms (fp8) against
-            # 8.83 / 9.21 ms for 64-key tiles, despite 24 bytes of spill outside the loop.
-            return PrefillConfig(block_m=128, block_n=128, dv=head_dim, num_warps=8, num_stages=2, v_late=True)
+            # H200, 32q/8kv/D128 over 28672 (benchmarks/results/prefill.jsonl): 128-key tiles
+            # beat 64-key ones (07:15 run, row-major V: 6.36 / 6.57 ms against 8.83 / 9.21).
+            # With the transposed V pages (09:10 run) int8 runs best loading V early (6.88
+            # ms against 7.19 late: no spills in the diagonal loop), fp8 late (7.65 / 7.82).
+            return PrefillConfig(block_m=128, block_n=128, dv=head_dim, num_warps=8, num_stages=2,
+                                 v_late=kv_dtype == "fp8")
         return PrefillConfig(block_m=128, block_n=64, dv=128, num_warps=8, num_stages=2, v_late=True)
     # 8-bit PV: a fresh int32 (or fp8 partial) PV tile per dot; column chunks keep the
     # live registers within budget at head_dim 256.

@@ -36,14 +36,16 @@ def device_guard(device: torch.device):
     return contextlib.nullcontext()
 
 
-def write_kv_tile(num_tokens: int, num_kv_heads: int, head_dim: int) -> dict:
+def write_kv_tile(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int) -> dict:
     """write_kv's program tile: ``KV_TOKENS`` tokens of one KV head (``BLOCK_HKV`` 1), up
     to KV_TILE_ELEMS elements. Tokens, not heads, fill the tile because 8-bit V pages are
     stored transposed: neighbouring slots of a head then write a channel's bytes in one
     store instruction. Measured on the H200 (4096 tokens, 4 KV heads, D 256,
     benchmarks/notes/producer.md): 16 tokens x 1 head 11.2 us, 4 x 4 12.9 us, 2 x 4 16.6 us."""
     block_d = triton.next_power_of_2(head_dim)
-    tokens = KV_TILE_ELEMS // block_d
+    # a page of tokens where it fits: whole pages of consecutive slots take the kernel's
+    # aligned 16-byte store path
+    tokens = min(block_size, KV_TILE_ELEMS // block_d)
     if num_tokens < tokens:
         # a decode-sized write: one token of all heads per program, so the heads are not
         # walked one after another (16 x 1 ran 4.3 us for one token against 2.0 for the
@@ -119,7 +121,7 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
     vscale = cache.value_scale if cache.quantized else cache.value
     sscale = cache.key_scale.stride() if cache.quantized else (0, 0, 0)
     head_dim = cache.head_dim
-    launch = {**write_kv_tile(num_tokens, cache.num_kv_heads, head_dim), "num_warps": 4}
+    launch = {**write_kv_tile(num_tokens, cache.num_kv_heads, head_dim, cache.block_size), "num_warps": 4}
     launch.update(_launch or {})
     with device_guard(cache.device):
         _write_kv_kernel[(triton.cdiv(num_tokens, launch["KV_TOKENS"]),)](
