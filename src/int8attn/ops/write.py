@@ -20,7 +20,7 @@ TILE_ELEMS = 2048
 #: an H200 at the headline shape (benchmarks/notes/producer.md, round 2): at 4096 tokens 2
 #: warps were 1-8% faster, at 1 token 4 warps were 5-15% faster; sizes in between unmeasured.
 LARGE_BATCH_TOKENS = 256
-#: Elements of write_kv's [tokens, head_dim] program tile (16 tokens at head_dim 256).
+#: Most elements of write_kv's [tokens, head_dim] program tile (16 tokens at head_dim 256).
 KV_TILE_ELEMS = 4096
 
 
@@ -37,19 +37,21 @@ def device_guard(device: torch.device):
 
 
 def write_kv_tile(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int) -> dict:
-    """write_kv's program tile: ``KV_TOKENS`` tokens of one KV head (``BLOCK_HKV`` 1), up
-    to KV_TILE_ELEMS elements. Tokens, not heads, fill the tile because 8-bit V pages are
-    stored transposed: neighbouring slots of a head then write a channel's bytes in one
-    store instruction. Measured on the H200 (4096 tokens, 4 KV heads, D 256,
-    benchmarks/notes/producer.md): 16 tokens x 1 head 11.2 us, 4 x 4 12.9 us, 2 x 4 16.6 us."""
+    """write_kv's program tile: ``KV_TOKENS`` tokens of one KV head (``BLOCK_HKV`` 1), a
+    page of them where that fits in KV_TILE_ELEMS elements. Tokens, not heads, fill the
+    tile because 8-bit V pages are stored transposed: neighbouring slots of a head then
+    write a channel's bytes in one store instruction, and a tile that is one whole page of
+    consecutive slots takes the kernel's aligned 16-byte store. Measured on the H200
+    (4096 tokens, 4 KV heads, D 256, page 16, benchmarks/notes/producer.md): 16 tokens x 1
+    head 11.2 us, 4 x 4 12.9 us, 2 x 4 16.6 us; with the whole-page store 10.6 us."""
     block_d = triton.next_power_of_2(head_dim)
     # a page of tokens where it fits: whole pages of consecutive slots take the kernel's
     # aligned 16-byte store path
     tokens = min(block_size, KV_TILE_ELEMS // block_d)
     if num_tokens < tokens:
         # a decode-sized write: one token of all heads per program, so the heads are not
-        # walked one after another (16 x 1 ran 4.3 us for one token against 2.0 for the
-        # row-layout per-token kernel; this shape is that kernel's, not re-timed)
+        # walked one after another (H200, one token: 16 x 1 ran 4.3 us, this 2.3 us, the
+        # row-layout kernel 2.0 us)
         return {"KV_TOKENS": 1, "BLOCK_HKV": heads_per_program(num_kv_heads, head_dim)}
     return {"KV_TOKENS": tokens, "BLOCK_HKV": 1}
 
