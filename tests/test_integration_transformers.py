@@ -238,7 +238,7 @@ def test_continuous_batching_paged_variant(model):
     from transformers import GenerationConfig
     from transformers.generation import ContinuousBatchingConfig
 
-    from int8attn.integrations import transformers as integ
+    from int8attn.integrations.transformers import paged as integ
 
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=gen).tolist() for n in (7, 30, 19)]
