@@ -141,3 +141,36 @@ def test_quantize_query_row_limit(device):
     with pytest.raises(ValueError, match="rows"):
         _checks.check_quantize_query_inputs(huge, "int8")
     _checks.check_quantize_query_inputs(huge[:1000], "int8")
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
+def test_cache_storage_layout_is_checked_before_any_launch(kv_dtype, device):
+    """A cache whose tensors do not have the layout the kernels address -- 8-bit V pages
+    row-major instead of transposed, a strided view, a wrong dtype -- is refused by every
+    entry point before anything runs, and the cache stays untouched."""
+    from int8attn import attention, write_kv
+    from int8attn.ops.decode import decode_attention
+
+    args = attention_args(device, kv_dtype)
+    cache = args["cache"]
+    _checks.check_cache(cache)  # the layout PagedKVCache allocates passes
+    good_value = cache.value
+    bad_values = [torch.zeros_like(good_value).transpose(-1, -2),  # strided view of the other layout
+                  good_value.to(torch.float32)]
+    if cache.value_transposed:
+        bad_values.append(cache.value_rows.contiguous())  # 8-bit V in the row layout
+    key = torch.randn(2, 2, 64, device=device)
+    for bad in bad_values:
+        cache.value = bad
+        before = bad.clone()
+        with pytest.raises(ValueError, match="cache.value"):
+            _checks.check_cache(cache)
+        with pytest.raises(ValueError, match="cache.value"):
+            write_kv(cache, key, key, torch.tensor([0, 1], device=device))
+        with pytest.raises(ValueError, match="cache.value"):
+            attention(**args)
+        with pytest.raises(ValueError, match="cache.value"):
+            decode_attention(**attention_args(device, kv_dtype, q_lens=(1, 1, 1)) | {"cache": cache})
+        assert torch.equal(bad.view(torch.uint8) if bad.element_size() == 1 else bad,
+                           before.view(torch.uint8) if before.element_size() == 1 else before)
+    cache.value = good_value
