@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from .cache import KV_DTYPES, PagedKVCache
+from .cache import KV_DTYPES, PagedKVCache, value_storage_shape
 
 #: Query / new K / V dtypes the launchers accept; bf16 is the contract, fp16 and fp32 are
 #: loaded and converted in-kernel.
@@ -72,7 +72,7 @@ def check_cache(cache) -> None:
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be an int8attn.PagedKVCache, got {type(cache).__name__}")
     rows = (cache.num_blocks, cache.num_kv_heads, cache.block_size, cache.head_dim)
-    value_shape = rows[:2] + rows[:1:-1] if cache.value_transposed else rows
+    value_shape = value_storage_shape(cache.kv_dtype, *rows)
     for name, t, shape in (("key", cache.key, rows), ("value", cache.value, value_shape)):
         if not isinstance(t, torch.Tensor) or t.dtype != cache.storage_dtype or tuple(t.shape) != shape:
             raise ValueError(

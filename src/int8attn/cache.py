@@ -56,6 +56,15 @@ def value_transposed(kv_dtype: str) -> bool:
     return kv_dtype != "bf16"
 
 
+def value_storage_shape(kv_dtype: str, num_blocks: int, num_kv_heads: int, block_size: int,
+                        head_dim: int) -> tuple:
+    """Shape of ``value`` for a ``kv_dtype`` cache: [num_blocks, num_kv_heads, head_dim,
+    block_size] for the 8-bit dtypes (pages transposed), else the key's shape."""
+    if value_transposed(kv_dtype):
+        return (num_blocks, num_kv_heads, head_dim, block_size)
+    return (num_blocks, num_kv_heads, block_size, head_dim)
+
+
 class PagedKVCache:
     """Paged K/V storage with per-(token, KV head) fp32 scales.
 
@@ -114,7 +123,7 @@ class PagedKVCache:
         storage_dtype = KV_DTYPES[kv_dtype]
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.key = torch.zeros(shape, dtype=storage_dtype, device=self.device)
-        value_shape = (num_blocks, num_kv_heads, head_dim, block_size) if value_transposed(kv_dtype) else shape
+        value_shape = value_storage_shape(kv_dtype, num_blocks, num_kv_heads, block_size, head_dim)
         self.value = torch.zeros(value_shape, dtype=storage_dtype, device=self.device)
         if kv_dtype == "bf16":
             self.key_scale = None

@@ -44,7 +44,7 @@ from typing import Optional
 import torch
 
 from .._checks import INDEX_DTYPES, INPUT_DTYPES, check_cache, check_kv, check_query, check_tensor
-from ..cache import KV_DTYPES, PagedKVCache, value_transposed
+from ..cache import KV_DTYPES, PagedKVCache, value_storage_shape
 
 NAMESPACE = "int8attn"
 
@@ -86,8 +86,8 @@ def cache_view(
     if kv_dtype is None:
         raise TypeError(f"key_cache dtype must be one of int8 / float8_e4m3fn / bfloat16, got {key_cache.dtype}")
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
-    value_shape = (num_blocks, num_kv_heads, head_dim, block_size) if value_transposed(kv_dtype) else key_cache.shape
-    if not isinstance(value_cache, torch.Tensor) or value_cache.shape != value_shape or (
+    value_shape = value_storage_shape(kv_dtype, num_blocks, num_kv_heads, block_size, head_dim)
+    if not isinstance(value_cache, torch.Tensor) or tuple(value_cache.shape) != value_shape or (
         value_cache.dtype != key_cache.dtype
     ):
         raise ValueError(
