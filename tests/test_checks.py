@@ -174,3 +174,10 @@ def test_cache_storage_layout_is_checked_before_any_launch(kv_dtype, device):
         assert torch.equal(bad.view(torch.uint8) if bad.element_size() == 1 else bad,
                            before.view(torch.uint8) if before.element_size() == 1 else before)
     cache.value = good_value
+    if cache.quantized:  # the scales: both with key_scale's strides, unit stride on the slot axis
+        good_scale = cache.value_scale
+        cache.value_scale = torch.ones(good_scale.shape[::-1], device=device).permute(2, 1, 0)  # slot stride != 1
+        with pytest.raises(ValueError, match="cache.value_scale"):
+            attention(**args)
+        cache.value_scale = good_scale
+    _checks.check_cache(cache)

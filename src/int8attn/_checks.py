@@ -68,7 +68,8 @@ def _dtype_names(dtypes) -> str:
 def check_cache(cache) -> None:
     """A PagedKVCache whose storage has the layout the kernels address (see
     :mod:`int8attn.cache`): contiguous key [B, Hkv, P, D], value [B, Hkv, D, P] for 8-bit
-    caches or [B, Hkv, P, D] for bf16, of the cache's storage dtype."""
+    caches or [B, Hkv, P, D] for bf16, of the cache's storage dtype; for 8-bit caches
+    float32 scales [B, Hkv, P] with unit slot stride and the same strides for K and V."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be an int8attn.PagedKVCache, got {type(cache).__name__}")
     rows = (cache.num_blocks, cache.num_kv_heads, cache.block_size, cache.head_dim)
@@ -81,6 +82,16 @@ def check_cache(cache) -> None:
             )
         if not t.is_contiguous():
             raise ValueError(f"cache.{name} must be contiguous (strides {t.stride()})")
+    if cache.quantized:
+        # the kernels address a scale at block * stride(0) + head * stride(1) + slot with
+        # key_scale's strides for both tensors
+        for name, t in (("key_scale", cache.key_scale), ("value_scale", cache.value_scale)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != rows[:3]:
+                raise ValueError(f"cache.{name} must be a float32 tensor of shape {rows[:3]}, "
+                                 f"got {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+            if t.stride(2) != 1 or t.stride() != cache.key_scale.stride():
+                raise ValueError(f"cache.{name} must have unit stride on the slot axis and key_scale's strides, "
+                                 f"got {t.stride()}")
 
 
 def check_tensor(

@@ -201,5 +201,4 @@ def _check_common(query, cache, block_table, seq_lens, query_start_loc, softmax_
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                    q_quant=q_quant, q_scale=q_scale)
     _prefill._check_prefill_options(cache, softmax_scale, 0, None)
-    _prefill._check_cache_layout(cache)
     _decode._check_decode_options(cache, softmax_scale, None)

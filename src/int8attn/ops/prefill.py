@@ -136,33 +136,6 @@ def _check_config(config: PrefillConfig, cache: PagedKVCache, group: int, pv_mod
     return replace(config, dv=dv, block_m=block_m)
 
 
-def _check_cache_layout(cache: PagedKVCache) -> None:
-    """The kernel addresses K row ``(page, head, slot)`` at ``page * stride(0) + head *
-    stride(1) + slot * D`` and V element ``(slot, d)`` of a page at ``d * PAGE + slot``
-    (8-bit caches, pages stored [D, PAGE]) or ``slot * D + d`` (bf16), with the block and
-    head strides of K shared by V."""
-    page, d = cache.block_size, cache.head_dim
-    key_strides = (cache.key.stride(0), page * d, d, 1)
-    if cache.value_transposed:
-        value_shape = (cache.num_blocks, cache.num_kv_heads, d, page)
-        value_strides = (cache.key.stride(0), page * d, page, 1)
-        layout = "[num_blocks, Hkv, D, block_size] (8-bit V pages are stored transposed)"
-    else:
-        value_shape = tuple(cache.key.shape)
-        value_strides = key_strides
-        layout = "[num_blocks, Hkv, block_size, D]"
-    if cache.key.stride() != key_strides:
-        raise ValueError(f"cache.key must be laid out [num_blocks, Hkv, block_size, D] with unit stride on D and "
-                         f"contiguous pages, got strides {cache.key.stride()}")
-    if tuple(cache.value.shape) != value_shape or cache.value.stride() != value_strides:
-        raise ValueError(f"cache.value must be laid out {layout} with contiguous pages and the key's block and head "
-                         f"strides, got shape {tuple(cache.value.shape)} strides {cache.value.stride()}")
-    if cache.quantized:
-        for name, t in (("key_scale", cache.key_scale), ("value_scale", cache.value_scale)):
-            if t.stride(2) != 1 or t.stride() != cache.key_scale.stride():
-                raise ValueError(f"cache.{name} must have unit stride on the slot axis, got {t.stride()}")
-
-
 def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, softmax_scale=None, out=None,
                       q_quant=None, q_scale=None, pv_mode=None, min_query_len=0, max_query_len=None,
                       config: PrefillConfig | None = None) -> torch.Tensor:
@@ -198,7 +171,6 @@ def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, s
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                    q_quant=q_quant, q_scale=q_scale)
     _check_prefill_options(cache, softmax_scale, min_query_len, max_query_len)
-    _check_cache_layout(cache)
     pv_mode = resolve_pv_mode(cache.kv_dtype, pv_mode)
     if config is None:
         config = default_config(cache.kv_dtype, cache.head_dim, pv_mode)
