@@ -87,17 +87,22 @@ else:
 # Paths timed: name -> (cache dtype, pv mode, config override or None). TUNED_PATHS take
 # the config the tuning section chose for their cache dtype; the others keep their own.
 WIDE_FP8 = dec.DecodeConfig(block_n=64, num_warps=8, num_stages=5, min_block_m=64)
+SWAP_FP8 = dec.DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True)
 PATHS = {
     "int8": ("int8", "int8", None),
     "int8_pvbf16": ("int8", "bf16", None),
     "fp8": ("fp8", "fp8", None),
     "fp8_pvbf16": ("fp8", "bf16", None),
     "fp8_qgmma": ("fp8", "fp8", WIDE_FP8),
+    "fp8_swap": ("fp8", "fp8", SWAP_FP8),
     "bf16": ("bf16", "bf16", None),
 }
 TUNED_PATHS = ("int8", "fp8", "bf16")
-SIDE_PATHS, SIDE_CONTEXTS = ("fp8_pvbf16", "fp8_qgmma"), (L8K, CONTEXTS[-1])
-ACC_MODES = {"int8": ["int8", "bf16", "int8_signed"], "fp8": ["fp8", "bf16", "qgmma"], "bf16": ["bf16"]}
+SIDE_PATHS, SIDE_CONTEXTS = ("fp8_pvbf16", "fp8_qgmma", "fp8_swap"), (L8K, CONTEXTS[-1])
+ACC_MODES = {"int8": ["int8", "bf16", "int8_signed", "swap"], "fp8": ["fp8", "bf16", "qgmma", "swap", "swap_bf16"],
+             "bf16": ["bf16"]}
+#: accuracy modes that are a config rather than a PV precision: mode -> (pv_mode or None, config)
+ACC_CONFIG_MODES = {"qgmma": ("fp8", WIDE_FP8), "swap": (None, SWAP_FP8), "swap_bf16": ("bf16", SWAP_FP8)}
 # (block_n, num_warps, num_stages); the first of each list is the default config. Triton
 # buffers (num_stages - 1) // 2 K/V tiles here. Static figures (Triton 3.6, sm_90, D256,
 # 16 rows, 8-bit V pages stored transposed; warp-instructions per key in the single-pass
@@ -108,16 +113,31 @@ ACC_MODES = {"int8": ["int8", "bf16", "int8_signed"], "fp8": ["fp8", "bf16", "qg
 #   bf16 32/8/9: 74, 169 regs, 4 buf | 32/4/9: 49, 228 regs | 32/8/11: 74, 5 buf | 64/8/5: 49, 2 buf
 #   fp8  64/8/7: 118, 231 regs | 128/8/4: 101, 255 regs (e4m3 -> f16 conversions for HMMA)
 # Left out: spills (int8 256/4/3; fp8 128/4/4, 64/4/6) or over 227 KB (bf16 64/8/7).
+# Operand-swapped tiles (a 5th entry True: DecodeConfig.swap_ab; keys in the MMA's M rows,
+# so 16 query rows reach QGMMA / IGMMA): fp8 64/4/6 47 warp-instructions per key, 255 regs,
+# 113 KB (2 programs/SM); 64/4/8 47, 150 KB; 128/8/5 47, 213 KB; int8 64/4/6 52 (IGMMA).
+# 128/4/5 swapped spills 64 B; 32 packed rows swapped spill 312 B (not swept).
 TUNE_CONFIGS = {
-    "int8": [(128, 4, 4), (128, 4, 5), (64, 4, 6), (128, 8, 4), (256, 8, 3), (64, 8, 9), (32, 4, 9)],
-    "fp8": [(64, 8, 7), (128, 8, 4), (64, 8, 9)],
+    "int8": [(64, 4, 6, 16, True), (128, 4, 4), (128, 4, 5), (64, 4, 6), (128, 8, 4), (256, 8, 3), (64, 8, 9),
+             (32, 4, 9)],
+    "fp8": [(64, 4, 6, 16, True), (64, 8, 7), (128, 8, 4), (64, 4, 8, 16, True), (128, 8, 5, 16, True)],
     "bf16": [(64, 8, 5), (32, 4, 9), (32, 8, 9)],
 }
-# head_dim 128, 16 rows (32q/8kv): int8 128/4/4 is 22 warp-instructions per key, 198 regs
-D128_INT8_CONFIGS = [(128, 4, 4), (128, 4, 5), (64, 4, 6)]
+
+
+def cfg_label(c) -> str:
+    """block_n/warps/stages[/m<rows>][/swap] of a DecodeConfig or a TUNE_CONFIGS tuple."""
+    c = c if isinstance(c, dec.DecodeConfig) else dec.DecodeConfig(*c)
+    return (f"{c.block_n}/{c.num_warps}/{c.num_stages}" + (f"/m{c.min_block_m}" if c.min_block_m != 16 else "")
+            + ("/swap" if c.swap_ab else ""))
+# head_dim 128, 16 rows (32q/8kv): int8 128/4/4 is 22 warp-instructions per key, 198 regs;
+# int8 128/4/5 swapped 29, 233 regs (row-major 128/4/5: 23, 223 regs);
+# fp8 swapped 64/4/6 39 per key, 193 regs; 128/4/5 27, 255 regs (128/4/4 keeps one tile: unpipelined)
+D128_INT8_CONFIGS = [(128, 4, 4), (128, 4, 5), (64, 4, 6), (128, 4, 5, 16, True)]
+D128_FP8_CONFIGS = [(64, 4, 6, 16, True), (128, 4, 5, 16, True), (64, 8, 9)]
 if SMOKE:
     TUNE_CONFIGS = {kv: cfgs[:2] for kv, cfgs in TUNE_CONFIGS.items()}
-    D128_INT8_CONFIGS = D128_INT8_CONFIGS[:1]
+    D128_INT8_CONFIGS, D128_FP8_CONFIGS = D128_INT8_CONFIGS[:1], D128_FP8_CONFIGS[:1]
 BS_MID = 2 if SMOKE else 16
 DEADLINE_S = float(os.environ.get("BENCH_DEADLINE_S", "200"))
 
@@ -196,17 +216,17 @@ class Decode:
 def _variant_key(kv, pv, shape, plan):
     c = plan.config
     return (kv, pv, shape["hq"], shape["hkv"], shape["d"], shape["page"], plan.tokens_per_pass, plan.block_m,
-            c.block_n, c.num_warps, c.num_stages, c.min_block_m)
+            c.block_n, c.num_warps, c.num_stages, c.min_block_m, c.swap_ab)
 
 
 def _compile_worker(key):
     """Run one variant once on toy inputs with the same specialization (worker process)."""
     try:
-        kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm = key
+        kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm, swap = key
         shape = dict(hq=hq, hkv=hkv, d=d, page=page)
         cache = make_cache(kv, 64, shape)
         bs, ctx = 2, 4 * max(block_n, page)
-        cfg = dec.DecodeConfig(block_n, warps, stages, min_bm)
+        cfg = dec.DecodeConfig(block_n, warps, stages, min_bm, swap)
         plan = dec.DecodePlan(num_splits=2, tokens_per_pass=tpp, block_m=block_m, config=cfg, pv_mode=pv)
         q = torch.randn(bs * tpp, hq, d, device=DEV).to(torch.bfloat16)
         bt = torch.arange(bs * ctx // page, dtype=torch.int32, device=DEV).view(bs, -1)
@@ -355,7 +375,7 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
                q_heads=shape["hq"], kv_heads=shape["hkv"], head_dim=shape["d"], page=shape["page"],
                num_splits=p.num_splits, block_m=p.block_m, tokens_per_pass=p.tokens_per_pass,
                block_n=p.config.block_n, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
-               min_block_m=p.config.min_block_m, bytes=nbytes, quantize_in_call=quantize_in_call,
+               min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, bytes=nbytes, quantize_in_call=quantize_in_call,
                config_source="tuned" if cfg is not None and cfg == r.best.get(kv) else (
                    "default" if cfg is None else "explicit"), **res)
     for mode in ("graph", "eager"):
@@ -367,7 +387,7 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
     r.rec.add(**row)
     r.rows.append(row)
     log(f"{tag:6s} {name:12s} bs{bs:3d} L{ctx:6d} q{q_len} S{p.num_splits:3d} BN{p.config.block_n:4d} "
-        f"w{p.config.num_warps} st{p.config.num_stages} graph {res['graph_us']:9.1f}us "
+        f"w{p.config.num_warps} st{p.config.num_stages}{' swap' if p.config.swap_ab else ''} graph {res['graph_us']:9.1f}us "
         f"({row['graph_pct_copy']:5.1f}%)" + (f" eager {res['eager_us']:9.1f}us ({row['eager_pct_copy']:5.1f}%)"
                                                if "eager_us" in res else ""))
     return row
@@ -416,7 +436,7 @@ def setup(r: Run) -> None:
         r.caches[kv] = make_cache(kv, MAX_BS * MAX_L // HEADLINE["page"] + 8, HEADLINE,
                                   gen_seed={"int8": 1, "fp8": 2, "bf16": 3}[kv])
     d128_blocks = max(b for b, _ in D128_POINTS) * max(c for _, c in D128_POINTS) // COMMON["page"] + 8
-    r.caches_d128 = {kv: make_cache(kv, d128_blocks, COMMON) for kv in ("int8", "bf16")}
+    r.caches_d128 = {kv: make_cache(kv, d128_blocks, COMMON) for kv in ("int8", "fp8", "bf16")}
     log(f"caches ready {r.elapsed():.1f}s")
 
     # every variant the run may time, compiled in parallel worker processes
@@ -431,16 +451,19 @@ def setup(r: Run) -> None:
         want(kv, pv, HEADLINE, 16, 1, cfg)
     want("int8", "int8_signed", HEADLINE, 16, 1)
     for kv, cfgs in TUNE_CONFIGS.items():
-        for bn, w, st in cfgs:
-            want(kv, None, HEADLINE, 16, 1, dec.DecodeConfig(bn, w, st))
+        for c in cfgs:
+            want(kv, None, HEADLINE, 16, 1, dec.DecodeConfig(*c))
         if kv in ("int8", "bf16"):
             for q_len in MT_QLENS:
                 want(kv, None, HEADLINE, 16, q_len)
-    for kv in ("int8", "bf16"):
+    for kv in ("int8", "fp8", "bf16"):
         want(kv, None, COMMON, 16, 1)
+    for c in D128_FP8_CONFIGS:
+        want("fp8", None, COMMON, 16, 1, dec.DecodeConfig(*c))
     for kv, modes in ACC_MODES.items():   # accuracy: mean query length 3 (multi-token case)
         for mode in modes:
-            want(kv, "fp8" if mode == "qgmma" else mode, HEADLINE, 2, 3, WIDE_FP8 if mode == "qgmma" else None)
+            pv, cfg = ACC_CONFIG_MODES.get(mode, (mode, None))
+            want(kv, pv, HEADLINE, 2, 3, cfg)
     precompile(keys)
 
 
@@ -460,8 +483,7 @@ def accuracy(r: Run) -> None:
             refq = reference.attention_reference_quantized(*a) if kv == "int8" else None
             for mode in modes:
                 try:
-                    cfg = WIDE_FP8 if mode == "qgmma" else None
-                    pv = "fp8" if mode == "qgmma" else mode
+                    pv, cfg = ACC_CONFIG_MODES.get(mode, (mode, None))
                     plan = dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), pv_mode=pv,
                                            config=cfg)
                     out = testing.poisoned_like(b.query)
@@ -511,13 +533,13 @@ def tune(r: Run) -> None:
     times = collections.defaultdict(dict)
     for bs, ctx in TUNE_SHAPES:
         for kv, cfgs in TUNE_CONFIGS.items():
-            for bn, w, st in cfgs:
-                if r.late(f"tune {kv} {bn}/{w}/{st} bs{bs} L{ctx}"):
+            for c in cfgs:
+                if r.late(f"tune {kv} {cfg_label(c)} bs{bs} L{ctx}"):
                     break
-                cfg = dec.DecodeConfig(bn, w, st)
+                cfg = dec.DecodeConfig(*c)
                 row = time_path(r, "tune", kv, kv, None, cfg, HEADLINE, bs, ctx, graph_only=True)
                 if row:
-                    times[kv][(bn, w, st)] = times[kv].get((bn, w, st), []) + [row["graph_us"]]
+                    times[kv][c] = times[kv].get(c, []) + [row["graph_us"]]
     for kv, per_cfg in times.items():
         full = {c: t for c, t in per_cfg.items() if len(t) == max(len(x) for x in per_cfg.values())}
         geo = {c: math.exp(sum(math.log(x) for x in t) / len(t)) for c, t in full.items()}
@@ -525,9 +547,10 @@ def tune(r: Run) -> None:
         default = tuple(TUNE_CONFIGS[kv][0])
         r.best[kv] = dec.DecodeConfig(*best)
         r.rec.add(kind="tune_choice", kv_dtype=kv, block_n=best[0], num_warps=best[1], num_stages=best[2],
+                  swap_ab=r.best[kv].swap_ab,
                   geomean_us=geo[best], default_geomean_us=geo.get(default),
-                  all={f"{c[0]}/{c[1]}/{c[2]}": g for c, g in geo.items()})
-        log(f"tune choice {kv}: BN{best[0]} w{best[1]} st{best[2]} geomean {geo[best]:.1f}us "
+                  all={cfg_label(c): g for c, g in geo.items()})
+        log(f"tune choice {kv}: {cfg_label(best)} geomean {geo[best]:.1f}us "
             f"(default {geo.get(default, float('nan')):.1f}us)")
 
 
@@ -580,8 +603,12 @@ def d128(r: Run) -> None:
     for bs, ctx in D128_POINTS:
         for kv in ("int8", "bf16"):
             time_path(r, "d128", kv, kv, None, None, COMMON, bs, ctx)
-        for bn, w, st in D128_INT8_CONFIGS:
-            time_path(r, "d128", f"int8 {bn}/{w}/{st}", "int8", None, dec.DecodeConfig(bn, w, st), COMMON, bs, ctx,
+        for c in D128_INT8_CONFIGS:
+            time_path(r, "d128", f"int8 {cfg_label(c)}", "int8", None, dec.DecodeConfig(*c), COMMON, bs, ctx,
+                      graph_only=True)
+        time_path(r, "d128", "fp8", "fp8", None, None, COMMON, bs, ctx, graph_only=True)
+        for c in D128_FP8_CONFIGS:
+            time_path(r, "d128", f"fp8 {cfg_label(c)}", "fp8", None, dec.DecodeConfig(*c), COMMON, bs, ctx,
                       graph_only=True)
         time_sdpa(r, COMMON, bs, ctx, tag="d128")
 
@@ -625,6 +652,23 @@ def kernel_profile(r: Run, cfg, bs: int, ctx: int) -> None:
     r.rec.add(**row)
     log(f"profile int8 bs{bs} L{ctx} S{runner.plan.num_splits}: graph {graph_us:.1f}us, kernels "
         + ", ".join(f"{k} {v:.1f}us" for k, v in med.items()))
+
+
+SMALL_CONFIGS = [(64, 4, 6), (128, 4, 4), (64, 4, 4), (32, 4, 5), (64, 4, 6, 16, True)]
+
+
+@section("small")
+def small_batch(r: Run) -> None:
+    """Batch 1 at L 32k, where the 75%-of-copy goal is missed: configs x split counts."""
+    bs, ctx = 1, TUNE_SHAPES[1][1]
+    for c in SMALL_CONFIGS[:2] if SMOKE else SMALL_CONFIGS:
+        cfg = dec.DecodeConfig(*c)
+        base = dec.plan_decode((bs, 24, 256), r.caches["int8"], (bs, ctx // 16), config=cfg).num_splits
+        for n in sorted({base, 32, 48, 96, 128} if not SMOKE else {base}):
+            if r.late(f"small {cfg_label(c)} S{n}"):
+                return
+            time_path(r, "small", "int8", "int8", None, cfg, HEADLINE, bs, ctx, num_splits=n, graph_only=True,
+                      extra={"auto_splits": base, "config": cfg_label(c)})
 
 
 # --------------------------------------------------------------------------- summary
@@ -689,15 +733,16 @@ def summary(r: Run) -> str:
     if tune_rows:
         md += ["", "Tuning (graph µs, planner's splits):", "", "| kv | block_n/warps/stages | "
                + " | ".join(f"bs{b} L{c}" for b, c in TUNE_SHAPES) + " |", "|---|---|" + "---|" * len(TUNE_SHAPES)]
-        cfgs = sorted({(x["kv_dtype"], x["block_n"], x["num_warps"], x["num_stages"]) for x in tune_rows})
-        for kv, bn, w, st in cfgs:
+        def key(x):
+            return (x["kv_dtype"], x["block_n"], x["num_warps"], x["num_stages"], x["min_block_m"],
+                    bool(x.get("swap_ab")))
+        for k in sorted({key(x) for x in tune_rows}):
             cells = []
             for b, c in TUNE_SHAPES:
-                t = next((x for x in tune_rows if (x["kv_dtype"], x["block_n"], x["num_warps"], x["num_stages"], x["bs"],
-                                                   x["context"]) == (kv, bn, w, st, b, c)), None)
+                t = next((x for x in tune_rows if key(x) == k and (x["bs"], x["context"]) == (b, c)), None)
                 cells.append(f"{t['graph_us']:.1f} ({t['graph_pct_copy']:.0f}%, S{t['num_splits']})" if t else "–")
-            mark = " **chosen**" if r.best.get(kv) == dec.DecodeConfig(bn, w, st) else ""
-            md.append(f"| {kv} | {bn}/{w}/{st}{mark} | " + " | ".join(cells) + " |")
+            mark = " **chosen**" if r.best.get(k[0]) == dec.DecodeConfig(*k[1:]) else ""
+            md.append(f"| {k[0]} | {cfg_label(k[1:])}{mark} | " + " | ".join(cells) + " |")
     sweep = [x for x in r.rows if x["kind"] == "batch"]
     if sweep:
         md += ["", f"Batch sweep, L {L8K}, graph µs per call (µs per sequence):", "",
@@ -726,6 +771,19 @@ def summary(r: Run) -> str:
             md.append(f"| {b} | {c} | {_fmt(i8 and i8['graph_us'])} ({_fmt(i8 and i8['graph_pct_copy'])}%) | "
                       f"{_fmt(b16 and b16['graph_us'])} | {_fmt(sd and sd['graph_us'])} | "
                       f"{_fmt(sd['graph_us'] / i8['graph_us'] if i8 and sd else None, '{:.2f}x')} |")
+    small = [x for x in r.rows if x["kind"] == "small"]
+    if small:
+        splits = sorted({x["num_splits"] for x in small})
+        md += ["", f"Batch 1, L {TUNE_SHAPES[1][1]}, int8: graph µs (% copy) per config and split count "
+               "(* = the planner's):", "", "| config | " + " | ".join(f"S{n}" for n in splits) + " |",
+               "|---|" + "---|" * len(splits)]
+        for label in dict.fromkeys(x["config"] for x in small):
+            cells = []
+            for n in splits:
+                t = next((x for x in small if x["config"] == label and x["num_splits"] == n), None)
+                cells.append(f"{t['graph_us']:.1f} ({t['graph_pct_copy']:.0f}%)"
+                             + ("*" if t["num_splits"] == t["auto_splits"] else "") if t else "–")
+            md.append(f"| {label} | " + " | ".join(cells) + " |")
     if r.acc_rows:
         md += ["", "Accuracy vs float64 (outlier keys):", "", "| case | kv/pv | rel-L2 | vs same-q | max abs | finite |",
                "|---|---|---|---|---|---|"]
@@ -747,7 +805,7 @@ def main():
                                                 "(default: rows to benchmarks/results/decode.jsonl, no summary file)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU interpreter (checks the script)")
     ap.add_argument("--quick", action="store_true", help="fewer points (about half the time)")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: acc,tune,grid,batch,mt,d128,splits")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: acc,tune,grid,small,batch,mt,d128,splits")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if args.out:
@@ -759,7 +817,7 @@ def main():
     except Exception as e:
         log(f"SETUP FAILED: {e!r}")
         traceback.print_exc()
-    for sec in (accuracy, tune, grid, batch_sweep, multi_token, d128, split_sweep):
+    for sec in (accuracy, tune, grid, small_batch, batch_sweep, multi_token, d128, split_sweep):
         sec(r, skip)
     try:
         md = summary(r)

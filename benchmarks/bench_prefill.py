@@ -28,7 +28,10 @@ goes on; ``--budget-s`` skips whatever would start after the budget is spent):
 5. query quantization alone and inside the fused producer (``--extras``).
 
 Cases: 24q/4kv/D256 at prefix 28672 (sweep), then 32q/8kv/D128 at 28672 (sweep), then
-24q/4kv/D256 at 8192 and 0. Rows go to ``<out>/prefill.jsonl`` and a Markdown summary to
+24q/4kv/D256 at 8192 and 0, then 32q/8kv/D128 at 0. ``--only REGEX`` keeps only the
+variants whose name matches (plus each family's default), runs them in every selected
+case (no best-of-sweep pruning) and skips the mixed batch: a short side-by-side run, e.g.
+``--only 'm64w4|flat' --cases 0,1,3,4``. Rows go to ``<out>/prefill.jsonl`` and a Markdown summary to
 ``<out>/prefill_summary.md`` (copy both to ``benchmarks/results/``); the table is printed at
 the end. ``--smoke`` runs a tiny version on the CPU interpreter (timings meaningless).
 
@@ -51,7 +54,7 @@ import torch
 SHAPES = {"24q4kv_d256": (24, 4, 256), "32q8kv_d128": (32, 8, 128)}
 #: (shape, prefix, sweep?) in run order: the headline first.
 CASES = (("24q4kv_d256", 28672, True), ("32q8kv_d128", 28672, True), ("24q4kv_d256", 8192, False),
-         ("24q4kv_d256", 0, False))
+         ("24q4kv_d256", 0, False), ("32q8kv_d128", 0, False))
 CHUNK = 4096
 BLOCK_SIZE = 16
 SEED = 7
@@ -60,16 +63,21 @@ FAMILIES = (("int8", "bf16"), ("int8", "int8"), ("fp8", "bf16"), ("fp8", "fp8"),
 
 
 # --------------------------------------------------------------------------- variants
-def _v(kv, pv, block_n=64, dv=None, late=False, stages=2, asm=None, lazy=True, prequant=False, default=False):
+def _v(kv, pv, block_n=64, dv=None, late=False, stages=2, asm=None, lazy=True, prequant=False, default=False,
+       m=128, warps=8, flat=False):
     name = f"{kv}_pv{pv}_n{block_n}_dv{dv}" + ("_late" if late else "") + (f"_s{stages}" if stages != 2 else "")
+    if (m, warps) != (128, 8):
+        name += f"_m{m}w{warps}"
+    if flat:
+        name += "_flat"
     if asm is False:
         name += "_noasm"
     if not lazy:
         name += "_eager"
     if prequant:
         name += "_preq"
-    cfg = dict(block_m=128, block_n=block_n, dv=dv, num_warps=8, num_stages=stages, v_late=late, cvt_asm=asm,
-               lazy_rescale=lazy)
+    cfg = dict(block_m=m, block_n=block_n, dv=dv, num_warps=warps, num_stages=stages, v_late=late, cvt_asm=asm,
+               lazy_rescale=lazy, v_flat=flat)
     return {"name": name, "kv": kv, "pv": pv, "cfg": cfg, "prequant": prequant, "default": default}
 
 
@@ -85,7 +93,7 @@ def _library_default(kv: str, head_dim: int, pv: str) -> dict:
     finally:
         ops_prefill.interpret_mode = saved
     return dict(block_m=c.block_m, block_n=c.block_n, dv=c.dv or head_dim, num_warps=c.num_warps,
-                num_stages=c.num_stages, v_late=bool(c.v_late))
+                num_stages=c.num_stages, v_late=bool(c.v_late), v_flat=bool(getattr(c, "v_flat", False)))
 
 
 def _mark_defaults(variants: list[dict], head_dim: int) -> list[dict]:
@@ -99,12 +107,14 @@ def _mark_defaults(variants: list[dict], head_dim: int) -> list[dict]:
                 continue
             c = v["cfg"]
             got = dict(block_m=c["block_m"], block_n=c["block_n"], dv=c["dv"] or head_dim,
-                       num_warps=c["num_warps"], num_stages=c["num_stages"], v_late=bool(c["v_late"]))
+                       num_warps=c["num_warps"], num_stages=c["num_stages"], v_late=bool(c["v_late"]),
+                       v_flat=bool(c.get("v_flat", False)))
             v["default"] = (got == want and c.get("cvt_asm") is None and c.get("lazy_rescale", True)
                             and not v["prequant"] and not found)
             found = found or v["default"]
         if not found:
-            d = _v(kv, pv, want["block_n"], want["dv"], late=want["v_late"], stages=want["num_stages"])
+            d = _v(kv, pv, want["block_n"], want["dv"], late=want["v_late"], stages=want["num_stages"],
+                   m=want["block_m"], warps=want["num_warps"], flat=want["v_flat"])
             d["cfg"].update(block_m=want["block_m"], num_warps=want["num_warps"])
             d["default"] = True
             variants.append(d)
@@ -118,7 +128,12 @@ def sweep(head_dim: int) -> list[dict]:
     every tile; no ``_late``: V prefetched before QK; ``_noasm``: portable int8 -> fp16) to
     measure what it gives. At head_dim 128 the 128-key tiles with V prefetched before QK
     (no ``_late``) are timed next to the default: with transposed 8-bit V pages they are the
-    variant without spills in the diagonal loop (round 4, benchmarks/notes/prefill.md)."""
+    variant without spills in the diagonal loop (round 4, benchmarks/notes/prefill.md).
+
+    Round 5 (``_m64w4``): one warp group per program (BLOCK_M 64, 4 warps), so two
+    independent programs share an SM (<= 255 registers x 128 threads and <= 99 KB of shared
+    memory each, sm_90 compile) and one's MMAs can overlap the other's softmax; ``_flat``:
+    8-bit V pages loaded as flat runs (bank-conflict-free staging, ``PrefillConfig.v_flat``)."""
     if head_dim == 256:
         return _mark_defaults([
             _v("int8", "bf16", 64, 128, late=True),
@@ -130,6 +145,11 @@ def sweep(head_dim: int) -> list[dict]:
             _v("fp8", "fp8", 64, 64, late=True),
             _v("bf16", "bf16", 64, 256),
             _v("bf16", "bf16", 64, 256, lazy=False),
+            _v("int8", "bf16", 64, 128, late=True, m=64, warps=4),
+            _v("int8", "bf16", 64, 128, late=True, m=64, warps=4, lazy=False),
+            _v("int8", "bf16", 64, 256, late=True, m=64, warps=4),
+            _v("int8", "int8", 64, 64, late=True, m=64, warps=4),
+            _v("int8", "bf16", 64, 128, late=True, flat=True),
         ], head_dim)
     return _mark_defaults([
         _v("int8", "bf16", 128, 128, late=True),
@@ -143,6 +163,14 @@ def sweep(head_dim: int) -> list[dict]:
         _v("fp8", "bf16", 64, 128),
         _v("bf16", "bf16", 128, 128),
         _v("bf16", "bf16", 64, 128),
+        _v("int8", "bf16", 128, 128, m=64, warps=4),
+        _v("int8", "bf16", 128, 128, late=True, m=64, warps=4),
+        _v("int8", "bf16", 64, 128, m=64, warps=4),
+        _v("int8", "int8", 64, 128, late=True, m=64, warps=4),
+        _v("int8", "bf16", 128, 128, flat=True),
+        _v("int8", "bf16", 128, 128, m=64, warps=4, flat=True),
+        _v("fp8", "bf16", 128, 128, late=True, flat=True),
+        _v("int8", "int8", 64, 128, late=True, flat=True),
     ], head_dim)
 
 
@@ -607,6 +635,7 @@ def main():
     ap.add_argument("--budget-s", type=float, default=150, help="start no new section after this many seconds")
     ap.add_argument("--cases", default="", help="subset of case indices into CASES, e.g. 0,2")
     ap.add_argument("--extras", action="store_true", help="also time quantize_query and the fused producer")
+    ap.add_argument("--only", default="", help="regex: keep only matching variants (+ defaults), in every case")
     args = ap.parse_args()
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
@@ -623,6 +652,9 @@ def main():
         cases = [("smoke", 33, True), ("smoke", 0, False)]
         SHAPES["smoke"] = (4, 2, 64)
     variants = {name: (smoke_sweep if smoke else sweep)(SHAPES[name][2]) for name in {c[0] for c in cases}}
+    if args.only:
+        variants = {name: [v for v in vs if v["default"] or re.search(args.only, v["name"])]
+                    for name, vs in variants.items()}
     log("env", json.dumps(log.env))
 
     def timeit(fn):
@@ -645,7 +677,8 @@ def main():
         try:
             import multiprocessing as mp
 
-            jobs = [(None, "mixed")] + [(SHAPES[name], v) for name in variants for v in variants[name]]
+            jobs = ([] if args.only else [(None, "mixed")]) + [(SHAPES[name], v) for name in variants
+                                                               for v in variants[name]]
             t = time.time()
             with mp.get_context("spawn").Pool(min(args.workers, len(jobs))) as pool:
                 for name, secs, err in pool.imap_unordered(_warm_worker, jobs):
@@ -661,7 +694,7 @@ def main():
             continue
         try:
             t = time.time()
-            summary += run_case(log, args, shape_name, prefix, do_sweep, variants[shape_name],
+            summary += run_case(log, args, shape_name, prefix, do_sweep or bool(args.only), variants[shape_name],
                                 best.setdefault(shape_name, {}), smoke, timeit, chunk, dev)
             log(f"case {shape_name} prefix {prefix}: {time.time() - t:.1f}s")
         except Exception as e:
@@ -669,7 +702,7 @@ def main():
             traceback.print_exc()
         if not smoke:
             torch.cuda.empty_cache()
-        if i == 0 and not over_budget("mixed batch"):
+        if i == 0 and not args.only and not over_budget("mixed batch"):
             try:
                 t = time.time()
                 mixed = mixed_batch_check(log, smoke, timeit)

@@ -35,15 +35,15 @@ step() {  # step NAME TIMEOUT_S CMD...
 
 case "$part" in
   kernels)
-    step decode 230 python3 benchmarks/bench_decode.py --out "$work/decode"
+    step decode "${DECODE_LIMIT:-230}" python3 benchmarks/bench_decode.py --out "$work/decode"
     # the write paths of an older commit (default: the last one with row-major 8-bit V
     # pages), side by side with today's; PRODUCER_BASE_FILE for a checkout without git
     git show "${PRODUCER_BASE:-889bb9f}:src/int8attn/kernels/quantize.py" >"$work/quantize_base.py" 2>/dev/null \
       || cp "${PRODUCER_BASE_FILE:-/dev/null}" "$work/quantize_base.py"
     step producer 150 env OUT="$work" INT8ATTN_CHECK_VALUES=0 PYTHONPATH="src:benchmarks" \
       python3 benchmarks/compare_producer_rounds.py "$work/quantize_base.py" rows_v transposed_v vt_layout
-    step prefill 190 python3 benchmarks/bench_prefill.py ${PREFILL_ARGS:-} --out "$work/prefill"
-    step gate 140 python3 benchmarks/bench_gate.py --out "$work/gate-report" --record "$work/gate.jsonl" \
+    step prefill "${PREFILL_LIMIT:-190}" python3 benchmarks/bench_prefill.py ${PREFILL_ARGS:-} --out "$work/prefill"
+    step gate "${GATE_LIMIT:-140}" python3 benchmarks/bench_gate.py --out "$work/gate-report" --record "$work/gate.jsonl" \
       --sass-dir "$work/gate-sass" --time-budget 100
     ;;
   tests)

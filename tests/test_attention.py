@@ -4,10 +4,11 @@ split, every row written, and inputs rejected before any launch."""
 import pytest
 import torch
 
-from int8attn import reference, testing
+from int8attn import _checks, reference, testing
 from int8attn.ops import attention as attention_mod
+from int8attn.ops import producer as producer_mod
 from int8attn.ops.attention import AttentionPlan, attention, plan_attention
-from int8attn.ops.decode import MAX_DECODE_QUERY_LEN
+from int8attn.ops.decode import MAX_DECODE_QUERY_LEN, decode_attention
 
 #: decode (1, 3, 8 tokens), prefill (9 = just past the decode limit, 40), an empty
 #: sequence, and prefixes on and off page boundaries.
@@ -27,6 +28,38 @@ def args_of(b):
 
 def poisoned(b):
     return testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=b.query.device))
+
+
+#: Every Triton kernel an attention call can launch, by the module attribute it goes through.
+KERNELS = {"_decode_split_kernel": (attention_mod._decode, "decode"),
+           "_decode_merge_kernel": (attention_mod._decode, "decode"),
+           "_quantize_query_kernel": (producer_mod, "decode"),
+           "_prefill_kernel": (attention_mod._prefill, "prefill")}
+
+
+class _Watched:
+    """A kernel that logs its launches (or fails the test, with ``forbid``)."""
+
+    def __init__(self, name, real, log, forbid):
+        self.name, self.real, self.log, self.forbid = name, real, log, forbid
+
+    def __getitem__(self, grid):
+        if self.forbid:
+            pytest.fail(f"{self.name} launched despite bad input")
+        self.log.append(self.name)
+        return self.real[grid]
+
+
+def watch_launches(monkeypatch, forbid=False) -> list:
+    """Log (or forbid) every kernel launch; returns the log of kernel names."""
+    log = []
+    for name, (mod, _) in KERNELS.items():
+        monkeypatch.setattr(mod, name, _Watched(name, getattr(mod, name), log, forbid))
+    return log
+
+
+def routes(log) -> tuple:
+    return tuple(sorted({KERNELS[name][1] for name in log}))
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8", "bf16"])
@@ -64,12 +97,9 @@ def test_plan_launches_only_what_is_needed(q_lens, launches, device, monkeypatch
     plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, b.query.shape[1])
     assert plan.launches == launches
     ref = attention(*args_of(b))
-    called = []
-    for name, mod in (("decode", attention_mod._decode), ("prefill", attention_mod._prefill)):
-        real = mod._run
-        monkeypatch.setattr(mod, "_run", lambda *a, _real=real, _n=name, **k: (called.append(_n), _real(*a, **k))[1])
+    log = watch_launches(monkeypatch)
     out = attention(*args_of(b), out=poisoned(b), plan=plan)
-    assert tuple(called) == launches
+    assert routes(log) == launches
     assert torch.equal(out, ref)
 
 
@@ -78,8 +108,9 @@ def test_no_prefill_launch_for_short_batches(device, monkeypatch):
     (a host-known fact); a longer batch of decode sequences still gets one (T == num_seqs
     alone proves nothing without reading the lengths)."""
     b = mixed(seq_lens=[9, 12, 30], q_lens=[2, 3, 1], seed=3, device=device)
-    monkeypatch.setattr(attention_mod._prefill, "_run", lambda *a, **k: pytest.fail("prefill launched"))
+    log = watch_launches(monkeypatch)
     out = attention(*args_of(b), out=poisoned(b))
+    assert routes(log) == ("decode",)
     testing.assert_close_verbose(out, reference.attention_reference(*args_of(b)), rel_l2=TOL["int8"])
 
 
@@ -95,8 +126,7 @@ def test_plan_without_reading_lengths(device):
 def test_plan_mismatch_and_bad_inputs_raise_before_launch(monkeypatch):
     b = mixed(seed=5)
     plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, b.query.shape[1])
-    for mod in (attention_mod._decode, attention_mod._prefill):
-        monkeypatch.setattr(mod, "_run", lambda *a, **k: pytest.fail("kernel launched despite bad input"))
+    watch_launches(monkeypatch, forbid=True)
     q, cache, bt, sl, qsl = args_of(b)
     out = poisoned(b)
     with pytest.raises(ValueError, match="AttentionPlan was made for"):
@@ -126,6 +156,186 @@ def test_empty_batch(device):
     assert out.shape == (0, 4, 64)
 
 
+# --------------------------------------------------------------------------- plan/run host path
+#: a decode-only batch (1, 3, 8 and 2 new tokens)
+DECODE_SEQ_LENS = [37, 16, 70, 5]
+DECODE_Q_LENS = [1, 3, 8, 2]
+
+
+def decode_batch(kv="int8", seed=0, device="cpu"):
+    return mixed(kv, seed=seed, device=device, seq_lens=DECODE_SEQ_LENS, q_lens=DECODE_Q_LENS)
+
+
+def fresh_query(like, seed):
+    return torch.randn(like.shape, generator=torch.Generator().manual_seed(seed)).to(like.dtype).to(like.device)
+
+
+def cache_tensors(cache):
+    return [t.clone() for t in (cache.key, cache.value, cache.key_scale, cache.value_scale) if t is not None]
+
+
+def assert_cache_untouched(cache, before):
+    now = [t for t in (cache.key, cache.value, cache.key_scale, cache.value_scale) if t is not None]
+    for a, b in zip(now, before):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "a rejected call changed the cache"
+
+
+def _fail(*args, **kwargs):
+    pytest.fail("a planned run validated again or read the device")
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8", "bf16"])
+def test_plan_run_equals_decode_attention(kv, device, monkeypatch):
+    """plan.run gives decode_attention's result bit for bit, for every cache of the plan's
+    geometry (one plan serves every layer), fresh queries each call, every row written;
+    once a cache and input layout were seen, a run neither validates again nor reads the
+    device."""
+    b = decode_batch(kv, seed=7, device=device)
+    layer2 = decode_batch(kv, seed=8, device=device).cache  # another layer: same geometry, other K/V
+    q, cache, bt, sl, qsl = args_of(b)
+    plan = plan_attention(cache, bt, sl, qsl, q.shape[1])
+    assert plan.launches == ("decode",) and plan.values_checked and plan.max_query_len == 8
+    for step, layer_cache in enumerate((cache, layer2, cache, layer2)):
+        if step == 2:  # both caches and the layout are known now: the fast path only
+            monkeypatch.setattr(_checks, "check_attention_inputs", _fail)
+            monkeypatch.setattr(_checks, "check_attention_values", _fail)
+            monkeypatch.setattr(_checks, "check_cache", _fail)
+        query = fresh_query(q, step)
+        got = plan.run(query, layer_cache, bt, sl, qsl, 0.1, poisoned(b))
+        assert not torch.isnan(got.float()).any(), "a row was not written"
+        monkeypatch.undo() if step >= 2 else None
+        want = decode_attention(query, layer_cache, bt, sl, qsl, softmax_scale=0.1, out=poisoned(b))
+        assert torch.equal(got, want), f"run {step} differs from decode_attention"
+        testing.assert_close_verbose(got, reference.attention_reference(query, layer_cache, bt, sl, qsl, 0.1),
+                                     rel_l2=TOL[kv], name=f"run {step}")
+    # out=None (a new layout) and the default scale (a new scale) are still right
+    query = fresh_query(q, 9)
+    assert torch.equal(plan.run(query, cache, bt, sl, qsl),
+                       decode_attention(query, cache, bt, sl, qsl, out=poisoned(b)))
+
+
+def test_planned_run_rejects_bad_input_before_launch(device, monkeypatch):
+    """After good runs primed the plan's fast path, every kind of bad input still raises a
+    clear error before any kernel launch, and the cache stays untouched."""
+    b = decode_batch("int8", seed=11, device=device)
+    q, cache, bt, sl, qsl = args_of(b)
+    plan = plan_attention(cache, bt, sl, qsl, q.shape[1])
+    good = plan.run(q, cache, bt, sl, qsl, None, poisoned(b)).clone()
+    plan.run(q, cache, bt, sl, qsl, None, poisoned(b))
+    before = cache_tensors(cache)
+    T, H, D = q.shape
+    out = poisoned(b)
+    int8_q = torch.zeros(T, H, D, dtype=torch.int8, device=device)
+    q_scale = torch.ones(T, H, device=device)
+    other_dtype = decode_batch("bf16", seed=11, device=device).cache
+    bigger = testing.make_paged_batch(DECODE_SEQ_LENS, DECODE_Q_LENS, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                      extra_blocks=5, seed=11, device=device).cache
+    bad_block = bt.clone()
+    bad_block[2, 1] = cache.num_blocks
+    short = sl.clone()
+    short[2] = 3  # shorter than its 8 new tokens
+    prefill_qsl = torch.tensor([0, 1, 4, 4, T], dtype=torch.int32, device=device)  # a 10-token query
+    long_lens = torch.tensor([37, 16, 70, 15], dtype=torch.int32, device=device)
+    cases = [
+        ("query dtype", TypeError, "dtype", dict(query=q.to(torch.int8))),
+        ("query not a tensor", TypeError, "torch.Tensor", dict(query=q.tolist())),
+        ("query tokens", ValueError, "AttentionPlan was made for", dict(query=q[:-1], out=None)),
+        ("query heads", ValueError, "multiple", dict(query=q[:, :3])),
+        ("query last dim strided", ValueError, "contiguous",
+         dict(query=q.transpose(1, 2).contiguous().transpose(1, 2))),
+        ("out dtype", TypeError, "dtype", dict(out=out.half())),
+        ("out shape", ValueError, "shape", dict(out=out[:, :, :32])),
+        ("q_quant dtype", TypeError, "int8", dict(q_quant=int8_q.to(torch.float8_e4m3fn), q_scale=q_scale)),
+        ("q_quant without q_scale", TypeError, "q_scale", dict(q_quant=int8_q)),
+        ("q_scale without q_quant", ValueError, "q_quant", dict(q_scale=q_scale)),
+        ("q_scale shape", ValueError, "shape", dict(q_quant=int8_q, q_scale=q_scale[:, :1])),
+        ("softmax_scale zero", ValueError, "positive", dict(softmax_scale=0.0)),
+        ("softmax_scale nan", ValueError, "positive", dict(softmax_scale=float("nan"))),
+        ("softmax_scale bool", TypeError, "float", dict(softmax_scale=True)),
+        ("cache dtype", ValueError, "made for", dict(cache=other_dtype)),
+        ("cache geometry", ValueError, "made for a cache", dict(cache=bigger)),
+        ("cache object", TypeError, "PagedKVCache", dict(cache=object())),
+        ("block_table dtype", TypeError, "int32", dict(block_table=bt.long())),
+        ("block_table rows", ValueError, "shape", dict(block_table=bt[:-1])),
+        ("seq_lens dtype", TypeError, "int32", dict(seq_lens=sl.long())),
+        ("block id (new table)", ValueError, r"block_table\[2, 1\]", dict(block_table=bad_block)),
+        ("seq_len < q_len (new lens)", ValueError, "smaller", dict(seq_lens=short)),
+        ("batch does not fit the plan", ValueError, "does not fit",
+         dict(seq_lens=long_lens, query_start_loc=prefill_qsl)),
+    ]
+    if device == "cpu":
+        cases.append(("query device", ValueError, "cache is on", dict(query=q.to("meta"))))
+    watch_launches(monkeypatch, forbid=True)
+    args = dict(query=q, cache=cache, block_table=bt, seq_lens=sl, query_start_loc=qsl, out=out)
+    for what, exc, match, change in cases:
+        call = {**args, **change}
+        with pytest.raises(exc, match=match):
+            plan.run(call.pop("query"), call.pop("cache"), call.pop("block_table"), call.pop("seq_lens"),
+                     call.pop("query_start_loc"), **call)
+    # a cache whose storage was replaced by the wrong layout is checked again
+    good_value = cache.value
+    cache.value = cache.value_rows.contiguous()
+    with pytest.raises(ValueError, match="cache.value"):
+        plan.run(q, cache, bt, sl, qsl, None, out)
+    cache.value = good_value
+    assert torch.isnan(out.float()).all()
+    assert_cache_untouched(cache, before)
+    monkeypatch.undo()
+    assert torch.equal(plan.run(q, cache, bt, sl, qsl, None, poisoned(b)), good)
+
+
+def test_plan_checks_values_once_at_planning(device, monkeypatch):
+    """plan_attention reads the metadata once: bad block ids, lengths and query_start_loc
+    are refused there with a clear error, as are facts the caller got wrong; nothing is
+    launched and the cache stays untouched."""
+    b = mixed(seed=12, device=device)
+    q, cache, bt, sl, qsl = args_of(b)
+    hq = q.shape[1]
+    before = cache_tensors(cache)
+    watch_launches(monkeypatch, forbid=True)
+    bad_block = bt.clone()
+    bad_block[4, 2] = -1
+    too_long = sl.clone()
+    too_long[1] = bt.shape[1] * cache.block_size + 1
+    short = sl.clone()
+    short[4] = 39
+    dropping = qsl.clone()
+    dropping[2] = 0
+    for args, match in [((bad_block, sl, qsl), r"block_table\[4, 2\]=-1 is outside"),
+                        ((bt, too_long, qsl), "capacity"),
+                        ((bt, short, qsl), "smaller than its query length 40"),
+                        ((bt, sl, dropping), "non-decreasing")]:
+        with pytest.raises(ValueError, match=match):
+            plan_attention(cache, *args, hq)
+    for facts, match in [(dict(num_tokens=q.shape[0] + 1), "end at num_tokens"),
+                         (dict(max_query_len=8), "max_query_len=8"),
+                         (dict(has_prefill=False), "has_prefill=False"),
+                         (dict(has_decode=False), "has_decode=False")]:
+        with pytest.raises(ValueError, match=match):
+            plan_attention(cache, bt, sl, qsl, hq, **facts)
+    assert_cache_untouched(cache, before)
+    # one device read per plan, none per run
+    reads = []
+    real = _checks.check_attention_values
+    monkeypatch.setattr(_checks, "check_attention_values", lambda *a, **k: (reads.append(1), real(*a, **k))[1])
+    plan = plan_attention(cache, bt, sl, qsl, hq)
+    assert len(reads) == 1 and plan.values_checked
+    monkeypatch.undo()
+    plan.run(q, cache, bt, sl, qsl)
+    monkeypatch.setattr(_checks, "check_attention_values", _fail)
+    plan.run(q, cache, bt, sl, qsl)
+    # value checks off: the facts a plan must take are still read (query_start_loc only)
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    with pytest.raises(ValueError, match="num_tokens=3 but query_start_loc ends at"):
+        plan_attention(cache, bt, sl, qsl, hq, num_tokens=3)
+    assert plan_attention(cache, bt, sl, qsl, hq).max_query_len == 40
+    # ... and with every fact given, nothing is read at all
+    monkeypatch.setattr(attention_mod, "_read_facts", _fail)
+    plan = plan_attention(cache, bt, sl, qsl, hq, num_tokens=q.shape[0], max_query_len=40, has_decode=True,
+                          has_prefill=True)
+    assert not plan.values_checked
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_plan_run_in_cuda_graph():
     b = mixed(seq_lens=[300, 70, 9, 1000], q_lens=[1, 4, 9, 500], hq=24, hkv=4, d=256, seed=6, device="cuda")
@@ -145,3 +355,21 @@ def test_plan_run_in_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
     assert isinstance(plan, AttentionPlan)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv", ["int8", "bf16"])
+def test_plan_first_run_inside_cuda_graph_capture(kv):
+    """A plan whose first run is captured (no eager run before) validates without a sync,
+    allocates its launch buffers in the capture and replays to decode_attention's result."""
+    b = mixed(kv, seq_lens=[300, 70, 9, 1000], q_lens=[1, 4, 8, 2], hq=24, hkv=4, d=256, seed=13, device="cuda")
+    q, cache, bt, sl, qsl = args_of(b)
+    want = decode_attention(q, cache, bt, sl, qsl)  # also compiles the kernels outside the capture
+    plan = plan_attention(cache, bt, sl, qsl, 24)
+    out = poisoned(b)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, cache, bt, sl, qsl, None, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)

@@ -103,6 +103,51 @@ def test_value_checks_policy(device, monkeypatch):
         _checks.check_attention_inputs(**{**args, "block_table": bad})
 
 
+def test_value_read_reports_the_batch_facts(device):
+    """With decode_limit, the one sync of the value checks also returns what a planner
+    needs; num_tokens None leaves the end of query_start_loc unchecked and reports it."""
+    args = attention_args(device, q_lens=(1, 9, 0), seq_lens=(5, 30, 16))
+    facts = _checks.check_attention_values(None, args["cache"], args["block_table"], args["seq_lens"],
+                                           args["query_start_loc"], decode_limit=8)
+    assert facts == (10, 9, True, True)
+    args = attention_args(device, q_lens=(2, 8, 0))
+    assert _checks.check_attention_values(10, args["cache"], args["block_table"], args["seq_lens"],
+                                          args["query_start_loc"], decode_limit=8) == (10, 8, True, False)
+    assert _checks.check_attention_values(10, args["cache"], args["block_table"], args["seq_lens"],
+                                          args["query_start_loc"]) is None
+    with pytest.raises(ValueError, match="end at num_tokens=11"):
+        _checks.check_attention_values(11, args["cache"], args["block_table"], args["seq_lens"],
+                                       args["query_start_loc"], decode_limit=8)
+    # a block table without columns holds only empty sequences
+    empty = dict(args, block_table=args["block_table"][:, :0].contiguous(),
+                 seq_lens=torch.zeros(3, dtype=torch.int32, device=device),
+                 query_start_loc=torch.zeros(4, dtype=torch.int32, device=device))
+    assert _checks.check_attention_values(0, empty["cache"], empty["block_table"], empty["seq_lens"],
+                                          empty["query_start_loc"], decode_limit=8) == (0, 0, False, False)
+    with pytest.raises(ValueError, match="capacity"):
+        _checks.check_attention_values(0, empty["cache"], empty["block_table"], empty["seq_lens"] + 1,
+                                       empty["query_start_loc"])
+
+
+def test_checked_cache_is_rechecked_when_its_storage_changes(device):
+    """check_cache remembers a cache that passed, by its tensor objects and geometry: a
+    replaced tensor or a changed geometry is checked again."""
+    cache = PagedKVCache(4, 8, 2, 64, device=device)
+    _checks.check_cache(cache)
+    _checks.check_cache(cache)
+    good = cache.key_scale
+    cache.key_scale = good.double()
+    with pytest.raises(ValueError, match="cache.key_scale"):
+        _checks.check_cache(cache)
+    cache.key_scale = good
+    _checks.check_cache(cache)
+    cache.num_blocks = 5
+    with pytest.raises(ValueError, match="cache.key"):
+        _checks.check_cache(cache)
+    cache.num_blocks = 4
+    _checks.check_cache(cache)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA graph capture")
 def test_value_checks_skipped_under_graph_capture():
     args = attention_args("cuda")

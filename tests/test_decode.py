@@ -82,13 +82,19 @@ def test_matches_references(device, kv, pv, hq, hkv, d, bs, seq_lens, q_lens, sp
     _run_and_check(batch, pv_mode=pv, num_splits=splits)
 
 
-@pytest.mark.parametrize("kv,hq,d,bs", [("int8", 4, 64, 16), ("fp8", 8, 64, 32), ("bf16", 4, 128, 16)])
-def test_stale_slots_never_leak(device, kv, hq, d, bs):
+@pytest.mark.parametrize("kv,hq,d,bs,swap", [("int8", 4, 64, 16, False), ("fp8", 8, 64, 32, False),
+                                             ("bf16", 4, 128, 16, False), ("fp8", 8, 64, 16, True)])
+def test_stale_slots_never_leak(device, monkeypatch, kv, hq, d, bs, swap):
     """The tile loads are unmasked within a page (keys past seq_len read stale slots of
     the last page, or block 0 for pages past the end): NaN in every slot no sequence owns
     -- values and scales -- must not reach the output."""
     batch = testing.make_paged_batch([37, 5, 70], [1, 2, 1], num_q_heads=hq, num_kv_heads=1, head_dim=d,
                                      block_size=bs, kv_dtype=kv, seed=13, device=device)
+    if swap:
+        import int8attn.ops.decode as dec
+
+        config = DecodeConfig(block_n=64, num_warps=4, num_stages=3, swap_ab=True)
+        monkeypatch.setattr(dec, "default_config", lambda *args: config)
     cache = batch.cache
     owned = torch.zeros(cache.num_blocks * bs, dtype=torch.bool, device=device)
     owned[batch.slot_mapping] = True
@@ -103,6 +109,53 @@ def test_stale_slots_never_leak(device, kv, hq, d, bs):
             t.masked_fill_(stale, float("nan"))
     for splits in (1, 3):
         _run_and_check(batch, num_splits=splits)
+
+
+# (kv, pv, q_heads, kv_heads, head_dim, block_size, seq_lens, q_lens, num_splits, block_n)
+SWAPPED_CASES = [
+    ("fp8", "fp8", 12, 2, 64, 16, [17, 97, 123], [1, 2, 4], 3, 64),
+    ("fp8", "fp8", 8, 1, 64, 16, [40, 97, 5], [8, 1, 3], 2, 64),  # 8 x 8 rows: several passes
+    ("fp8", "bf16", 8, 1, 128, 32, [97, 1], [2, 1], 2, 64),
+    ("fp8", "fp8", 6, 1, 256, 16, [123, 33], [1, 2], None, 128),
+    ("int8", "int8", 8, 2, 64, 16, [1, 17, 97, 123], [1, 1, 1, 1], None, 64),
+    ("int8", "bf16", 6, 1, 256, 64, [123, 70], [1, 3], 2, 128),
+]
+
+
+@pytest.mark.parametrize("kv,pv,hq,hkv,d,bs,seq_lens,q_lens,splits,block_n", SWAPPED_CASES)
+def test_swapped_operands_match_references(device, monkeypatch, kv, pv, hq, hkv, d, bs, seq_lens, q_lens, splits,
+                                           block_n):
+    """The operand-swapped tile (keys in the MMA's M rows, O^T accumulated): same results."""
+    import int8attn.ops.decode as dec
+
+    config = DecodeConfig(block_n=block_n, num_warps=4, num_stages=3, swap_ab=True)
+    monkeypatch.setattr(dec, "default_config", lambda *args: config)
+    batch = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                                     kv_dtype=kv, seed=7 * d + hq + bs + block_n, device=device)
+    _run_and_check(batch, pv_mode=pv, num_splits=splits)
+    assert dec.LAST_LAUNCH["plan"].config.swap_ab
+
+
+def test_default_orientation_per_pv_mode():
+    """The measured defaults swap the operands for 16-row int8 / fp8 tiles at head_dim 256,
+    except for the PV modes measured (or only built) row-major."""
+    from int8attn.ops.decode import ROW_MAJOR_PV, default_config
+
+    assert default_config("int8", 256, 16, 16, "int8").swap_ab
+    assert default_config("fp8", 256, 16, 16, "fp8").swap_ab
+    for mode in ROW_MAJOR_PV["int8"]:
+        cfg = default_config("int8", 256, 16, 16, mode)
+        assert not cfg.swap_ab and cfg.block_n == 64 and cfg.num_warps == 4
+    assert not default_config("int8", 256, 32, 16, "int8").swap_ab  # 32 packed rows spill when swapped
+    assert not default_config("bf16", 256, 16, 16, "bf16").swap_ab
+
+
+def test_swapped_operands_need_an_8bit_cache(small_batch):
+    bf16 = testing.make_paged_batch([20], [1], num_q_heads=4, num_kv_heads=1, head_dim=64, kv_dtype="bf16", seed=1,
+                                    device="cpu")
+    with pytest.raises(ValueError, match="swap_ab"):
+        plan_decode(tuple(bf16.query.shape), bf16.cache, tuple(bf16.block_table.shape),
+                    config=DecodeConfig(block_n=64, num_warps=4, num_stages=3, swap_ab=True))
 
 
 @pytest.mark.parametrize("splits", [1, 2, 5, 64])
@@ -258,10 +311,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from int8attn.kernels.decode import _decode_split_kernel
 
-kv, pv, block_n, warps, stages = json.loads(sys.argv[1])
+kv, pv, block_n, warps, stages, swap = json.loads(sys.argv[1])
 elem = {"int8": "*i8", "fp8": "*fp8e4nv", "bf16": "*bf16"}[kv]
 const = dict(GROUP=6, HEAD_DIM=256, PAGE=16, BLOCK_N=block_n, BLOCK_M=16, TOKENS_PER_PASS=1, MAX_QUERY_LEN=8,
-             KV_KIND={"int8": 0, "fp8": 1, "bf16": 2}[kv], PV_KIND=pv, INTERPRET=False)
+             KV_KIND={"int8": 0, "fp8": 1, "bf16": 2}[kv], PV_KIND=pv, INTERPRET=False, SWAP_AB=swap)
 ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
             block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16",
             part_acc_ptr="*fp32", part_ml_ptr="*fp32", qk_scale="fp32")
@@ -287,7 +340,7 @@ def _ttgir_for_sm90(kv_dtype: str, pv_kind: int, config: DecodeConfig) -> str:
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    args = json.dumps([kv_dtype, pv_kind, config.block_n, config.num_warps, config.num_stages])
+    args = json.dumps([kv_dtype, pv_kind, config.block_n, config.num_warps, config.num_stages, config.swap_ab])
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE, args], capture_output=True, text=True, env=env,
                           timeout=300)
     if proc.returncode != 0 or "scf.for" not in proc.stdout:
@@ -296,15 +349,23 @@ def _ttgir_for_sm90(kv_dtype: str, pv_kind: int, config: DecodeConfig) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("kv_dtype,pv_kind", [("int8", 0), ("bf16", 3)])
-def test_split_kernel_is_software_pipelined(kv_dtype, pv_kind):
+@pytest.mark.parametrize("kv_dtype,pv_kind,swap", [("int8", 0, False), ("bf16", 3, False), ("fp8", 2, True)])
+def test_split_kernel_is_software_pipelined(kv_dtype, pv_kind, swap):
     """Regression guard: the KV tile loop must keep tiles in flight. A loop shape that
     Triton cannot pipeline still compiles and runs correctly, but waits for every load in
-    the iteration that issues it (measured on the H200: ~20% of copy bandwidth)."""
+    the iteration that issues it (measured on the H200: ~20% of copy bandwidth).
+    The operand-swapped fp8 tile must also reach the warpgroup MMA with 16 query rows
+    (both products; QGMMA in SASS), the reason it exists."""
     import re
 
-    config = DecodeConfig(block_n=64 if kv_dtype == "int8" else 32, num_warps=8, num_stages=9)
+    if swap:
+        config = DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True)
+    else:
+        config = DecodeConfig(block_n=64 if kv_dtype == "int8" else 32, num_warps=8, num_stages=9)
     ttgir = _ttgir_for_sm90(kv_dtype, pv_kind, config)
+    if swap:
+        wgmma = re.findall(r"ttng\.warp_group_dot .*?-> tensor<(\d+)x(\d+)x", ttgir)
+        assert ("64", "16") in wgmma and ("256", "16") in wgmma, f"QK / PV not on the warpgroup MMA: {wgmma}"
     # Two tile loops: single pass (Q hoisted) and the flat (pass, tile) loop for longer
     # queries. Inside each loop every wait leaves later tiles in flight; only the drain
     # after a loop waits for all.

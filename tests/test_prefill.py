@@ -89,7 +89,10 @@ def test_gqa_head_dims_page_sizes(hq, hkv, d, bs, device):
     # V loaded right before each PV dot; cvt_asm asked for but off outside CUDA (portable path)
     (PrefillConfig(block_m=32, block_n=32, dv=32, v_late=True, cvt_asm=True, num_warps=4, num_stages=1), "bf16"),
     (PrefillConfig(block_m=16, block_n=32, dv=16, v_late=True, num_warps=4, num_stages=1), "int8"),
-], ids=["dv2", "dv4_n64", "shift", "pv16_dv4", "pv16_late_dv2", "pv8_late_dv4"])
+    # V pages loaded as flat [pages, D * PAGE] runs (one tile = 2 pages)
+    (PrefillConfig(block_m=32, block_n=32, dv=16, v_flat=True, num_warps=4, num_stages=1), "bf16"),
+    (PrefillConfig(block_m=16, block_n=64, dv=32, v_flat=True, v_late=True, num_warps=4, num_stages=1), "int8"),
+], ids=["dv2", "dv4_n64", "shift", "pv16_dv4", "pv16_late_dv2", "pv8_late_dv4", "pv16_flat_dv4", "pv8_flat_late"])
 def test_kernel_variants(config, pv, device):
     b = batch([97, 5], [60, 5], seed=11, device=device)
     run_and_check(b, config=config, pv=pv)
@@ -206,7 +209,10 @@ def _poison_then_write(c, k, v, s):
     ("int8", "int8", 8, replace(SMALL, block_n=64, p_shift=True)),     # 8 pages per tile
     ("int8", "bf16", 16, replace(SMALL, block_n=64, dv=32, v_late=True)),
     ("bf16", "bf16", 16, replace(SMALL, block_n=32)),
-], ids=["fp8_pv8", "fp8_pv16_in_page", "int8_shift_8pages", "int8_pv16_late", "bf16"])
+    ("fp8", "bf16", 16, replace(SMALL, block_n=32, v_flat=True)),       # flat page runs, masked
+    ("fp8", "fp8", 64, replace(SMALL, block_n=32, v_flat=True)),        # tile inside a page: gather
+], ids=["fp8_pv8", "fp8_pv16_in_page", "int8_shift_8pages", "int8_pv16_late", "bf16", "fp8_pv16_flat",
+        "fp8_pv8_flat_in_page"])
 def test_stale_slots_never_leak(kv, pv, bs, config, device):
     """Keys past the end of a sequence are read from memory (the rest of its last page,
     block 0 for pages past the end; 8-bit V pages are gathered a page at a time, without
@@ -246,6 +252,7 @@ def _bad_calls(b):
         "config dv": (ValueError, dict(config=PrefillConfig(dv=128))),
         "config v_late": (TypeError, dict(config=PrefillConfig(v_late=1))),
         "config cvt_asm": (TypeError, dict(config=PrefillConfig(cvt_asm="yes"))),
+        "config v_flat": (TypeError, dict(config=PrefillConfig(v_flat=1))),
         "q_scale without q_quant": (ValueError, dict(q_scale=torch.ones(q.shape[:2]))),
         "out shape": (ValueError, dict(out=torch.empty(3, 4, 64, dtype=torch.bfloat16))),
         # 8-bit V pages must be stored [D, block_size]: neither row pages, nor the right

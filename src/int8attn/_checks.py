@@ -11,13 +11,18 @@ Two tiers of checks:
   back to the host. They run by default, but are skipped while a CUDA graph is being
   captured (a capture must not synchronize) or when the environment variable
   ``INT8ATTN_CHECK_VALUES=0`` is set (serving loops that trust their metadata). See
-  :func:`value_checks_enabled`.
+  :func:`value_checks_enabled`. A planned batch (:func:`int8attn.plan_attention`) checks
+  its metadata values once, when it is planned, and its runs read nothing back.
+
+Metadata checks of a cache are remembered (:func:`check_cache`), so a call pays for them
+once per cache object, not once per call.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import weakref
 
 import torch
 
@@ -52,6 +57,8 @@ def value_checks_enabled() -> bool:
 # --------------------------------------------------------------------------- helpers
 def _same_device(a: torch.device, b: torch.device) -> bool:
     """Device equality where "cuda" (no index) means the current CUDA device."""
+    if a == b:  # same type and index (or both unindexed): the same device
+        return True
     a, b = torch.device(a), torch.device(b)
     if a.type != b.type:
         return False
@@ -65,13 +72,49 @@ def _dtype_names(dtypes) -> str:
     return " / ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
+#: Caches whose storage passed :func:`check_cache`, each with what it was checked with
+#: (its storage tensors and geometry); weak, so a cache is not kept alive by having been
+#: checked.
+_CHECKED_CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _cache_state(cache) -> tuple:
+    """What :func:`check_cache` verifies, by identity (tensors) and value (geometry)."""
+    return (cache.key, cache.value, cache.key_scale, cache.value_scale, cache.kv_dtype, cache.num_blocks,
+            cache.num_kv_heads, cache.block_size, cache.head_dim)
+
+
 def check_cache(cache) -> None:
     """A PagedKVCache whose storage has the layout the kernels address (see
     :mod:`int8attn.cache`): contiguous key [B, Hkv, P, D], value [B, Hkv, D, P] for 8-bit
     caches or [B, Hkv, P, D] for bf16, of the cache's storage dtype; for 8-bit caches
-    float32 scales [B, Hkv, P] with unit slot stride and the same strides for K and V."""
+    float32 scales [B, Hkv, P] with unit slot stride and the same strides for K and V.
+
+    A cache that passed keeps passing while it holds the same tensor objects and geometry
+    (checked by identity in about a microsecond; replacing ``cache.value`` or a scale
+    tensor is checked again)."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be an int8attn.PagedKVCache, got {type(cache).__name__}")
+    if torch.compiler.is_compiling():
+        # traced by torch.compile: check, but keep the weak memo out of the graph (dynamo
+        # would guard on its keys, which change whenever a checked cache is collected)
+        _check_cache_storage(cache)
+        return
+    seen = _CHECKED_CACHES.get(cache)
+    if seen is not None and _cache_state_is(cache, seen):
+        return
+    _check_cache_storage(cache)
+    _CHECKED_CACHES[cache] = _cache_state(cache)
+
+
+def _cache_state_is(cache, state: tuple) -> bool:
+    """True when ``cache`` still holds the tensors and geometry of ``state``."""
+    return (cache.key is state[0] and cache.value is state[1] and cache.key_scale is state[2]
+            and cache.value_scale is state[3] and cache.kv_dtype == state[4] and cache.num_blocks == state[5]
+            and cache.num_kv_heads == state[6] and cache.block_size == state[7] and cache.head_dim == state[8])
+
+
+def _check_cache_storage(cache) -> None:
     rows = (cache.num_blocks, cache.num_kv_heads, cache.block_size, cache.head_dim)
     value_shape = value_storage_shape(cache.kv_dtype, *rows)
     for name, t, shape in (("key", cache.key, rows), ("value", cache.value, value_shape)):
@@ -115,20 +158,23 @@ def check_tensor(
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {_dtype_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+    got = t.shape
     if shape is not None:
         ndim = len(shape)
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if ndim is not None and len(got) != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(got)}")
     if shape is not None:
-        for want, got in zip(shape, t.shape):
-            if want is not None and want != got:
+        for want, have in zip(shape, got):
+            if want is not None and want != have:
                 want_str = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-                raise ValueError(f"{name} must have shape {want_str}, got {tuple(t.shape)}")
-    if device is not None and not _same_device(t.device, device):
-        raise ValueError(f"{name} is on {t.device} but the cache is on {device}")
+                raise ValueError(f"{name} must have shape {want_str}, got {tuple(got)}")
+    if device is not None:
+        here = t.device
+        if here != device and not _same_device(here, device):
+            raise ValueError(f"{name} is on {here} but the cache is on {device}")
     if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(t.shape)}")
-    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(got)}")
+    if last_dim_contiguous and got and got[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {t.stride()}")
 
 
@@ -175,6 +221,7 @@ def check_attention_inputs(
     out=None,
     q_quant=None,
     q_scale=None,
+    check_values: bool = True,
 ) -> None:
     """Validate the arguments of :func:`int8attn.attention` (DESIGN.md section 6).
 
@@ -186,7 +233,8 @@ def check_attention_inputs(
     * q_quant / q_scale (optional): the query pre-quantized for the cache's dtype;
     * all on the cache's device.
 
-    Value checks (see :func:`value_checks_enabled`): query_start_loc starts at 0, is
+    Value checks (see :func:`value_checks_enabled`; ``check_values=False`` skips them for
+    a caller that checked these values before): query_start_loc starts at 0, is
     non-decreasing and ends at T; q_len <= seq_len <= max_blocks_per_seq * block_size;
     every block id a sequence uses lies in [0, num_blocks).
     """
@@ -202,52 +250,69 @@ def check_attention_inputs(
         out_dtypes = (torch.bfloat16,) if query.dtype == torch.bfloat16 else (torch.bfloat16, query.dtype)
         check_tensor("out", out, dtypes=out_dtypes, shape=tuple(query.shape), device=dev)
     check_quantized_query(q_quant, q_scale, tuple(query.shape), cache)
-    if value_checks_enabled() and num_seqs > 0:
+    if check_values and num_seqs > 0 and value_checks_enabled():
         check_attention_values(query.shape[0], cache, block_table, seq_lens, query_start_loc)
 
 
-def check_attention_values(num_tokens: int, cache, block_table, seq_lens, query_start_loc) -> None:
-    """The value half of :func:`check_attention_inputs` (one host sync)."""
+def check_attention_values(num_tokens, cache, block_table, seq_lens, query_start_loc, *,
+                           decode_limit: int | None = None):
+    """The value half of :func:`check_attention_inputs`: one host sync, about a dozen
+    small device ops (the details of a violation are worked out only once one is found).
+
+    ``num_tokens`` None skips the check that ``query_start_loc`` ends at it. With
+    ``decode_limit`` the same sync also returns what a planner needs:
+    ``(num_tokens, max_query_len, has_decode, has_prefill)`` where a decode sequence has
+    ``1 <= q_len <= decode_limit`` and a prefill sequence more; else returns None.
+    Needs ``num_seqs >= 1``.
+    """
     bs = cache.block_size
     max_blocks = block_table.shape[1]
+    capacity = max_blocks * bs
     qsl = query_start_loc.long()
     lens = seq_lens.long()
     q_lens = qsl[1:] - qsl[:-1]
-    blocks_used = (lens + bs - 1) // bs
-    used = torch.arange(max_blocks, device=block_table.device)[None, :] < blocks_used[:, None]
-    bad_block = used & ((block_table < 0) | (block_table >= cache.num_blocks))
-    flags = torch.stack([
-        qsl[0] != 0,
-        qsl[-1] != num_tokens,
-        (q_lens < 0).any(),
-        (lens < q_lens).any(),
-        (lens > max_blocks * bs).any(),
-        bad_block.any(),
-    ]).tolist()
-    if flags[0] or flags[1]:
+    # every sequence needs 0 <= q_len <= seq_len <= capacity: one min over the three gaps
+    room = torch.stack([q_lens, lens - q_lens, capacity - lens]).amin(dim=1)
+    parts = [qsl[0::qsl.numel() - 1], room]  # first and last entry of query_start_loc
+    if max_blocks:
+        # block column j is read when j * block_size < seq_len; unread columns count as 0
+        read = torch.arange(0, capacity, bs, device=block_table.device)[None, :] < lens[:, None]
+        parts.append(torch.stack(torch.aminmax(torch.where(read, block_table, 0))).long())
+    if decode_limit is not None:
+        shortest_nonempty = torch.where(q_lens >= 1, q_lens, decode_limit + 1).amin()
+        parts.append(torch.stack([q_lens.amax(), shortest_nonempty]))
+    got = torch.cat(parts).tolist()  # the one sync
+    first, last, q_room, len_room, cap_room = got[:5]
+    ids_min, ids_max = got[5:7] if max_blocks else (0, 0)
+    if first != 0 or (num_tokens is not None and last != num_tokens):
         raise ValueError(
-            f"query_start_loc must start at 0 and end at num_tokens={num_tokens}, "
-            f"got first {int(qsl[0])}, last {int(qsl[-1])}"
+            f"query_start_loc must start at 0 and end at num_tokens={num_tokens if num_tokens is not None else last}, "
+            f"got first {first}, last {last}"
         )
-    if flags[2]:
+    if q_room < 0:
         s = _bad_first(q_lens < 0)[0]
         raise ValueError(f"query_start_loc must be non-decreasing; it drops after sequence {s}")
-    if flags[3]:
+    if len_room < 0:
         s = _bad_first(lens < q_lens)[0]
         raise ValueError(
             f"seq_lens[{s}]={int(lens[s])} is smaller than its query length {int(q_lens[s])} "
             "(seq_lens counts the new tokens too)"
         )
-    if flags[4]:
-        s = _bad_first(lens > max_blocks * bs)[0]
+    if cap_room < 0:
+        s = _bad_first(lens > capacity)[0]
         raise ValueError(
             f"seq_lens[{s}]={int(lens[s])} exceeds block_table capacity {max_blocks} blocks x {bs} tokens"
         )
-    if flags[5]:
+    if ids_min < 0 or ids_max >= cache.num_blocks:
+        bad_block = read & ((block_table < 0) | (block_table >= cache.num_blocks))
         s, j = _bad_first(bad_block)
         raise ValueError(
             f"block_table[{s}, {j}]={int(block_table[s, j])} is outside [0, num_blocks={cache.num_blocks})"
         )
+    if decode_limit is None:
+        return None
+    longest, shortest_nonempty = got[-2:]
+    return last, longest, shortest_nonempty <= decode_limit, longest > decode_limit
 
 
 # --------------------------------------------------------------------------- writes

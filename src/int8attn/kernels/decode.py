@@ -25,6 +25,14 @@ the causal limits are loaded once before the tile loop; longer queries take a fl
   quantized to 0..127 (half the levels, a measurement variant); ``PV_FP8``: P
   quantized per row to e4m3, fp8 dot; ``PV_BF16``: V converted to bf16 in registers.
 
+Operand-swapped tiles (``SWAP_AB``, 8-bit caches, :func:`_attend_tile_swapped`): the same
+arithmetic transposed, ``S^T = K . Q^T`` and ``O^T += V^T . P^T``, so the tile's keys and
+head_dim are the MMA's M dimension and the 16 packed rows its N: Hopper's warpgroup MMA
+(M = 64 per warpgroup, N = 16 allowed) then runs the 16-row tile natively -- IGMMA for int8,
+QGMMA for fp8, where the row-major 16-row e4m3 dot is lowered to HMMA after f16 conversions.
+The softmax runs down the columns; its denominators are kept per (key, row) and summed once
+per pass.
+
 Splits: a sequence of ``num_tiles = cdiv(seq_len, BLOCK_N)`` tiles is cut into
 ``n_active = min(num_splits, num_tiles)`` contiguous runs of tiles whose sizes differ by
 at most one; programs with ``split >= n_active`` exit at once. The sizes come from
@@ -43,6 +51,8 @@ Tensor layouts (strides passed explicitly, last dims unit stride):
 * block_table [num_seqs, max_blocks] int32, seq_lens [num_seqs] int32,
   query_start_loc [num_seqs + 1] int32;
 * out [T, Hq, D]; part_acc [T, Hq, S, D] fp32; part_ml [T, Hq, S, 2] fp32 (max, sum).
+
+The merge kernel folds a sequence's split partials online, a chunk of splits per step.
 """
 
 import triton
@@ -110,7 +120,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
     MAX_QUERY_LEN: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,8 +153,8 @@ def _decode_split_kernel(
         q, row_scale = _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_qt, stride_qh,
                                    stride_qst, stride_qsh, HEAD_DIM, BLOCK_M, KV_KIND, INTERPRET)
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        l_i = _zero_sums(BLOCK_N, BLOCK_M, SWAP_AB)
+        acc = _zero_acc(HEAD_DIM, BLOCK_M, SWAP_AB)
         # Only the sequence's last tile holds slots past seq_len. An fp8 cache zeroes their
         # V (stale e4m3 bytes may be NaN), so that tile is peeled off the loop and the
         # others skip the select; int8 and bf16 tiles take one loop.
@@ -153,19 +163,19 @@ def _decode_split_kernel(
         if KV_KIND == KIND_FP8:
             loop_end = tl.minimum(tile_end, tl.cdiv(seq_len, BLOCK_N) - 1)
         for tile in range(tile_lo, loop_end):
-            m_i, l_i, acc = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
-                                         k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
-                                         stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
-                                         KV_KIND != KIND_FP8, INTERPRET)
+            m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
+                                    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                    stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
+                                    KV_KIND != KIND_FP8, INTERPRET, SWAP_AB)
         if KV_KIND == KIND_FP8:
             if loop_end < tile_end:
-                m_i, l_i, acc = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile_end - 1, seq_len, bt_row,
-                                             k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
-                                             stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND,
-                                             PV_KIND, True, INTERPRET)
-        _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, row_head, split, n_active,
-                    row_valid, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
-                    stride_ms, HEAD_DIM)
+                m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_end - 1, seq_len, bt_row,
+                                        k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                        stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND,
+                                        PV_KIND, True, INTERPRET, SWAP_AB)
+        _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, _row_sums(l_i, SWAP_AB), tok, row_head, split,
+                    n_active, row_valid, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
+                    stride_ms, HEAD_DIM, SWAP_AB)
     else:
         # Longer queries: one flat loop over (pass, tile). Two things keep Triton's
         # software pipeline intact (checked in the TTGIR: async waits leave tiles in
@@ -176,8 +186,8 @@ def _decode_split_kernel(
         # its own iteration.)
         num_iters = tl.cdiv(q_len, TOKENS_PER_PASS) * tile_count
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        l_i = _zero_sums(BLOCK_N, BLOCK_M, SWAP_AB)
+        acc = _zero_acc(HEAD_DIM, BLOCK_M, SWAP_AB)
         for it in range(0, num_iters):
             pass_idx = it // tile_count
             tile_idx = it - pass_idx * tile_count
@@ -193,16 +203,62 @@ def _decode_split_kernel(
             m_i = tl.where(fresh, NEG_BIG, m_i)
             l_i = tl.where(fresh, 0.0, l_i)
             acc = tl.where(fresh, 0.0, acc)
-            m_i, l_i, acc = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile_lo + tile_idx, seq_len,
-                                         bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
-                                         stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
-                                         True, INTERPRET)
+            m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_lo + tile_idx, seq_len,
+                                    bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                    stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
+                                    True, INTERPRET, SWAP_AB)
             # Last tile of the pass: its rows go to out (one active split) or to the partials.
             # (tl.where rather than `row_valid & last`: the interpreter mistypes that mask)
             last = tile_idx == tile_count - 1
-            _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, row_head, split, n_active,
-                        tl.where(last, row_valid, False), stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
-                        stride_mt, stride_mh, stride_ms, HEAD_DIM)
+            _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, _row_sums(l_i, SWAP_AB), tok, row_head, split,
+                        n_active, tl.where(last, row_valid, False), stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
+                        stride_mt, stride_mh, stride_ms, HEAD_DIM, SWAP_AB)
+
+
+@triton.jit
+def _zero_acc(HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The empty output accumulator: O [BLOCK_M, D], or O^T [D, BLOCK_M] when swapped."""
+    if SWAP_AB:
+        acc = tl.zeros([HEAD_DIM, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    return acc
+
+
+@triton.jit
+def _zero_sums(BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The empty softmax denominators: one per row, or per (key, row) when swapped."""
+    if SWAP_AB:
+        l_i = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+    return l_i
+
+
+@triton.jit
+def _row_sums(l_i, SWAP_AB: tl.constexpr):
+    """Each row's softmax denominator from the running state (see _zero_sums)."""
+    if SWAP_AB:
+        l_i = tl.sum(l_i, 0)
+    return l_i
+
+
+@triton.jit
+def _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+            data_head, scale_head, stride_cb, stride_sb, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
+            TAIL: tl.constexpr, INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr):
+    """One tile in the orientation the launch chose (see _attend_tile_swapped)."""
+    if SWAP_AB:
+        m_i, l_i, acc = _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr,
+                                             v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb,
+                                             stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, TAIL,
+                                             INTERPRET)
+    else:
+        m_i, l_i, acc = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr, v_ptr,
+                                     k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+                                     HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, TAIL, INTERPRET)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -225,6 +281,26 @@ def _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_q
 
 
 @triton.jit
+def _tile_addresses(tile, seq_len, bt_row, data_head, scale_head, stride_cb, stride_sb, HEAD_DIM: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where the keys of tile ``tile`` live: their positions, which are in the sequence,
+    the tile's pages and block ids, and each key's K-row and scale offsets. One
+    block-table entry per page, broadcast to the page's keys; a page past ``seq_len``
+    reads block 0 (valid memory, masked later)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    pos = tile * BLOCK_N + offs_n
+    in_seq = pos < seq_len
+    NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
+    page = tile * NUM_PAGES + tl.arange(0, NUM_PAGES)
+    blk_page = tl.load(bt_row + page, mask=page * PAGE < seq_len, other=0)
+    blk = tl.reshape(tl.broadcast_to(blk_page[:, None], (NUM_PAGES, PAGE)), (BLOCK_N,)).to(tl.int64)
+    slot = offs_n % PAGE
+    row_off = blk * stride_cb + data_head + slot * HEAD_DIM
+    scale_off = blk * stride_sb + scale_head + slot
+    return pos, in_seq, page, blk_page, row_off, scale_off
+
+
+@triton.jit
 def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
                  k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
                  HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -236,18 +312,10 @@ def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
     memory either way -- and is removed by the score mask (a ``where``, so a NaN K scale
     there cannot leak). Only what the PV product would multiply by P = 0 must be finite:
     the V scale always, and V itself for fp8 / bf16 caches (int8 is always finite)."""
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    pos = tile * BLOCK_N + offs_n
-    in_seq = pos < seq_len
-    # One block-table entry per page of the tile, broadcast to the page's keys.
+    pos, in_seq, page, blk_page, row_off, scale_off = _tile_addresses(tile, seq_len, bt_row, data_head, scale_head,
+                                                                      stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N)
     NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
-    page = tile * NUM_PAGES + tl.arange(0, NUM_PAGES)
-    blk_page = tl.load(bt_row + page, mask=page * PAGE < seq_len, other=0)
-    blk = tl.reshape(tl.broadcast_to(blk_page[:, None], (NUM_PAGES, PAGE)), (BLOCK_N,)).to(tl.int64)
-    slot = offs_n % PAGE
-    row_off = blk * stride_cb + data_head + slot * HEAD_DIM
-    scale_off = blk * stride_sb + scale_head + slot
     k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :])
     if KV_KIND == KIND_INT8:
         k_scale = tl.load(k_scale_ptr + scale_off)
@@ -287,8 +355,90 @@ def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
 
 
 @triton.jit
+def _max_pair(a, b, c, d):
+    return tl.maximum(a, c), tl.maximum(b, d)
+
+
+@triton.jit
+def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, tile, seq_len, bt_row,
+                         k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+                         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                         KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    """:func:`_attend_tile` with the operands swapped, for 8-bit caches: the tile's keys
+    fill the MMA's M rows and the packed query rows its N columns.
+
+    ``S^T = K . Q^T`` [BLOCK_N, BLOCK_M] and ``O^T += V^T . P^T`` [HEAD_DIM, BLOCK_M]: M is
+    BLOCK_N (64, 128) and HEAD_DIM, so Hopper's warpgroup MMA applies with only 16 query
+    rows (N = 16), where the row-major form needs 64 padded rows (4x the MMA work and a
+    64-row accumulator that spills). Both 8-bit operands stay K-major as the MMA needs:
+    K rows are D-contiguous, and the transposed V pages are key-contiguous, exactly
+    V^T's reduction axis. The softmax runs down the columns (axis 0); ``acc_t`` is O^T.
+    P (v_scale folded in) is quantized per column (query row) to its exact max, found
+    by the same reduction as the score max."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos, in_seq, page, blk_page, row_off, scale_off = _tile_addresses(tile, seq_len, bt_row, data_head, scale_head,
+                                                                      stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N)
+    NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
+    k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :])
+    k_scale = tl.load(k_scale_ptr + scale_off)
+    if KV_KIND == KIND_INT8:
+        qk = tl.dot(k, tl.trans(q), out_dtype=tl.int32).to(tl.float32)
+    else:
+        qk = tl.dot(k, tl.trans(q), out_dtype=tl.float32)
+    s = qk * k_scale[:, None] * row_scale[None, :]
+    s = tl.where(pos[:, None] <= row_limit[None, :], s, float("-inf"))
+
+    v_scale = tl.load(v_scale_ptr + scale_off, mask=in_seq, other=0.0)
+    if PV_KIND == PV_BF16:
+        tile_max = tl.max(s, 0)
+    else:
+        # One reduction down the columns gives both the score max and the exact max of
+        # P * v_scale (as exp2(max(s + log2 v_scale) - m_new)), which P's quantization
+        # maps to the top of the 8-bit range: the dominant key of a peaked row is then
+        # represented exactly (a looser bound, e.g. max(v_scale), rounds it and doubles
+        # the fp8 PV error). (v_scale 0 -- a masked key -- gives a finite log; the score
+        # of a masked key is -inf anyway, and a larger bound never overflows.)
+        tile_max, pv_log_max = tl.reduce((s, s + tl.log2(tl.maximum(v_scale, 1e-30))[:, None]), 0, _max_pair)
+    m_new = tl.maximum(m_i, tile_max)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    # l_i is [BLOCK_N, BLOCK_M] here: per-key partial sums, reduced once at the end
+    # (a column sum per tile would cost a cross-warp reduction, see _row_sums)
+    l_i = l_i * alpha[None, :] + p
+    acc_t = acc_t * alpha[None, :]
+
+    v_t = _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM, PAGE, NUM_PAGES,
+                        KV_KIND == KIND_FP8 and TAIL, True)
+    pv = p * v_scale[:, None]
+    if PV_KIND == PV_BF16:
+        if INTERPRET:
+            acc_t += tl.dot(v_t.to(tl.float32), pv.to(tl.bfloat16).to(tl.float32))
+        else:
+            acc_t += tl.dot(v_t.to(tl.bfloat16), pv.to(tl.bfloat16))
+    else:
+        # a column that saw no key has pv_log_max = -inf and p_max 0
+        p_max = tl.exp2(pv_log_max - m_new)
+        if PV_KIND == PV_FP8:
+            p_inv = tl.where(p_max > 0.0, 448.0 / tl.maximum(p_max, 1e-30), 0.0)
+            r = tl.minimum(pv * p_inv[None, :], 448.0)
+            if INTERPRET:
+                r = _round_to_e4m3_grid(r)
+            acc_t += tl.dot(v_t, r.to(tl.float8e4nv), out_dtype=tl.float32) * (p_max * (1.0 / 448.0))[None, :]
+        else:
+            # the shifted 0..255 encoding of _pv_product, transposed
+            p_inv = tl.where(p_max > 0.0, 255.0 / tl.maximum(p_max, 1e-30), 0.0)
+            u = tl.minimum(pv * p_inv[None, :] + 0.5, 255.0).to(tl.int32)
+            p8 = (u - 128).to(tl.int8)
+            ones = tl.full([BLOCK_N, BLOCK_M], 1, tl.int8)
+            o_i32 = tl.dot(v_t, p8, out_dtype=tl.int32) + 128 * tl.dot(v_t, ones, out_dtype=tl.int32)
+            acc_t += o_i32.to(tl.float32) * (p_max * (1.0 / 255.0))[None, :]
+    return m_new, l_i, acc_t
+
+
+@triton.jit
 def _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                  NUM_PAGES: tl.constexpr, ZERO_STALE: tl.constexpr):
+                  NUM_PAGES: tl.constexpr, ZERO_STALE: tl.constexpr, KEYS_LAST: tl.constexpr = False):
     """The [NUM_PAGES * PAGE, HEAD_DIM] V tile of an 8-bit cache, whose pages are stored
     transposed ([HEAD_DIM, PAGE], keys contiguous; see int8attn.cache).
 
@@ -299,34 +449,49 @@ def _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM
     so no byte transpose happens. (Gathering per key instead loses the contiguity and
     falls back to 1-byte loads.) int8 loads need no mask: stale slots past ``seq_len``
     are finite and meet P = 0; stale e4m3 bytes may be NaN, so on a tile that may hold
-    keys past ``seq_len`` (ZERO_STALE) an fp8 cache's are set to 0."""
+    keys past ``seq_len`` (ZERO_STALE) an fp8 cache's are set to 0.
+
+    ``KEYS_LAST``: return the tile as [HEAD_DIM, keys] instead (V^T, the left operand of
+    the operand-swapped product; keys stay the contiguous reduction axis)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_s = tl.arange(0, PAGE)
     base = blk_page.to(tl.int64) * stride_cb + data_head
     ptrs = v_ptr + base[:, None, None] + (offs_d * PAGE)[None, :, None] + offs_s[None, None, :]
-    v = tl.reshape(tl.permute(tl.load(ptrs), (0, 2, 1)), (NUM_PAGES * PAGE, HEAD_DIM))
-    if ZERO_STALE:
-        # a mask on the load itself would cost the 16-byte copies (its pattern varies
-        # along the contiguous axis); zero the stale keys in registers instead
-        key_pos = tl.reshape(page[:, None] * PAGE + offs_s[None, :], (NUM_PAGES * PAGE,))
-        v = tl.where((key_pos < seq_len)[:, None], v, 0.0)
+    key_pos = tl.reshape(page[:, None] * PAGE + offs_s[None, :], (NUM_PAGES * PAGE,))
+    if KEYS_LAST:
+        v = tl.reshape(tl.permute(tl.load(ptrs), (1, 0, 2)), (HEAD_DIM, NUM_PAGES * PAGE))
+        if ZERO_STALE:
+            v = tl.where((key_pos < seq_len)[None, :], v, 0.0)
+    else:
+        v = tl.reshape(tl.permute(tl.load(ptrs), (0, 2, 1)), (NUM_PAGES * PAGE, HEAD_DIM))
+        if ZERO_STALE:
+            # a mask on the load itself would cost the 16-byte copies (its pattern varies
+            # along the contiguous axis); zero the stale keys in registers instead
+            v = tl.where((key_pos < seq_len)[:, None], v, 0.0)
     return v
 
 
 @triton.jit
 def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, row_head, split, n_active, rows,
                 stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
-                HEAD_DIM: tl.constexpr):
+                HEAD_DIM: tl.constexpr, TRANSPOSED: tl.constexpr = False):
     """Rows ``rows`` of a finished pass: normalized to ``out`` when the sequence has one
-    active split, else (unnormalized acc, max, sum) to the split partials."""
+    active split, else (unnormalized acc, max, sum) to the split partials. ``acc`` is
+    [rows, D], or [D, rows] when TRANSPOSED (the swapped tile's O^T)."""
     offs_d = tl.arange(0, HEAD_DIM)
     direct = tl.where(n_active == 1, rows, False)
     partial = tl.where(n_active > 1, rows, False)
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + row_head[:, None] * stride_oh + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=direct[:, None])
+    inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
     part = tok * stride_pt + row_head * stride_ph + split * stride_ps
-    tl.store(part_acc_ptr + part[:, None] + offs_d[None, :], acc, mask=partial[:, None])
+    out_row = tok * stride_ot + row_head * stride_oh
+    if TRANSPOSED:
+        tl.store(out_ptr + out_row[None, :] + offs_d[:, None], (acc * inv_l[None, :]).to(out_ptr.dtype.element_ty),
+                 mask=direct[None, :])
+        tl.store(part_acc_ptr + part[None, :] + offs_d[:, None], acc, mask=partial[None, :])
+    else:
+        tl.store(out_ptr + out_row[:, None] + offs_d[None, :], (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=direct[:, None])
+        tl.store(part_acc_ptr + part[:, None] + offs_d[None, :], acc, mask=partial[:, None])
     ml = tok * stride_mt + row_head * stride_mh + split * stride_ms
     tl.store(part_ml_ptr + ml, m_i, mask=partial)
     tl.store(part_ml_ptr + ml + 1, l_i, mask=partial)
@@ -401,21 +566,23 @@ def _decode_merge_kernel(
         tok = (q_start + t).to(tl.int64)
         ml = part_ml_ptr + tok * stride_mt + head * stride_mh
         part = part_acc_ptr + tok * stride_pt + head * stride_ph
-        m_run = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
-        for c0 in range(0, n_active, SPLIT_CHUNK):
-            sp = c0 + offs_c
-            m_run = tl.maximum(m_run, tl.load(ml + sp * stride_ms, mask=sp < n_active, other=float("-inf")))
-        m_max = tl.max(m_run, 0)
+        # One pass, online over chunks of splits: a chunk's maxima, sums and partial rows
+        # are loaded together (one memory round trip when all splits fit in a chunk, the
+        # usual case) and folded in with the running max, as the split kernel folds tiles.
+        m_run = float("-inf")
         acc = tl.zeros([BLOCK_D], tl.float32)
-        denom = tl.zeros([SPLIT_CHUNK], tl.float32)
+        denom = 0.0
         for c0 in range(0, n_active, SPLIT_CHUNK):
             sp = c0 + offs_c
             live = sp < n_active
             m_c = tl.load(ml + sp * stride_ms, mask=live, other=float("-inf"))
             l_c = tl.load(ml + sp * stride_ms + 1, mask=live, other=0.0)
-            w = tl.where(live, tl.exp2(m_c - m_max), 0.0)
-            denom += w * l_c
             a = tl.load(part + sp[:, None] * stride_ps + offs_d[None, :], mask=live[:, None], other=0.0)
-            acc += tl.sum(a * w[:, None], 0)
-        o = acc / tl.sum(denom, 0)
+            m_new = tl.maximum(m_run, tl.max(m_c, 0))
+            alpha = tl.exp2(m_run - m_new)
+            w = tl.where(live, tl.exp2(m_c - m_new), 0.0)
+            acc = acc * alpha + tl.sum(a * w[:, None], 0)
+            denom = denom * alpha + tl.sum(w * l_c, 0)
+            m_run = m_new
+        o = acc / denom
         tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))

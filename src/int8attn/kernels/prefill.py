@@ -126,7 +126,7 @@ def _as_storage(x, KV_KIND: tl.constexpr):
 @triton.jit
 def _load_v(v_ptr, row_off, page_base, slot0, col0, offs_dv, offs_slot, in_seq, tile_valid,
             BLOCK_N: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
-            MASKED: tl.constexpr, KV_KIND: tl.constexpr, V_TRANSPOSED: tl.constexpr):
+            MASKED: tl.constexpr, KV_KIND: tl.constexpr, V_TRANSPOSED: tl.constexpr, V_FLAT: tl.constexpr):
     """Columns ``[col0, col0 + DV)`` of the tile's V as the [BLOCK_N, DV] PV operand.
 
     ``V_TRANSPOSED`` (8-bit caches, pages [D, PAGE]): one [pages, DV, slots] gather per
@@ -140,9 +140,21 @@ def _load_v(v_ptr, row_off, page_base, slot0, col0, offs_dv, offs_slot, in_seq, 
     zeroed (stale bytes may be NaN, and NaN * 0 = NaN in the dot). The zeroing is a
     select after the load: a per-key load mask would split the contiguous runs."""
     if V_TRANSPOSED:
-        addr = (page_base[:, None, None] + (col0 + offs_dv)[None, :, None] * PAGE
-                + (slot0 + offs_slot)[None, None, :])
-        vt = tl.load(v_ptr + addr)
+        if V_FLAT and BLOCK_N >= PAGE:
+            # ``V_FLAT``: the DV channel rows of a page are one run of DV * PAGE bytes; as a
+            # [pages, DV * PAGE] tile the lanes of a warp walk that run 16 bytes each, so
+            # the (unswizzled, row-major) staging buffer is written and read without bank
+            # conflicts. The [pages, DV, slots] gather puts the lanes across pages instead
+            # (DV * PAGE bytes apart: the same banks at D128). Cost: Triton then stores the
+            # 16-bit PV operand N-major, with 16-bit stores (sm_90, Triton 3.6).
+            NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
+            flat = tl.arange(0, DV * PAGE)
+            vt = tl.load(v_ptr + page_base[:, None] + col0 * PAGE + flat[None, :])
+            vt = tl.reshape(vt, (NUM_PAGES, DV, PAGE))
+        else:
+            addr = (page_base[:, None, None] + (col0 + offs_dv)[None, :, None] * PAGE
+                    + (slot0 + offs_slot)[None, None, :])
+            vt = tl.load(v_ptr + addr)
         if MASKED and KV_KIND == KIND_FP8:
             vt = tl.where(tile_valid[:, None, :], vt, 0)
         v = tl.reshape(tl.permute(vt, (0, 2, 1)), (BLOCK_N, DV))
@@ -211,8 +223,8 @@ def _attend_tile(
     offs_n, offs_d, offs_dv,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DV: tl.constexpr,
     PAGE: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
-    MASKED: tl.constexpr, V_LATE: tl.constexpr, V_TRANSPOSED: tl.constexpr, CVT_ASM: tl.constexpr,
-    LAZY: tl.constexpr, INTERPRET: tl.constexpr,
+    MASKED: tl.constexpr, V_LATE: tl.constexpr, V_TRANSPOSED: tl.constexpr, V_FLAT: tl.constexpr,
+    CVT_ASM: tl.constexpr, LAZY: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One KV tile of keys ``[start, start + BLOCK_N)`` folded into the running state."""
     pos = start + offs_n
@@ -248,17 +260,17 @@ def _attend_tile(
     # registers across QK and softmax).
     if not V_LATE:
         v0 = _load_v(v_ptr, row_off, page_base, slot0, 0, offs_dv, offs_slot, in_seq, tile_valid,
-                     BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
+                     BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         if NUM_DV > 1:
             v1 = _load_v(v_ptr, row_off, page_base, slot0, DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
+                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         else:
             v1 = v0
         if NUM_DV > 2:
             v2 = _load_v(v_ptr, row_off, page_base, slot0, 2 * DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
+                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
             v3 = _load_v(v_ptr, row_off, page_base, slot0, 3 * DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
+                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         else:
             v2 = v0
             v3 = v0
@@ -364,21 +376,21 @@ def _attend_tile(
 
     if V_LATE:
         v0 = _load_v(v_ptr, row_off, page_base, slot0, 0, offs_dv, offs_slot, in_seq, tile_valid,
-                     BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
+                     BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
     acc0 = _pv_chunk(acc0, p_op, factor, v0, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     if NUM_DV > 1:
         if V_LATE:
             v1 = _load_v(v_ptr, row_off, page_base, slot0, DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
+                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         acc1 = _pv_chunk(acc1, p_op, factor, v1, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     if NUM_DV > 2:
         if V_LATE:
             v2 = _load_v(v_ptr, row_off, page_base, slot0, 2 * DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
+                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         acc2 = _pv_chunk(acc2, p_op, factor, v2, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
         if V_LATE:
             v3 = _load_v(v_ptr, row_off, page_base, slot0, 3 * DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED)
+                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         acc3 = _pv_chunk(acc3, p_op, factor, v3, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     return m_new, l_i, r_i, acc0, acc1, acc2, acc3
 
@@ -404,7 +416,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
     Q_QUANTIZED: tl.constexpr, SEARCH: tl.constexpr, V_LATE: tl.constexpr, V_TRANSPOSED: tl.constexpr,
-    CVT_ASM: tl.constexpr, LAZY_RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
+    V_FLAT: tl.constexpr, CVT_ASM: tl.constexpr, LAZY_RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     tile = num_tiles - 1 - tl.program_id(0)  # longest tiles first
     kv_head = tl.program_id(1)
@@ -493,16 +505,16 @@ def _prefill_kernel(
             q, row_scale, row_limit, kv_end, inv_unit,
             bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
             offs_n, offs_d, offs_dv,
-            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, V_TRANSPOSED, CVT_ASM,
-            LAZY, INTERPRET)
+            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, V_TRANSPOSED, V_FLAT,
+            CVT_ASM, LAZY, INTERPRET)
     for start in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
             start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
             q, row_scale, row_limit, kv_end, inv_unit,
             bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
             offs_n, offs_d, offs_dv,
-            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED, CVT_ASM,
-            LAZY, INTERPRET)
+            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED, V_FLAT,
+            CVT_ASM, LAZY, INTERPRET)
 
     norm = tl.where(l_i > 0.0, r_i / l_i, 0.0)
     out_rows = q_row * stride_ot + row_head * stride_oh

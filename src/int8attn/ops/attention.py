@@ -7,16 +7,26 @@ the router needs no query lengths on the host:
 
 * without a plan, ``attention()`` launches both kernels; it leaves one out only on
   host-known facts (``T <= MAX_DECODE_QUERY_LEN`` means no prefill sequence can exist;
-  an empty batch launches nothing);
-* :func:`plan_attention` reads the lengths once per batch (one host sync) and records
-  which kernels are needed, the longest query (a tighter prefill grid), the decode split
-  count and its workspace; :meth:`AttentionPlan.run` then launches only what is needed,
-  reads nothing back, and can be captured in a CUDA graph and replayed (the plan/run split
-  of FlashInfer).
+  an empty batch launches nothing). Inputs are validated on every call
+  (:func:`int8attn._checks.check_attention_inputs`; its value checks sync, but are
+  skipped under CUDA-graph capture or with ``INT8ATTN_CHECK_VALUES=0``);
+* :func:`plan_attention` plans a batch once (the plan/run split of FlashInfer): it reads
+  the metadata values once (one host sync, which also checks them: block ids, lengths,
+  ``query_start_loc``), records which kernels are needed, the longest query (a tighter
+  prefill grid), the decode split count, its workspace and the query-code buffers.
+  :meth:`AttentionPlan.run` then launches only what is needed, reads nothing back,
+  allocates nothing but ``out`` (when not given) and can be captured in a CUDA graph and
+  replayed. A serving engine plans once per step and runs every layer with the plan.
 
-Inputs are validated once per call (:func:`int8attn._checks.check_attention_inputs`:
-value checks sync, but are skipped under CUDA-graph capture or with
-``INT8ATTN_CHECK_VALUES=0``), then both launchers run without validating again.
+Host cost of a run (what an eager decode step pays per layer): the first run with a new
+input layout (dtype / shape / strides / device of the query, ``out``, ``q_quant``,
+``q_scale``) validates everything and builds the launch
+(:class:`int8attn.ops.decode.DecodeLaunch`: grid, stride arguments, constexprs); later runs
+with that layout and the plan's metadata tensors compare a few attributes and launch (a
+cache object the plan has not run with, e.g. the next layer's, is first checked for its
+storage layout and the plan's geometry: a few microseconds). A run with other
+``block_table`` / ``seq_lens`` / ``query_start_loc`` tensors than the plan's is validated
+in full again, values included.
 """
 
 from __future__ import annotations
@@ -27,19 +37,59 @@ import torch
 
 from .. import _checks
 from ..cache import PagedKVCache
+from ..testing import interpret_mode
 from . import decode as _decode
 from . import prefill as _prefill
 from .decode import MAX_DECODE_QUERY_LEN
 
+_MISSING = object()
+#: Caches / input layouts a plan remembers at most (then forgets them all and starts over).
+_MAX_REMEMBERED = 256
+
+
+_PREFILL_CONFIGS: dict = {}
+
+
+def _prefill_config(cache: PagedKVCache, pv_mode: str, group: int) -> _prefill.PrefillConfig:
+    """The checked default prefill config for this cache / PV mode / GQA group, made once
+    per combination (it depends on nothing else; the interpreter flag and the config
+    function in use are part of the key)."""
+    key = (cache.kv_dtype, cache.head_dim, pv_mode, group, interpret_mode(), _prefill.default_config)
+    config = _PREFILL_CONFIGS.get(key)
+    if config is None:
+        config = _prefill._check_config(_prefill.default_config(cache.kv_dtype, cache.head_dim, pv_mode), cache, group)
+        _PREFILL_CONFIGS[key] = config
+    return config
+
+
+def _layout(t):
+    """What the metadata checks of one tensor argument depend on (None for None)."""
+    return None if t is None else (t.dtype, t.shape, t.stride(), t.device)
+
+
+def _geometry(cache: PagedKVCache) -> tuple:
+    return (cache.kv_dtype, cache.num_blocks, cache.num_kv_heads, cache.block_size, cache.head_dim, cache.device)
+
+
+def _scale_strides(cache: PagedKVCache):
+    """The scale strides the kernels take (all caches of one geometry share the rest)."""
+    return cache.key_scale.stride() if cache.quantized else None
+
 
 @dataclass
 class AttentionPlan:
-    """What one batch shape needs, computed once on the host (see :func:`plan_attention`).
+    """What one batch needs, computed once on the host (see :func:`plan_attention`).
 
     Valid for any later call with the same ``num_tokens``, ``num_seqs``, heads and cache
-    whose query lengths keep the recorded facts true: no sequence longer than
-    ``max_query_len``, no decode sequence when ``has_decode`` is False, no prefill
-    sequence when ``has_prefill`` is False.
+    geometry (``kv_dtype``, ``num_blocks``, KV heads, page size, head_dim, device; any
+    cache object of that geometry, e.g. every layer's) whose query lengths keep the
+    recorded facts true: no sequence longer than ``max_query_len``, no decode sequence when
+    ``has_decode`` is False, no prefill sequence when ``has_prefill`` is False.
+
+    The plan owns the decode workspace and, for 8-bit caches, the query codes and scales
+    its runs quantize into (overwritten by every run, in stream order): runs of one plan
+    must not overlap on different streams. It keeps references to the metadata tensors and
+    to the caches it ran with (at most 256, then it forgets them and checks again).
     """
 
     num_tokens: int
@@ -56,22 +106,106 @@ class AttentionPlan:
     pv_mode: str | None = None
     prefill_pv_mode: str | None = None
     launches: tuple = field(default=())
+    #: whether plan_attention checked the metadata values (False: value checks were off)
+    values_checked: bool = False
+    # --- run-time memory (private): what earlier runs validated
+    _geometry: tuple | None = field(default=None, repr=False, compare=False)
+    _metadata: tuple | None = field(default=None, repr=False, compare=False)  # (block_table, seq_lens, qsl)
+    _caches: dict = field(default_factory=dict, repr=False, compare=False)  # id -> (cache, state, scale strides)
+    _launch_by_layout: dict = field(default_factory=dict, repr=False, compare=False)
+    _scale_memo: tuple | None = field(default=None, repr=False, compare=False)  # (softmax_scale, qk_scale)
 
     def run(self, query, cache, block_table, seq_lens, query_start_loc, softmax_scale=None, out=None, *,
             q_quant=None, q_scale=None) -> torch.Tensor:
-        """Launch the planned kernels (no host sync; CUDA-graph capturable)."""
-        _check_common(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale)
-        self._check_matches(query, cache, block_table)
+        """Launch the planned kernels (no host sync; CUDA-graph capturable).
+
+        Arguments as :func:`attention`. Checks: a call with the plan's metadata tensors
+        and an input layout an earlier run validated costs a few attribute comparisons (a
+        new cache object: its storage layout and geometry too); anything else is validated
+        in full first (metadata values too when the metadata tensors are not the plan's),
+        so bad input still raises before any launch. Contents of the metadata tensors
+        changed in place after planning are not re-checked (as with
+        ``INT8ATTN_CHECK_VALUES=0``).
+        """
+        launch = _MISSING
+        meta = self._metadata
+        if meta is not None and block_table is meta[0] and seq_lens is meta[1] and query_start_loc is meta[2]:
+            seen = self._caches.get(id(cache))
+            if seen is None or seen[0] is not cache or not _checks._cache_state_is(cache, seen[1]):
+                seen = self._admit_cache(cache)  # another layer's cache: its storage and geometry
+            try:
+                key = (_layout(query), _layout(out), _layout(q_quant), _layout(q_scale), seen[2])
+            except AttributeError:  # not a tensor: the full checks say so
+                key = None
+            launch = self._launch_by_layout.get(key, _MISSING)
+        if launch is _MISSING:
+            launch = self._validate(query, cache, block_table, seq_lens, query_start_loc, out, q_quant, q_scale)
+        qk_scale = self._qk_scale(softmax_scale, cache)
         if out is None:
-            out = torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
-        if self.has_decode:
-            _decode._run(self.decode_plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
-                         out, q_quant, q_scale, self.workspace)
+            out = torch.empty((self.num_tokens, self.num_q_heads, self.head_dim), dtype=torch.bfloat16,
+                              device=cache.device)
+        if launch is not None:
+            launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
         if self.has_prefill:
             _prefill._run(self.prefill_config, self.prefill_pv_mode, query, cache, block_table, seq_lens,
                           query_start_loc, softmax_scale, out, q_quant, q_scale,
                           MAX_DECODE_QUERY_LEN if self.has_decode else 0, self.max_query_len)
         return out
+
+    # ------------------------------------------------------------------ slow path
+    def _validate(self, query, cache, block_table, seq_lens, query_start_loc, out, q_quant, q_scale):
+        """Full checks of a call the plan has not seen; remembers what passed and returns
+        the decode launch for this layout (None when the plan launches no decode)."""
+        meta = self._metadata
+        known_meta = (meta is not None and block_table is meta[0] and seq_lens is meta[1]
+                      and query_start_loc is meta[2])
+        _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
+                                       q_quant=q_quant, q_scale=q_scale, check_values=False)
+        self._check_matches(query, cache, block_table)
+        if not known_meta:
+            if self.num_seqs > 0 and _checks.value_checks_enabled():
+                facts = _checks.check_attention_values(self.num_tokens, cache, block_table, seq_lens,
+                                                       query_start_loc, decode_limit=MAX_DECODE_QUERY_LEN)
+                self._check_facts(*facts[1:])
+            self._metadata = (block_table, seq_lens, query_start_loc)
+            self._launch_by_layout.clear()  # the block table's stride is part of every launch
+        scale_strides = self._admit_cache(cache)[2]
+        launch = None
+        if self.has_decode and self.num_tokens > 0 and self.num_seqs > 0:
+            q_in = q_quant if q_quant is not None else query
+            out_strides = out.stride() if out is not None else (self.num_q_heads * self.head_dim, self.head_dim, 1)
+            launch = _decode.DecodeLaunch(
+                self.decode_plan, cache, self.num_tokens, self.num_q_heads, self.num_seqs, device=cache.device,
+                q_strides=q_in.stride(), q_scale_strides=None if q_scale is None else q_scale.stride(),
+                out_strides=out_strides, block_table_stride=block_table.stride(0), workspace=self.workspace,
+                quantize=cache.quantized and q_quant is None)
+        if len(self._launch_by_layout) >= _MAX_REMEMBERED:
+            self._launch_by_layout.clear()
+        key = (_layout(query), _layout(out), _layout(q_quant), _layout(q_scale), scale_strides)
+        self._launch_by_layout[key] = launch
+        return launch
+
+    def _admit_cache(self, cache) -> tuple:
+        """Check a cache object the plan has not run with (its storage layout, remembered
+        by :func:`int8attn._checks.check_cache`, and the plan's geometry) and remember it:
+        a step's plan serves every layer's cache. Returns (cache, state, scale strides)."""
+        _checks.check_cache(cache)
+        self._check_geometry(cache)
+        if len(self._caches) >= _MAX_REMEMBERED:
+            self._caches.clear()
+        seen = (cache, _checks._cache_state(cache), _scale_strides(cache))
+        self._caches[id(cache)] = seen
+        return seen
+
+    def _check_geometry(self, cache) -> None:
+        geometry = _geometry(cache)
+        if self._geometry is None:
+            self._geometry = geometry
+        elif geometry[:5] != self._geometry[:5] or not _checks._same_device(geometry[5], self._geometry[5]):
+            raise ValueError(
+                "this AttentionPlan was made for a cache of (kv_dtype, num_blocks, num_kv_heads, block_size, "
+                f"head_dim, device) = {self._geometry}, got {geometry}: make a new plan for this cache"
+            )
 
     def _check_matches(self, query, cache, block_table) -> None:
         got = (query.shape[0], block_table.shape[0], query.shape[1], query.shape[2], cache.kv_dtype)
@@ -81,25 +215,54 @@ class AttentionPlan:
                 "this AttentionPlan was made for (num_tokens, num_seqs, num_q_heads, head_dim, kv_dtype) = "
                 f"{want}, got {got}: make a new plan for this batch"
             )
+        self._check_geometry(cache)
+
+    def _check_facts(self, max_query_len: int, has_decode: bool, has_prefill: bool) -> None:
+        """The batch's query lengths (read from the device) fit what the plan launches."""
+        problems = []
+        if max_query_len > self.max_query_len:
+            problems.append(f"a query of {max_query_len} tokens (plan: at most {self.max_query_len})")
+        if has_decode and not self.has_decode:
+            problems.append("a decode sequence (plan: none)")
+        if has_prefill and not self.has_prefill:
+            problems.append("a prefill sequence (plan: none)")
+        if problems:
+            raise ValueError("this batch does not fit its AttentionPlan: it has " + " and ".join(problems)
+                             + "; make a new plan for this batch")
+
+    def _qk_scale(self, softmax_scale, cache) -> float:
+        """The kernels' score multiplier; a new softmax_scale is checked first."""
+        memo = self._scale_memo
+        if memo is not None and memo[0] is softmax_scale or (
+                type(softmax_scale) is float and memo is not None and softmax_scale == memo[0]):
+            return memo[1]
+        _checks.check_kernel_options(cache, softmax_scale, "attention")
+        qk_scale = _decode.qk_scale_of(softmax_scale, self.head_dim)
+        self._scale_memo = (softmax_scale, qk_scale)
+        return qk_scale
 
 
 def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, num_q_heads: int, *,
                    num_tokens: int | None = None, max_query_len: int | None = None,
                    has_decode: bool | None = None, has_prefill: bool | None = None,
                    pv_mode: str | None = None, num_splits: int | None = None) -> AttentionPlan:
-    """Plan a batch once: which kernels it needs, its longest query, decode splits and
-    workspace.
+    """Plan a batch once: which kernels it needs, its longest query, decode splits,
+    workspace and query-code buffers.
 
-    Reads ``query_start_loc`` back to the host (one sync) unless ``num_tokens``,
-    ``max_query_len``, ``has_decode`` and ``has_prefill`` are all given (then nothing is
-    read: a plan for bounds the caller knows, e.g. before graph capture).
-    ``seq_lens`` is not read (its values are checked at run time like any call).
+    Reads the metadata back to the host once (one sync): it checks the values (block ids
+    in range, ``q_len <= seq_len <= capacity``, ``query_start_loc`` from 0 to
+    ``num_tokens``, non-decreasing) and takes the facts not given (``num_tokens``,
+    ``max_query_len``, ``has_decode``, ``has_prefill``), or checks the given ones against
+    the lengths. With value checks off (``INT8ATTN_CHECK_VALUES=0``, or while a CUDA graph
+    is being captured) and all four facts given, nothing is read: a plan for bounds the
+    caller knows. Runs with these metadata tensors do not check their values again.
     """
     _checks.check_cache(cache)
     if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1 \
             or num_q_heads % cache.num_kv_heads:
         raise ValueError(f"num_q_heads must be a positive multiple of the cache's {cache.num_kv_heads} KV heads, "
                          f"got {num_q_heads!r}")
+    _checks.check_kernel_options(cache, None, "attention")
     dev = cache.device
     _checks.check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
     num_seqs = block_table.shape[0]
@@ -110,25 +273,37 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     for name, value in (("num_tokens", num_tokens), ("max_query_len", max_query_len)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
             raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
-    if None in (num_tokens, max_query_len, has_decode, has_prefill):
-        qsl = query_start_loc.to("cpu", torch.int64)
-        q_lens = qsl[1:] - qsl[:-1]
-        if num_seqs and (int(qsl[0]) != 0 or bool((q_lens < 0).any())):
-            raise ValueError("query_start_loc must start at 0 and be non-decreasing")
-        if num_tokens is None:
-            num_tokens = int(qsl[-1])
+    given = (num_tokens, max_query_len, has_decode, has_prefill)
+    values_checked = False
+    if num_seqs and _checks.value_checks_enabled():
+        seen = _checks.check_attention_values(num_tokens, cache, block_table, seq_lens, query_start_loc,
+                                              decode_limit=MAX_DECODE_QUERY_LEN)  # the one sync
+        values_checked = True
+    elif None in given:
+        seen = _read_facts(query_start_loc, num_seqs)
+    else:
+        seen = None
+    if seen is not None:
+        if num_tokens is not None and seen[0] != num_tokens:
+            raise ValueError(f"num_tokens={num_tokens} but query_start_loc ends at {seen[0]}")
+        num_tokens = seen[0]
         if max_query_len is None:
-            max_query_len = int(q_lens.max()) if num_seqs else 0
-        if has_decode is None:
-            has_decode = bool(((q_lens >= 1) & (q_lens <= MAX_DECODE_QUERY_LEN)).any())
-        if has_prefill is None:
-            has_prefill = bool((q_lens > MAX_DECODE_QUERY_LEN).any())
+            max_query_len = seen[1]
+        elif seen[1] > max_query_len:
+            raise ValueError(f"max_query_len={max_query_len} but the batch has a query of {seen[1]} tokens")
+        for name, flag, real in (("has_decode", has_decode, seen[2]), ("has_prefill", has_prefill, seen[3])):
+            if flag is not None and real and not flag:
+                raise ValueError(f"{name}=False but the batch has such a sequence")
+        has_decode = seen[2] if has_decode is None else has_decode
+        has_prefill = seen[3] if has_prefill is None else has_prefill
     has_decode, has_prefill = bool(has_decode), bool(has_prefill)
     head_dim = cache.head_dim
     query_shape = (num_tokens, num_q_heads, head_dim)
 
     decode_plan = workspace = None
     if has_decode:
+        if num_seqs > 65535:
+            raise ValueError(f"decode_attention launches one grid row per sequence: at most 65535, got {num_seqs}")
         decode_plan = _decode.plan_decode(query_shape, cache, tuple(block_table.shape), pv_mode=pv_mode,
                                           num_splits=num_splits)
         if decode_plan.num_splits > 1:
@@ -138,14 +313,28 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     if has_prefill:
         prefill_pv = _prefill.resolve_pv_mode(cache.kv_dtype, pv_mode)
         _prefill._check_prefill_options(cache, None, 0, max_query_len)
-        prefill_config = _prefill._check_config(
-            _prefill.default_config(cache.kv_dtype, head_dim, prefill_pv), cache, num_q_heads // cache.num_kv_heads)
+        prefill_config = _prefill_config(cache, prefill_pv, num_q_heads // cache.num_kv_heads)
     launches = tuple(name for name, used in (("decode", has_decode), ("prefill", has_prefill)) if used)
-    return AttentionPlan(num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=num_q_heads, head_dim=head_dim,
+    plan = AttentionPlan(num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=num_q_heads, head_dim=head_dim,
                          kv_dtype=cache.kv_dtype, max_query_len=max_query_len, has_decode=has_decode,
                          has_prefill=has_prefill, decode_plan=decode_plan, workspace=workspace,
                          prefill_config=prefill_config, pv_mode=pv_mode, prefill_pv_mode=prefill_pv,
-                         launches=launches)
+                         launches=launches, values_checked=values_checked)
+    plan._geometry = _geometry(cache)
+    plan._metadata = (block_table, seq_lens, query_start_loc)
+    return plan
+
+
+def _read_facts(query_start_loc, num_seqs: int) -> tuple:
+    """(num_tokens, max_query_len, has_decode, has_prefill) from query_start_loc alone (one
+    sync; used when value checks are off but the caller left facts to the plan)."""
+    qsl = query_start_loc.to("cpu", torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    if num_seqs and (int(qsl[0]) != 0 or bool((q_lens < 0).any())):
+        raise ValueError("query_start_loc must start at 0 and be non-decreasing")
+    return (int(qsl[-1]), int(q_lens.max()) if num_seqs else 0,
+            bool(((q_lens >= 1) & (q_lens <= MAX_DECODE_QUERY_LEN)).any()),
+            bool((q_lens > MAX_DECODE_QUERY_LEN).any()))
 
 
 def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scale=None, out=None, *,
@@ -159,8 +348,9 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
             included); query_start_loc: [num_seqs + 1] int32.
         softmax_scale: defaults to ``head_dim ** -0.5``.
         out: optional [T, Hq, D] bf16 output.
-        plan: an :class:`AttentionPlan` from :func:`plan_attention` for this batch shape:
-            launches only the kernels the batch needs (its pv_mode applies).
+        plan: an :class:`AttentionPlan` from :func:`plan_attention` for this batch:
+            launches only the kernels the batch needs (its pv_mode applies), with the
+            per-call checks of :meth:`AttentionPlan.run` (no host sync).
         q_quant, q_scale: the query pre-quantized for the cache (from the producer).
         pv_mode: PV precision ("int8" | "bf16" for INT8 caches, "fp8" | "bf16" for FP8)
             for both kernels; None lets each take its measured default (decode: 8-bit
@@ -186,13 +376,14 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
         out = torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    prefill_config = None
+    if num_tokens > MAX_DECODE_QUERY_LEN:
+        prefill_config = _prefill_config(cache, prefill_pv, query.shape[1] // cache.num_kv_heads)
     _decode._run(decode_plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                  q_quant, q_scale, None)
-    if num_tokens > MAX_DECODE_QUERY_LEN:
-        config = _prefill._check_config(_prefill.default_config(cache.kv_dtype, cache.head_dim, prefill_pv), cache,
-                                        query.shape[1] // cache.num_kv_heads)
-        _prefill._run(config, prefill_pv, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
-                      q_quant, q_scale, MAX_DECODE_QUERY_LEN, None)
+    if prefill_config is not None:
+        _prefill._run(prefill_config, prefill_pv, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
+                      out, q_quant, q_scale, MAX_DECODE_QUERY_LEN, None)
     return out
 
 

@@ -10,6 +10,8 @@ skipped automatically during capture, see :mod:`int8attn._checks`).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -26,8 +28,10 @@ from ..kernels.decode import (
     _decode_merge_kernel,
     _decode_split_kernel,
 )
+from ..kernels.quantize import _quantize_query_kernel
 from ..testing import interpret_mode
-from .producer import quantize_query
+from ._launch import CachedLaunch
+from .producer import quantize_query_launch
 from .write import KV_KIND, device_guard
 
 #: Longest query (new tokens of one sequence) the decode kernel handles; sequences with
@@ -65,6 +69,10 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     min_block_m: int = 16
+    #: 8-bit caches only: swap the MMA operands (keys fill the M rows, query rows the N
+    #: columns; see kernels.decode._attend_tile_swapped) so 16 query rows reach Hopper's
+    #: warpgroup MMA (QGMMA / IGMMA with M = block_n and head_dim).
+    swap_ab: bool = False
 
 
 #: Bytes of one K+V tile the default configs aim at, and the shared memory they may
@@ -74,28 +82,42 @@ BUFFER_BUDGET = 180 * 1024
 SMEM_OVERHEAD = 36 * 1024
 
 
-#: Winners of the H200 sweep in benchmarks/bench_decode.py (2026-11-30, 8-bit V pages
-#: transposed; one pass of <= 16 packed rows): int8 head_dim 256 64/4/6 (geometric mean of
-#: bs16 L32k, bs1 L32k and bs64 L8k; 128/4/4 was 2-4% faster at bs16 and bs64 but 7% slower
-#: at bs1), int8 head_dim 128 (32q/8kv) 128/4/5 (305 us at bs16 L32k against 501 for the
-#: rule below), fp8 64/8/7, bf16 64/8/5. Other shapes keep the rule: at 32 packed rows the
-#: 4-warp configs spill.
+#: Winners of the H200 sweeps in benchmarks/bench_decode.py (2026-11-30, 8-bit V pages
+#: transposed; one pass of <= 16 packed rows; geometric mean of bs16 L32k, bs1 L32k and
+#: bs64 L8k). Head_dim 256: int8 and fp8 64/4/6 with swapped operands (09:48 run: fp8
+#: 280.8 us at bs16 L32k against 507.0 for the best row-major fp8 config, whose 16-row e4m3
+#: dot Triton lowers to HMMA after converting to f16; int8 282.8 against 288.0 row-major,
+#: 2% faster at all three shapes; int8 128/4/4 row-major is 2-3% faster at bs16/bs64 but 9%
+#: slower at bs1), bf16 64/8/5. Head_dim 128 (32q/8kv): int8 128/4/5 (305 us at bs16 L32k
+#: against 501 for the rule below), fp8 128/4/5 swapped (10:15 run: 285 us at bs16 L32k, 91.5% of
+#: copy, against 576 for the rule and 367 for 64/4/6 swapped). Other shapes keep the rule: at
+#: 32 packed rows the 4-warp configs spill (swapped ones too).
 MEASURED_BEST = {
-    ("int8", 256, 16): DecodeConfig(block_n=64, num_warps=4, num_stages=6),
+    ("int8", 256, 16): DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True),
     ("int8", 128, 16): DecodeConfig(block_n=128, num_warps=4, num_stages=5),
-    ("fp8", 256, 16): DecodeConfig(block_n=64, num_warps=8, num_stages=7),
+    ("fp8", 256, 16): DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True),
+    ("fp8", 128, 16): DecodeConfig(block_n=128, num_warps=4, num_stages=5, swap_ab=True),
     ("bf16", 256, 16): DecodeConfig(block_n=64, num_warps=8, num_stages=5),
 }
 
 
-def default_config(kv_dtype: str, head_dim: int, block_m: int, block_size: int) -> DecodeConfig:
+#: PV modes that run the row-major tile even where MEASURED_BEST swaps the operands:
+#: an int8 cache with bf16 PV (V converted to bf16 for the warpgroup MMA: 309 us at bs16
+#: L32k against 282 row-major in the 10:15 run) and the signed-P variant (row-major only).
+ROW_MAJOR_PV = {"int8": ("bf16", "int8_signed")}
+
+
+def default_config(kv_dtype: str, head_dim: int, block_m: int, block_size: int,
+                   pv_mode: str | None = None) -> DecodeConfig:
     """Tile, warps and stages per cache dtype / head_dim: the measured winner where the
-    H200 sweep covered the shape (``MEASURED_BEST``), else a K+V tile of ~TILE_BYTES
-    (64 keys at D=256 int8, 32 at D=256 bf16), as many buffered tiles as fit in
-    BUFFER_BUDGET (at most 4), 8 warps for D >= 128. ``block_n`` is raised to the page
-    size if smaller."""
+    H200 sweep covered the shape (``MEASURED_BEST``, row-major for the PV modes of
+    ``ROW_MAJOR_PV``), else a K+V tile of ~TILE_BYTES (64 keys at D=256 int8, 32 at D=256
+    bf16), as many buffered tiles as fit in BUFFER_BUDGET (at most 4), 8 warps for
+    D >= 128. ``block_n`` is raised to the page size if smaller."""
     best = MEASURED_BEST.get((kv_dtype, head_dim, block_m))
     if best is not None and best.block_n >= block_size:
+        if best.swap_ab and pv_mode in ROW_MAJOR_PV.get(kv_dtype, ()):
+            best = dataclasses.replace(best, swap_ab=False)
         return best
     elem = 1 if kv_dtype in ("int8", "fp8") else 2
     block_n = max(16, min(128, TILE_BYTES // (2 * head_dim * elem)), block_size)
@@ -217,13 +239,43 @@ class DecodePlan:
     pv_mode: str
 
 
+#: Plans already made, by everything :func:`plan_decode` reads (shapes, cache geometry,
+#: options and the config / split functions in use): a decode call of a known shape skips
+#: the split-count search. Bounded; cleared when full. Clear it after changing
+#: ``MEASURED_BEST`` in place at run time.
+_PLANS: dict = {}
+_MAX_PLANS = 1024
+
+
 def plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode=None, num_splits=None,
                 config: DecodeConfig | None = None, max_query_len: int | None = None) -> DecodePlan:
     """The launch plan of :func:`decode_attention` for these shapes (no device access).
 
     ``max_query_len``: the longest decode query of the batch when the caller knows it on
     the host (a router planning a batch does); it sizes the packed rows so every sequence
-    is done in one pass. Without it the mean query length is used."""
+    is done in one pass. Without it the mean query length is used.
+
+    Plans are memoized (``_PLANS``): the same shapes and options give the same plan object."""
+    try:
+        key = (tuple(query_shape), tuple(block_table_shape), cache.kv_dtype, cache.num_kv_heads, cache.block_size,
+               cache.key.element_size(), cache.device, pv_mode, num_splits, type(num_splits), config,
+               max_query_len, type(max_query_len), default_config, choose_num_splits, _programs_per_sm)
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable option: let the planner reject it
+        key = plan = None
+    if plan is None:
+        plan = _plan_decode(query_shape, cache, block_table_shape, pv_mode=pv_mode, num_splits=num_splits,
+                            config=config, max_query_len=max_query_len)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+    return plan
+
+
+def _plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode=None, num_splits=None,
+                 config: DecodeConfig | None = None, max_query_len: int | None = None) -> DecodePlan:
+    """:func:`plan_decode` without the memo."""
     num_tokens, num_q_heads, head_dim = query_shape
     num_seqs, max_blocks = block_table_shape
     group = num_q_heads // cache.num_kv_heads
@@ -234,12 +286,15 @@ def plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode=
         raise ValueError(f"pv_mode for a {cache.kv_dtype!r} cache must be one of {allowed}, got {pv_mode!r}")
     tokens, block_m = rows_per_program(num_tokens, num_seqs, group, max_query_len=max_query_len)
     if config is None:
-        config = default_config(cache.kv_dtype, head_dim, block_m, cache.block_size)
+        config = default_config(cache.kv_dtype, head_dim, block_m, cache.block_size, pv_mode)
     elif config.min_block_m > 16:
         tokens, block_m = rows_per_program(num_tokens, num_seqs, group, config.min_block_m, max_query_len)
     if config.block_n % cache.block_size or config.block_n & (config.block_n - 1) or config.block_n < 16:
         raise ValueError(f"block_n={config.block_n} must be a power of two >= 16 and a multiple of the page size "
                          f"{cache.block_size}")
+    if config.swap_ab and (cache.kv_dtype not in ("int8", "fp8") or pv_mode == "int8_signed"):
+        raise ValueError("swap_ab needs an 8-bit (int8 / fp8) cache and pv_mode int8, fp8 or bf16, got a "
+                         f"{cache.kv_dtype!r} cache with pv_mode {pv_mode!r}")
     elem = cache.key.element_size()
     if num_splits is None:
         slots = sm_count(cache.device) * _programs_per_sm(config, head_dim, elem)
@@ -308,66 +363,160 @@ def _run(plan: DecodePlan, query, cache, block_table, seq_lens, query_start_loc,
         return out
     if num_seqs > 65535:
         raise ValueError(f"decode_attention launches one grid row per sequence: at most 65535, got {num_seqs}")
-    if cache.quantized:
-        if q_quant is None:
-            q_quant, q_scale = quantize_query(query, cache.kv_dtype)
-        q_in, q_scale_in, q_scale_strides = q_quant, q_scale, q_scale.stride()
-        k_scale, v_scale, scale_strides = cache.key_scale, cache.value_scale, cache.key_scale.stride()
-    else:
-        q_in = q_quant if q_quant is not None else query
-        q_scale_in, q_scale_strides = q_in, (0, 0)
-        k_scale, v_scale, scale_strides = cache.key, cache.value, (0, 0, 0)
+    q_in = q_quant if q_quant is not None else query
+    launch = DecodeLaunch(plan, cache, num_tokens, num_q_heads, num_seqs, device=out.device,
+                          q_strides=q_in.stride(), q_scale_strides=None if q_scale is None else q_scale.stride(),
+                          out_strides=out.stride(), block_table_stride=block_table.stride(0), workspace=workspace,
+                          quantize=cache.quantized and q_quant is None)
+    qk_scale = qk_scale_of(softmax_scale, head_dim)
+    launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
+    return out
+
+
+def qk_scale_of(softmax_scale, head_dim: int) -> float:
+    """The kernels' score multiplier: softmax_scale (default head_dim ** -0.5) * log2(e)."""
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
-    qk_scale = float(softmax_scale) * math.log2(math.e)
+    return float(softmax_scale) * math.log2(math.e)
 
-    splits = plan.num_splits
-    if splits > 1:
-        if workspace is None:
-            workspace = DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=query.device)
-        part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, splits)
-    else:
-        # Unused (one split writes out directly); shaped like a real view so the kernel
-        # is specialized the same way as with a workspace.
-        part_acc = out.new_empty((1, num_q_heads, 1, head_dim), dtype=torch.float32)
-        part_ml = out.new_empty((1, num_q_heads, 1, 2), dtype=torch.float32)
-    cfg = plan.config
-    group = num_q_heads // cache.num_kv_heads
-    block_n = max(cfg.block_n, cache.block_size)
-    with device_guard(cache.device):
-        split_kernel = _decode_split_kernel[(splits, cache.num_kv_heads, num_seqs)](
-            q_in, q_scale_in,
-            cache.key, cache.value, k_scale, v_scale,
-            block_table, seq_lens, query_start_loc,
-            out, part_acc, part_ml,
-            qk_scale, splits,
-            q_in.stride(0), q_in.stride(1), q_scale_strides[0], q_scale_strides[1],
-            cache.key.stride(0), cache.key.stride(1),
+
+@functools.lru_cache(maxsize=256)
+def _query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dtype: str, interpret: bool):
+    """Memoized :func:`int8attn.ops.producer.quantize_query_launch` (``interpret`` keys the
+    INTERPRET flag it bakes in)."""
+    return quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype)
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder_partials(device, num_q_heads: int, head_dim: int):
+    """[1, Hq, 1, D] and [1, Hq, 1, 2] fp32 stand-ins for the partials of a one-split
+    launch, which writes ``out`` directly and never touches them; shaped like real views
+    so the kernel is specialized the same way as with a workspace. Shared by every such
+    launch (nothing reads or writes them), made once per device and shape."""
+    key = (device, num_q_heads, head_dim)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = (torch.empty((1, num_q_heads, 1, head_dim), dtype=torch.float32, device=device),
+                              torch.empty((1, num_q_heads, 1, 2), dtype=torch.float32, device=device))
+    return _PLACEHOLDERS[key]
+
+
+class DecodeLaunch:
+    """The kernel launches of one :class:`DecodePlan` for fixed shapes and strides.
+
+    Everything except the tensors is worked out once, here: grids, stride arguments,
+    constexprs, the split partials (views of ``workspace``, or of a new one, when the plan
+    has more than one split; shared, never-touched placeholders otherwise) and, with
+    ``quantize``, the query-quantization launch and its outputs (q codes [T, Hq, D] of the
+    cache's storage dtype, q scales [T, Hq] fp32, owned by this object and overwritten by
+    every call). Calling it launches, in stream order: the query quantization (with
+    ``quantize``), the split kernel, the merge kernel (more than one split). No
+    validation, no host sync, no allocation: capturable in a CUDA graph.
+
+    :func:`decode_attention` builds one per call; an :class:`~int8attn.ops.attention.AttentionPlan`
+    keeps one per input layout and reuses it for every layer and step.
+
+    Args:
+        plan: the launch plan; cache: a cache of the geometry and strides every later
+            call will pass (its tensors are passed per call);
+        num_tokens, num_q_heads, num_seqs: T, Hq and the block table's rows;
+        device: where the partials / query codes are allocated;
+        q_strides: (token, head) strides of the query the kernel reads (``q_quant`` when
+            given, else the query; ignored with ``quantize``); q_scale_strides: of
+            ``q_scale`` (8-bit caches with a given ``q_quant``), else None;
+        out_strides: (token, head) strides of ``out``; block_table_stride: its row stride.
+    """
+
+    __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_part_acc", "_part_ml",
+                 "_split_grid", "_split_args", "_split_constexprs", "_merge_grid", "_merge_args",
+                 "_merge_constexprs", "_quantize_kernel", "_split_kernel", "_merge_kernel")
+
+    def __init__(self, plan: DecodePlan, cache: PagedKVCache, num_tokens: int, num_q_heads: int, num_seqs: int, *,
+                 device, q_strides, q_scale_strides, out_strides, block_table_stride: int,
+                 workspace: DecodeWorkspace | None = None, quantize: bool = False):
+        head_dim = cache.head_dim
+        splits = plan.num_splits
+        self.plan, self.quantize, self._device = plan, quantize, device
+        self._query_launch = self._q_codes = self._q_scales = None
+        interpret = interpret_mode()
+        if quantize:
+            self._query_launch = _query_launch(num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
+            self._q_codes = torch.empty((num_tokens, num_q_heads, head_dim), dtype=cache.storage_dtype, device=device)
+            self._q_scales = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=device)
+            q_strides, q_scale_strides = self._q_codes.stride(), self._q_scales.stride()
+        if splits > 1:
+            if workspace is None:
+                workspace = DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=device)
+            part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, splits)
+        else:
+            part_acc, part_ml = _placeholder_partials(device, num_q_heads, head_dim)
+        self._part_acc, self._part_ml = part_acc, part_ml
+        if cache.quantized:
+            scale_strides = cache.key_scale.stride()
+        else:
+            q_scale_strides, scale_strides = (0, 0), (0, 0, 0)
+        cfg = plan.config
+        block_n = max(cfg.block_n, cache.block_size)
+        part_strides = (*part_acc.stride()[:3], *part_ml.stride()[:3])
+        key_strides = cache.key.stride()
+        self._split_grid = (splits, cache.num_kv_heads, num_seqs)
+        # the split kernel's arguments after qk_scale, in its signature's order
+        self._split_args = (
+            splits,
+            q_strides[0], q_strides[1], q_scale_strides[0], q_scale_strides[1],
+            key_strides[0], key_strides[1],
             scale_strides[0], scale_strides[1],
-            block_table.stride(0),
-            out.stride(0), out.stride(1),
-            part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-            part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
-            GROUP=group, HEAD_DIM=head_dim, PAGE=cache.block_size,
+            block_table_stride,
+            out_strides[0], out_strides[1],
+            *part_strides,
+        )
+        self._split_constexprs = dict(
+            GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, PAGE=cache.block_size,
             BLOCK_N=block_n, BLOCK_M=plan.block_m, TOKENS_PER_PASS=plan.tokens_per_pass,
             MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=_PV_KIND[plan.pv_mode],
-            INTERPRET=interpret_mode(),
+            INTERPRET=interpret, SWAP_AB=cfg.swap_ab,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        merge = None
+        # launched through CachedLaunch: Triton binds the arguments on the first call only
+        self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs)
+        self._quantize_kernel = self._merge_kernel = None
+        if quantize:
+            self._quantize_kernel = CachedLaunch(_quantize_query_kernel, *self._query_launch)
+        self._merge_grid = None
         if splits > 1:
             merge_cols = min(head_dim, MERGE_BLOCK_D)
-            merge = _decode_merge_kernel[(num_q_heads, num_seqs, head_dim // merge_cols)](
-                out, part_acc, part_ml,
-                seq_lens, query_start_loc,
-                splits,
-                out.stride(0), out.stride(1),
-                part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-                part_ml.stride(0), part_ml.stride(1), part_ml.stride(2),
+            self._merge_grid = (num_q_heads, num_seqs, head_dim // merge_cols)
+            # the merge kernel's arguments after query_start_loc
+            self._merge_args = (splits, out_strides[0], out_strides[1], *part_strides)
+            self._merge_constexprs = dict(
                 HEAD_DIM=head_dim, BLOCK_N=block_n, MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN,
                 SPLIT_CHUNK=max(1, 4096 // merge_cols), BLOCK_D=merge_cols,
                 num_warps=4,
             )
-    LAST_LAUNCH.update(split_kernel=split_kernel, merge_kernel=merge, plan=plan, grid=(splits, cache.num_kv_heads,
-                                                                                      num_seqs))
-    return out
+            self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs)
+
+    def __call__(self, query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out,
+                 qk_scale: float) -> None:
+        """Launch for these tensors (their layouts as at construction; not checked)."""
+        part_acc, part_ml = self._part_acc, self._part_ml
+        with device_guard(self._device):
+            if self.quantize:
+                q_quant, q_scale = self._q_codes, self._q_scales
+                num_tokens, num_heads, _ = query.shape
+                q_strides, code_strides, scale_strides = query.stride(), q_quant.stride(), q_scale.stride()
+                self._quantize_kernel(query, q_quant, q_scale, num_tokens * num_heads, num_heads,
+                                      q_strides[0], q_strides[1], code_strides[0], code_strides[1],
+                                      scale_strides[0], scale_strides[1])
+            if cache.quantized:
+                q_in, q_scale_in, k_scale, v_scale = q_quant, q_scale, cache.key_scale, cache.value_scale
+            else:
+                q_in = q_quant if q_quant is not None else query
+                q_scale_in, k_scale, v_scale = q_in, cache.key, cache.value
+            split_kernel = self._split_kernel(q_in, q_scale_in, cache.key, cache.value, k_scale, v_scale,
+                                              block_table, seq_lens, query_start_loc, out, part_acc, part_ml,
+                                              qk_scale, *self._split_args)
+            merge = None
+            if self._merge_kernel is not None:
+                merge = self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc, *self._merge_args)
+        LAST_LAUNCH.update(split_kernel=split_kernel, merge_kernel=merge, plan=self.plan, grid=self._split_grid)

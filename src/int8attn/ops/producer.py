@@ -46,24 +46,40 @@ def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tenso
         out = torch.empty(query.shape, dtype=KV_DTYPES[kv_dtype], device=query.device)
     if out_scale is None:
         out_scale = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=query.device)
-    num_rows = num_tokens * num_heads
-    if num_rows == 0:
+    if num_tokens * num_heads == 0:
         return out, out_scale
+    grid, launch = quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype, _launch)
+    with device_guard(query.device):
+        launch_quantize_query(query, out, out_scale, grid, launch)
+    return out, out_scale
+
+
+def quantize_query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dtype: str,
+                          overrides: dict | None = None) -> tuple[tuple, dict]:
+    """(grid, launch keywords) of the query quantization kernel for a [T, H, D] query:
+    host shapes only, so a caller that runs many same-shaped calls computes it once."""
+    num_rows = num_tokens * num_heads
     block_d = triton.next_power_of_2(head_dim)
     launch = {"BLOCK_R": max(1, min(TILE_ELEMS // block_d, triton.next_power_of_2(num_rows))),
               "num_warps": default_num_warps(num_tokens)}
-    launch.update(_launch or {})
+    launch.update(overrides or {})
     block_r = launch["BLOCK_R"]
-    with device_guard(query.device):
-        _quantize_query_kernel[(triton.cdiv(num_rows, block_r),)](
-            query, out, out_scale,
-            num_rows, num_heads,
-            query.stride(0), query.stride(1), out.stride(0), out.stride(1), out_scale.stride(0), out_scale.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, FULL=full_tiles(num_rows, block_r, head_dim, block_d),
-            KIND=KV_KIND[kv_dtype], INTERPRET=interpret_mode(),
-            **launch,
-        )
-    return out, out_scale
+    launch.update(HEAD_DIM=head_dim, BLOCK_D=block_d, FULL=full_tiles(num_rows, block_r, head_dim, block_d),
+                  KIND=KV_KIND[kv_dtype], INTERPRET=interpret_mode())
+    return (triton.cdiv(num_rows, block_r),), launch
+
+
+def launch_quantize_query(query, out, out_scale, grid, launch) -> None:
+    """Launch the query quantization kernel (no validation; ``grid, launch`` from
+    :func:`quantize_query_launch` for this query's shape; the caller sets the device)."""
+    num_tokens, num_heads, _ = query.shape
+    q_strides, out_strides, scale_strides = query.stride(), out.stride(), out_scale.stride()
+    _quantize_query_kernel[grid](
+        query, out, out_scale,
+        num_tokens * num_heads, num_heads,
+        q_strides[0], q_strides[1], out_strides[0], out_strides[1], scale_strides[0], scale_strides[1],
+        **launch,
+    )
 
 
 def apply_rope_torch(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,292 @@
+"""Host cost of eager attention calls: what one call costs before (and around) its kernels.
+
+Calls measured, at the gate's decode shape (24 query heads, 4 KV heads, head_dim 256, page
+16), one new token per sequence, batch 1 / 16 / 64, context L = 8192, INT8 and BF16
+caches:
+
+* ``decode_attention`` -- the no-plan decode op (``out=`` and a ``DecodeWorkspace`` given,
+  as a careful eager caller does);
+* ``attention`` -- the public router without a plan;
+* ``plan.run`` -- :meth:`int8attn.AttentionPlan.run`, the per-layer call of a planned step
+  (the plan made once, outside the loop); ``attention(plan=)`` the same through the public
+  function;
+* ``plan_attention`` -- making the plan (once per batch, one host sync);
+* ``step of 16 layers`` (stub mode) -- a fresh plan plus one run per layer, each layer with
+  its own cache, divided by 16: the per-layer host cost of a planned eager step.
+
+Each no-plan call is measured with value checks on (the default: a host sync per call) and
+off (``INT8ATTN_CHECK_VALUES=0``). Two modes:
+
+* ``stub`` (the only mode without a GPU): every Triton launch is replaced by a no-op that
+  records its grid, so the figure is the Python (and PyTorch) work of the call: checks,
+  planning, allocation, argument building. On the CPU the tensors are CPU tensors;
+* ``real`` (GPU): real launches. ``wall_us`` is the time per call of a loop of N calls
+  between two ``torch.cuda.synchronize()`` (eager throughput: host-bound when it exceeds
+  the kernels' own time); ``host_us`` the time to issue the N calls, before the final
+  sync; ``gpu_us`` the time per call of the same call replayed in a CUDA graph (kernels
+  only; plan.run only, the one capturable without turning value checks off).
+
+On a GPU both modes run, real first: ``real - stub`` host time is what Triton's launch
+path itself costs. The planned calls are measured first in each block, the no-plan
+``attention`` last (for T > 8 tokens it also launches the prefill kernel, the slowest
+compile); no measurement starts after ``--deadline`` seconds (default 50; skipped ones are
+listed).
+
+Rows go to ``--out DIR/host_overhead.jsonl`` (default benchmarks/results/host_overhead.jsonl)
+via :class:`int8attn.bench.Recorder`; a summary table goes to stdout. About 2 s on the CPU;
+on an H200 a few seconds of measurement plus whatever Triton compiles (the decode kernels
+for both caches, the merge and query kernels, the prefill kernel for both caches).
+
+    PYTHONPATH=src python3 benchmarks/bench_host_overhead.py                # CPU: stub mode
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/bench_host_overhead.py --out $OUT   # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from int8attn import bench
+from int8attn.cache import PagedKVCache
+from int8attn.ops import decode as dec
+from int8attn.ops import prefill as pre
+from int8attn.ops import producer as prod
+from int8attn.ops.attention import attention, plan_attention
+
+HQ, HKV, D, PAGE = 24, 4, 256, 16
+PLANNED = ("plan.run", "attention(plan=)")
+LAYERS = 16
+
+
+class _StubKernel:
+    """Stands in for a @triton.jit kernel: ``kernel[grid](...)`` records the grid, runs nothing."""
+
+    def __init__(self, name: str, grids: list):
+        self.name, self.grids = name, grids
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.grids.append((self.name, grid))
+        return launch
+
+
+#: The module attributes every attention launch goes through.
+_KERNELS = ((dec, "_decode_split_kernel"), (dec, "_decode_merge_kernel"), (prod, "_quantize_query_kernel"),
+            (pre, "_prefill_kernel"))
+
+
+@contextlib.contextmanager
+def stubbed_launches():
+    """Replace the Triton kernels with :class:`_StubKernel` (restored on exit); yields the
+    list of (kernel, grid) launches recorded."""
+    grids: list = []
+    saved = [(mod, name, getattr(mod, name)) for mod, name in _KERNELS]
+    try:
+        for mod, name in _KERNELS:
+            setattr(mod, name, _StubKernel(name, grids))
+        yield grids
+    finally:
+        for mod, name, kernel in saved:
+            setattr(mod, name, kernel)
+
+
+@contextlib.contextmanager
+def value_checks(on: bool):
+    old = os.environ.get("INT8ATTN_CHECK_VALUES")
+    os.environ["INT8ATTN_CHECK_VALUES"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("INT8ATTN_CHECK_VALUES", None)
+        else:
+            os.environ["INT8ATTN_CHECK_VALUES"] = old
+
+
+def make_batch(kv_dtype: str, batch: int, length: int, device: str, full_cache: bool):
+    """Query, cache, metadata and out of one decode step. ``full_cache``: a cache holding
+    every sequence's pages (GPU); else a small cache whose block ids repeat (the stub mode
+    reads no K/V, only the shapes and the block-id range matter)."""
+    blocks_per_seq = length // PAGE
+    num_blocks = batch * blocks_per_seq if full_cache else 64
+    cache = PagedKVCache(num_blocks, PAGE, HKV, D, kv_dtype=kv_dtype, device=device, key_smoothing="none")
+    gen = torch.Generator().manual_seed(batch)
+    if full_cache:
+        ids = torch.randperm(num_blocks, generator=gen).view(batch, blocks_per_seq)
+    else:
+        ids = torch.randint(0, num_blocks, (batch, blocks_per_seq), generator=gen)
+    block_table = ids.to(torch.int32).to(device)
+    seq_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    query = torch.randn(batch, HQ, D, generator=gen).to(torch.bfloat16).to(device)
+    out = torch.empty_like(query)
+    return query, cache, block_table, seq_lens, qsl, out
+
+
+def per_call_us(fn, n: int, repeats: int, sync) -> tuple[float, float]:
+    """(host_us, wall_us) per call, medians over ``repeats`` loops of ``n`` calls: host =
+    until the last call returned, wall = until the device finished too."""
+    for _ in range(max(3, n // 10)):
+        fn()
+    sync()
+    host, wall = [], []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t1 = time.perf_counter()
+        sync()
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / n * 1e6)
+        wall.append((t2 - t0) / n * 1e6)
+    return statistics.median(host), statistics.median(wall)
+
+
+def _layers_step(query, cache, block_table, seq_lens, qsl, out, scale):
+    """One decode step as a serving engine runs it: a fresh plan (every bound given, as the
+    transformers integration plans), then one run per layer, each layer with its own cache
+    of the same geometry. Stub mode only (the caches are small)."""
+    caches = [cache] + [PagedKVCache(cache.num_blocks, PAGE, HKV, D, kv_dtype=cache.kv_dtype, device=cache.device,
+                                     key_smoothing="none") for _ in range(LAYERS - 1)]
+    tokens, seqs = query.shape[0], block_table.shape[0]
+
+    def step():
+        plan = plan_attention(cache, block_table, seq_lens, qsl, HQ, num_tokens=tokens, max_query_len=tokens // seqs,
+                              has_decode=True, has_prefill=False)
+        for layer_cache in caches:
+            plan.run(query, layer_cache, block_table, seq_lens, qsl, scale, out)
+    return step
+
+
+def measure(mode: str, device: str, batches, length: int, n: int, repeats: int, rec, graph: bool,
+            deadline: float, skipped: list) -> list[dict]:
+    """Rows of one mode; measurements that would start after ``deadline`` (perf_counter
+    time) are skipped and named in ``skipped``."""
+    rows = []
+    stub = stubbed_launches() if mode == "stub" else contextlib.nullcontext([])
+    with stub as grids:
+        for kv_dtype in ("int8", "bf16"):
+            for batch in batches:
+                rows += _measure_batch(mode, device, kv_dtype, batch, length, n, repeats, rec, graph, deadline,
+                                       skipped, grids)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def _measure_batch(mode, device, kv_dtype, batch, length, n, repeats, rec, graph, deadline, skipped,
+                   grids) -> list[dict]:
+    on_gpu = device == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    q, cache, bt, sl, qsl, out = make_batch(kv_dtype, batch, length, device, full_cache=mode == "real")
+    scale = D ** -0.5
+    plan = plan_attention(cache, bt, sl, qsl, HQ)
+    ws = dec.DecodeWorkspace(batch, HQ, D, device=device)
+    # the planned calls first: the no-plan router also compiles the prefill kernel (its grid
+    # runs for T > 8 tokens), the slowest compile of the lot
+    fns = {
+        "plan.run": lambda: plan.run(q, cache, bt, sl, qsl, scale, out),
+        "attention(plan=)": lambda: attention(q, cache, bt, sl, qsl, scale, out, plan=plan),
+        "decode_attention": lambda: dec.decode_attention(q, cache, bt, sl, qsl, softmax_scale=scale, out=out,
+                                                         workspace=ws),
+        "attention": lambda: attention(q, cache, bt, sl, qsl, scale, out),
+    }
+    base = dict(mode=mode, device=device, kv_dtype=kv_dtype, batch=batch, L=length, q_len=1, num_q_heads=HQ,
+                num_kv_heads=HKV, head_dim=D, n_calls=n, repeats=repeats, num_splits=plan.decode_plan.num_splits)
+    rows = []
+    for checks in (True, False):
+        with value_checks(checks):
+            for call, fn in fns.items():
+                planned = call in PLANNED
+                if planned and not checks:
+                    continue  # a planned run reads no values either way
+                if time.perf_counter() > deadline:
+                    skipped.append(f"{mode} {kv_dtype} bs{batch} {call} checks={checks}")
+                    continue
+                del grids[:]
+                host, wall = per_call_us(fn, n, repeats, sync)
+                launches = len(grids) / max(1, n * repeats + max(3, n // 10)) if mode == "stub" else None
+                row = dict(base, call=call, value_checks=None if planned else checks, host_us=host,
+                           wall_us=wall if on_gpu else None, launches_per_call=launches)
+                if graph and call == "plan.run" and mode == "real":
+                    row["gpu_us"] = bench.time_graph(fn, replays=20, repeats=5, warmup=2)
+                rows.append(rec.add(**row))
+            if time.perf_counter() > deadline:
+                skipped.append(f"{mode} {kv_dtype} bs{batch} plan_attention checks={checks}")
+                continue
+            planning = per_call_us(lambda: plan_attention(cache, bt, sl, qsl, HQ), max(5, n // 10), repeats,
+                                   sync)[1]
+            rows.append(rec.add(**dict(base, call="plan_attention", value_checks=checks, host_us=planning,
+                                       wall_us=None, launches_per_call=None)))
+            if mode == "stub":
+                step = per_call_us(_layers_step(q, cache, bt, sl, qsl, out, scale), max(5, n // 20), repeats,
+                                   sync)[1] / LAYERS
+                rows.append(rec.add(**dict(base, call=f"step of {LAYERS} layers", value_checks=checks,
+                                           host_us=step, wall_us=None, launches_per_call=None)))
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    lines = ["| mode | kv | batch | call | checks | host us/call | wall us/call | gpu us (graph) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        checks = "-" if r["value_checks"] is None else ("on" if r["value_checks"] else "off")
+
+        def fmt(v):
+            return "-" if v is None else f"{v:.1f}"
+        lines.append(f"| {r['mode']} | {r['kv_dtype']} | {r['batch']} | {r['call']} | {checks} | {fmt(r['host_us'])} "
+                     f"| {fmt(r['wall_us'])} | {fmt(r.get('gpu_us'))} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None, help="folder for host_overhead.jsonl (default benchmarks/results)")
+    ap.add_argument("--mode", choices=("stub", "real", "both"), default=None,
+                    help="default: both on a GPU, stub without one")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--length", type=int, default=8192)
+    ap.add_argument("--calls", type=int, default=200, help="calls per timed loop")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph time of plan.run")
+    ap.add_argument("--label", default=None, help="a tag stored in every row (e.g. which tree was measured)")
+    ap.add_argument("--deadline", type=float, default=50.0,
+                    help="seconds after which no new measurement starts (the rest is listed as skipped)")
+    args = ap.parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        on_gpu = False
+    mode = args.mode or ("both" if on_gpu else "stub")
+    if mode != "stub" and not on_gpu:
+        print("real launches need a GPU; running the stub mode", file=sys.stderr)
+        mode = "stub"
+    device = "cuda" if on_gpu else "cpu"
+    batches = [int(b) for b in args.batches.split(",")]
+    rec = bench.Recorder("host_overhead", Path(args.out) / "host_overhead.jsonl" if args.out else None)
+    if args.label:
+        rec.env["label"] = args.label
+    start = time.perf_counter()
+    rows, skipped = [], []
+    for m in (("real", "stub") if mode == "both" else (mode,)):
+        rows += measure(m, device, batches, args.length, args.calls, args.repeats, rec, graph=not args.no_graph,
+                        deadline=start + args.deadline, skipped=skipped)
+        print(f"[{time.perf_counter() - start:5.1f}s] {m} mode done", flush=True)
+    path = rec.save()
+    print(summary(rows))
+    if skipped:
+        print(f"\nskipped past the {args.deadline:.0f} s deadline: " + "; ".join(skipped))
+    print(f"\n{len(rows)} rows -> {path}; {rec.env['gpu']}, torch {rec.env['torch']}, triton {rec.env['triton']}; "
+          f"wall {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

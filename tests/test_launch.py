@@ -1,0 +1,86 @@
+"""ops._launch.CachedLaunch: the compiled kernel of the first launch is reused only while
+the arguments match what Triton specialized it on (checked with a stand-in kernel; the
+real launches run in every GPU test of the decode path)."""
+
+import torch
+
+from int8attn.ops._launch import CachedLaunch
+
+
+class _Compiled:
+    """Stands in for triton.compiler.CompiledKernel: records direct launches."""
+
+    function = object()
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, *args):  # pragma: no cover - never called directly by CachedLaunch
+        raise AssertionError
+
+    def __getitem__(self, grid):
+        def runner(*args):
+            self.log.append(("direct", grid, args))
+        return runner
+
+
+class _Kernel:
+    """Stands in for a JITFunction with params (x, n, BLOCK, FLAG)."""
+
+    arg_names = ["x", "n", "BLOCK", "FLAG"]
+
+    def __init__(self, interpreted=False):
+        self.log, self.interpreted = [], interpreted
+
+    def __getitem__(self, grid):
+        def runner(*args, **kw):
+            self.log.append(("bound", grid, args, kw))
+            return None if self.interpreted else _Compiled(self.log)
+        return runner
+
+
+def test_reuses_the_compiled_kernel_while_arguments_match():
+    k = _Kernel()
+    launch = CachedLaunch(k, (4, 2), dict(BLOCK=64, FLAG=True, num_warps=4))
+    x = torch.zeros(64)
+    launch(x, 7)
+    launch(x, 7)
+    launch(torch.ones(64), 7)  # another tensor, same dtype and alignment
+    kinds = [e[0] for e in k.log]
+    assert kinds == ["bound", "direct", "direct"]
+    # the direct launch passes the constexpr parameters after the positional ones, in order
+    assert k.log[1] == ("direct", (4, 2, 1), (x, 7, 64, True))
+
+
+def test_rebinds_when_specialization_could_differ():
+    k = _Kernel()
+    launch = CachedLaunch(k, (1,), dict(BLOCK=64, FLAG=False))
+    buf = torch.zeros(80)
+    launch(buf, 7)
+    launch(buf[1:65], 7)  # 4-byte offset: no longer 16-byte aligned
+    launch(buf.to(torch.float64), 7)  # another dtype
+    launch(buf, 8)  # another integer value
+    assert [e[0] for e in k.log] == ["bound"] * 4
+
+
+def test_interpreter_and_default_constexprs_take_the_bound_path():
+    k = _Kernel(interpreted=True)
+    launch = CachedLaunch(k, (1,), dict(BLOCK=64, FLAG=False))
+    launch(torch.zeros(4), 1)
+    launch(torch.zeros(4), 1)
+    assert [e[0] for e in k.log] == ["bound", "bound"]
+    k = _Kernel()
+    launch = CachedLaunch(k, (1,), dict(BLOCK=64))  # FLAG left to its default
+    launch(torch.zeros(4), 1)
+    launch(torch.zeros(4), 1)
+    assert [e[0] for e in k.log] == ["bound", "bound"]
+
+
+def test_kernels_without_parameter_names_take_the_bound_path(monkeypatch):
+    """A wrapped kernel (e.g. a test's launch counter) that does not expose arg_names."""
+    monkeypatch.delattr(_Kernel, "arg_names")
+    k = _Kernel()
+    launch = CachedLaunch(k, (1,), dict(BLOCK=64, FLAG=False))
+    launch(torch.zeros(4), 1)
+    launch(torch.zeros(4), 1)
+    assert [e[0] for e in k.log] == ["bound", "bound"]
