@@ -31,7 +31,7 @@ from ..kernels.decode import (
 from ..kernels.quantize import _quantize_query_kernel
 from ..testing import interpret_mode
 from ._launch import CachedLaunch
-from .producer import quantize_query_launch
+from .producer import quantize_query_args, quantize_query_launch
 from .write import KV_KIND, device_guard
 
 #: Longest query (new tokens of one sequence) the decode kernel handles; sequences with
@@ -503,11 +503,7 @@ class DecodeLaunch:
         with device_guard(self._device):
             if self.quantize:
                 q_quant, q_scale = self._q_codes, self._q_scales
-                num_tokens, num_heads, _ = query.shape
-                q_strides, code_strides, scale_strides = query.stride(), q_quant.stride(), q_scale.stride()
-                self._quantize_kernel(query, q_quant, q_scale, num_tokens * num_heads, num_heads,
-                                      q_strides[0], q_strides[1], code_strides[0], code_strides[1],
-                                      scale_strides[0], scale_strides[1])
+                self._quantize_kernel(*quantize_query_args(query, q_quant, q_scale))
             if cache.quantized:
                 q_in, q_scale_in, k_scale, v_scale = q_quant, q_scale, cache.key_scale, cache.value_scale
             else:

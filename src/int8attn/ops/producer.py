@@ -50,7 +50,7 @@ def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tenso
         return out, out_scale
     grid, launch = quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype, _launch)
     with device_guard(query.device):
-        launch_quantize_query(query, out, out_scale, grid, launch)
+        _quantize_query_kernel[grid](*quantize_query_args(query, out, out_scale), **launch)
     return out, out_scale
 
 
@@ -69,17 +69,13 @@ def quantize_query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dty
     return (triton.cdiv(num_rows, block_r),), launch
 
 
-def launch_quantize_query(query, out, out_scale, grid, launch) -> None:
-    """Launch the query quantization kernel (no validation; ``grid, launch`` from
-    :func:`quantize_query_launch` for this query's shape; the caller sets the device)."""
+def quantize_query_args(query, out, out_scale) -> tuple:
+    """The query quantization kernel's positional arguments for these tensors (launched
+    with the ``grid, launch`` of :func:`quantize_query_launch`; no validation)."""
     num_tokens, num_heads, _ = query.shape
     q_strides, out_strides, scale_strides = query.stride(), out.stride(), out_scale.stride()
-    _quantize_query_kernel[grid](
-        query, out, out_scale,
-        num_tokens * num_heads, num_heads,
-        q_strides[0], q_strides[1], out_strides[0], out_strides[1], scale_strides[0], scale_strides[1],
-        **launch,
-    )
+    return (query, out, out_scale, num_tokens * num_heads, num_heads,
+            q_strides[0], q_strides[1], out_strides[0], out_strides[1], scale_strides[0], scale_strides[1])
 
 
 def apply_rope_torch(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
