@@ -17,8 +17,11 @@ over). Sections, each under try/except so one failure does not lose the rest:
    events, L2 flushed) and CUDA-graph replay over rotating block tables (so the KV bytes
    never sit in L2), % of copy bandwidth, vs PyTorch SDPA BF16 on contiguous K/V and vs
    our own BF16-cache path;
-4. ``batch``: bs 1..64 at L 8k (no cliff); 5. ``mt``: q_len 2 and 4 at a few points;
-6. ``d128``: 32q/8kv D128; 7. ``splits``: split counts around the planner's choice.
+4. ``small``: batch 1 at L32k, configs x split counts; ``occ``: the 8-bit configs with
+   and without a register cap (DecodeConfig.maxnreg) at the FP8-goal points; ``prof``:
+   split / merge kernel device times (torch profiler) against the graph time;
+5. ``batch``: bs 1..64 at L 8k (no cliff); 6. ``mt``: q_len 2 and 4 at a few points;
+7. ``d128``: 32q/8kv D128; 8. ``splits``: split counts around the planner's choice.
 
 Rows go to ``--out DIR/decode.jsonl`` (else benchmarks/results/decode.jsonl) via
 int8attn.bench.Recorder, a markdown summary to ``DIR/decode_summary.md``, the log to
@@ -117,10 +120,17 @@ ACC_CONFIG_MODES = {"qgmma": ("fp8", WIDE_FP8), "swap": (None, SWAP_FP8), "swap_
 # so 16 query rows reach QGMMA / IGMMA): fp8 64/4/6 47 warp-instructions per key, 255 regs,
 # 113 KB (2 programs/SM); 64/4/8 47, 150 KB; 128/8/5 47, 213 KB; int8 64/4/6 52 (IGMMA).
 # 128/4/5 swapped spills 64 B; 32 packed rows swapped spill 312 B (not swept).
+# Register-capped (a 6th entry: DecodeConfig.maxnreg), for a third or fourth program per SM:
+#   int8 64/4/4 swap r168: 52 per key, 67 KB, no spill in the single-pass loop (3/SM) |
+#        32/4/6 swap r168: 72 per key (QK on IMMA, PV on IGMMA), 50 KB, 40 B stack (3/SM) |
+#        32/4/6 swap r128: 79 per key, 208 B stack (4/SM) | 32/4/4 swap r128: 74, 29.5 KB (4/SM)
+#   fp8  64/4/4 swap r168: 44 per key, 75 KB (3/SM); 32-key fp8 tiles fall back to HMMA for QK.
+CAPPED = {"int8": [(64, 4, 4, 16, True, 168), (32, 4, 6, 16, True, 168), (32, 4, 6, 16, True, 128),
+                   (32, 4, 4, 16, True, 128)],
+          "fp8": [(64, 4, 4, 16, True, 168)]}
 TUNE_CONFIGS = {
-    "int8": [(64, 4, 6, 16, True), (128, 4, 4), (128, 4, 5), (64, 4, 6), (128, 8, 4), (256, 8, 3), (64, 8, 9),
-             (32, 4, 9)],
-    "fp8": [(64, 4, 6, 16, True), (64, 8, 7), (128, 8, 4), (64, 4, 8, 16, True), (128, 8, 5, 16, True)],
+    "int8": [(64, 4, 6, 16, True), *CAPPED["int8"], (128, 4, 4), (128, 4, 5), (64, 4, 6)],
+    "fp8": [(64, 4, 6, 16, True), *CAPPED["fp8"], (64, 4, 8, 16, True)],
     "bf16": [(64, 8, 5), (32, 4, 9), (32, 8, 9)],
 }
 
@@ -129,7 +139,7 @@ def cfg_label(c) -> str:
     """block_n/warps/stages[/m<rows>][/swap] of a DecodeConfig or a TUNE_CONFIGS tuple."""
     c = c if isinstance(c, dec.DecodeConfig) else dec.DecodeConfig(*c)
     return (f"{c.block_n}/{c.num_warps}/{c.num_stages}" + (f"/m{c.min_block_m}" if c.min_block_m != 16 else "")
-            + ("/swap" if c.swap_ab else ""))
+            + ("/swap" if c.swap_ab else "") + (f"/r{c.maxnreg}" if c.maxnreg else ""))
 # head_dim 128, 16 rows (32q/8kv): int8 128/4/4 is 22 warp-instructions per key, 198 regs;
 # int8 128/4/5 swapped 29, 233 regs (row-major 128/4/5: 23, 223 regs);
 # fp8 swapped 64/4/6 39 per key, 193 regs; 128/4/5 27, 255 regs (128/4/4 keeps one tile: unpipelined)
@@ -216,17 +226,17 @@ class Decode:
 def _variant_key(kv, pv, shape, plan):
     c = plan.config
     return (kv, pv, shape["hq"], shape["hkv"], shape["d"], shape["page"], plan.tokens_per_pass, plan.block_m,
-            c.block_n, c.num_warps, c.num_stages, c.min_block_m, c.swap_ab)
+            c.block_n, c.num_warps, c.num_stages, c.min_block_m, c.swap_ab, c.maxnreg)
 
 
 def _compile_worker(key):
     """Run one variant once on toy inputs with the same specialization (worker process)."""
     try:
-        kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm, swap = key
+        kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm, swap, maxnreg = key
         shape = dict(hq=hq, hkv=hkv, d=d, page=page)
         cache = make_cache(kv, 64, shape)
         bs, ctx = 2, 4 * max(block_n, page)
-        cfg = dec.DecodeConfig(block_n, warps, stages, min_bm, swap)
+        cfg = dec.DecodeConfig(block_n, warps, stages, min_bm, swap, maxnreg)
         plan = dec.DecodePlan(num_splits=2, tokens_per_pass=tpp, block_m=block_m, config=cfg, pv_mode=pv)
         q = torch.randn(bs * tpp, hq, d, device=DEV).to(torch.bfloat16)
         bt = torch.arange(bs * ctx // page, dtype=torch.int32, device=DEV).view(bs, -1)
@@ -375,7 +385,7 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
                q_heads=shape["hq"], kv_heads=shape["hkv"], head_dim=shape["d"], page=shape["page"],
                num_splits=p.num_splits, block_m=p.block_m, tokens_per_pass=p.tokens_per_pass,
                block_n=p.config.block_n, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
-               min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, bytes=nbytes, quantize_in_call=quantize_in_call,
+               min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, maxnreg=p.config.maxnreg, bytes=nbytes, quantize_in_call=quantize_in_call,
                config_source="tuned" if cfg is not None and cfg == r.best.get(kv) else (
                    "default" if cfg is None else "explicit"), **res)
     for mode in ("graph", "eager"):
@@ -387,7 +397,8 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
     r.rec.add(**row)
     r.rows.append(row)
     log(f"{tag:6s} {name:12s} bs{bs:3d} L{ctx:6d} q{q_len} S{p.num_splits:3d} BN{p.config.block_n:4d} "
-        f"w{p.config.num_warps} st{p.config.num_stages}{' swap' if p.config.swap_ab else ''} graph {res['graph_us']:9.1f}us "
+        f"w{p.config.num_warps} st{p.config.num_stages}{' swap' if p.config.swap_ab else ''}"
+        f"{f' r{p.config.maxnreg}' if p.config.maxnreg else ''} graph {res['graph_us']:9.1f}us "
         f"({row['graph_pct_copy']:5.1f}%)" + (f" eager {res['eager_us']:9.1f}us ({row['eager_pct_copy']:5.1f}%)"
                                                if "eager_us" in res else ""))
     return row
@@ -547,7 +558,7 @@ def tune(r: Run) -> None:
         default = tuple(TUNE_CONFIGS[kv][0])
         r.best[kv] = dec.DecodeConfig(*best)
         r.rec.add(kind="tune_choice", kv_dtype=kv, block_n=best[0], num_warps=best[1], num_stages=best[2],
-                  swap_ab=r.best[kv].swap_ab,
+                  swap_ab=r.best[kv].swap_ab, maxnreg=r.best[kv].maxnreg,
                   geomean_us=geo[best], default_geomean_us=geo.get(default),
                   all={cfg_label(c): g for c, g in geo.items()})
         log(f"tune choice {kv}: {cfg_label(best)} geomean {geo[best]:.1f}us "
@@ -622,17 +633,22 @@ def split_sweep(r: Run) -> None:
         for s in sorted({max(1, base // 2), base * 2} & set(range(1, dec.MAX_NUM_SPLITS + 1))):
             time_path(r, "splits", "int8", "int8", None, cfg, HEADLINE, bs, ctx, num_splits=s, graph_only=True,
                       extra={"auto_splits": base})
+    # fp8 at bs16 L8k, the one length where it misses 1.8x our BF16: is the split count the lever?
+    base = dec.plan_decode((BS_MID, 24, 256), r.caches["fp8"], (BS_MID, L8K // 16)).num_splits
+    for s in sorted({2, 3, base, 5, 6, 8} if not SMOKE else {base}):
+        time_path(r, "splits", "fp8", "fp8", None, None, HEADLINE, BS_MID, L8K, num_splits=s, graph_only=True,
+                  extra={"auto_splits": base})
     if not SMOKE:
         try:
-            kernel_profile(r, cfg, 1, TUNE_SHAPES[1][1])
+            kernel_profile(r, "int8", cfg, 1, TUNE_SHAPES[1][1])
         except Exception as e:  # a profiler problem must not cost the rest of the run
             log(f"kernel profile FAILED: {e!r}")
 
 
-def kernel_profile(r: Run, cfg, bs: int, ctx: int) -> None:
-    """Where a small-batch call's time goes: device time of the split and merge kernels
-    (torch profiler, median over 50 eager calls) next to the graph time of the whole call."""
-    runner = Decode(r.caches["int8"], HEADLINE, bs, ctx, 1, None, cfg)
+def kernel_profile(r: Run, kv: str, cfg, bs: int, ctx: int) -> None:
+    """Where a call's time goes: device time of the split and merge kernels (torch
+    profiler, median over 50 eager calls) next to the graph time of the whole call."""
+    runner = Decode(r.caches[kv], HEADLINE, bs, ctx, 1, None, cfg)
     for _ in range(5):
         runner()
     torch.cuda.synchronize()
@@ -646,15 +662,17 @@ def kernel_profile(r: Run, cfg, bs: int, ctx: int) -> None:
             per_kernel[ev.name].append(ev.device_time)
     med = {k: sorted(v)[len(v) // 2] for k, v in per_kernel.items()}
     graph_us = timeit(runner, True)
-    row = dict(kind="kernel_profile", path="int8", bs=bs, context=ctx, num_splits=runner.plan.num_splits,
-               block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, graph_us=graph_us,
+    cfg = runner.plan.config
+    row = dict(kind="kernel_profile", path=kv, bs=bs, context=ctx, num_splits=runner.plan.num_splits,
+               block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, swap_ab=cfg.swap_ab,
+               graph_us=graph_us, bytes=kv_bytes(kv, bs, ctx, HEADLINE["hkv"], HEADLINE["d"]),
                **{f"{k}_us": v for k, v in med.items()})
     r.rec.add(**row)
-    log(f"profile int8 bs{bs} L{ctx} S{runner.plan.num_splits}: graph {graph_us:.1f}us, kernels "
+    log(f"profile {kv} bs{bs} L{ctx} S{runner.plan.num_splits}: graph {graph_us:.1f}us, kernels "
         + ", ".join(f"{k} {v:.1f}us" for k, v in med.items()))
 
 
-SMALL_CONFIGS = [(64, 4, 6), (128, 4, 4), (64, 4, 4), (32, 4, 5), (64, 4, 6, 16, True)]
+SMALL_CONFIGS = [(64, 4, 6, 16, True), *CAPPED["int8"]]
 
 
 @section("small")
@@ -664,11 +682,39 @@ def small_batch(r: Run) -> None:
     for c in SMALL_CONFIGS[:2] if SMOKE else SMALL_CONFIGS:
         cfg = dec.DecodeConfig(*c)
         base = dec.plan_decode((bs, 24, 256), r.caches["int8"], (bs, ctx // 16), config=cfg).num_splits
-        for n in sorted({base, 32, 48, 96, 128} if not SMOKE else {base}):
+        for n in sorted({base, 64, 96, 128, 192} if not SMOKE else {base}):
             if r.late(f"small {cfg_label(c)} S{n}"):
                 return
             time_path(r, "small", "int8", "int8", None, cfg, HEADLINE, bs, ctx, num_splits=n, graph_only=True,
                       extra={"auto_splits": base, "config": cfg_label(c)})
+
+
+@section("occ")
+def occupancy(r: Run) -> None:
+    """The 8-bit configs with and without a register cap next to our BF16 path at the
+    batch / length points of the FP8 >= 1.8x goal (graph, planner's splits)."""
+    points = [(BS_MID, c) for c in CONTEXTS if c >= L8K] + [(BATCHES[-1], L8K)]
+    for bs, ctx in points[:1] if SMOKE else points:
+        if r.late(f"occ bs{bs} L{ctx}"):
+            return
+        time_path(r, "occ", "bf16", "bf16", None, None, HEADLINE, bs, ctx, graph_only=True)
+        for kv in ("fp8", "int8"):
+            for c in TUNE_CONFIGS[kv][:1] + CAPPED[kv]:
+                time_path(r, "occ", f"{kv} {cfg_label(c)}", kv, None, dec.DecodeConfig(*c), HEADLINE, bs, ctx,
+                          graph_only=True)
+
+
+@section("prof")
+def profiles(r: Run) -> None:
+    """Split / merge kernel device time against the graph time of the call, default
+    configs, at the points of the missed goals (bs1 L32k; FP8 vs BF16 at bs16 8k / 32k)."""
+    if SMOKE:   # the CUDA profiler has nothing to see under the interpreter
+        return
+    for bs, ctx in ((1, CONTEXTS[-1]), (BS_MID, L8K), (BS_MID, CONTEXTS[-1])):
+        for kv in ("fp8", "int8", "bf16"):
+            if r.late(f"prof {kv} bs{bs} L{ctx}"):
+                return
+            kernel_profile(r, kv, None, bs, ctx)
 
 
 # --------------------------------------------------------------------------- summary
@@ -735,7 +781,7 @@ def summary(r: Run) -> str:
                + " | ".join(f"bs{b} L{c}" for b, c in TUNE_SHAPES) + " |", "|---|---|" + "---|" * len(TUNE_SHAPES)]
         def key(x):
             return (x["kv_dtype"], x["block_n"], x["num_warps"], x["num_stages"], x["min_block_m"],
-                    bool(x.get("swap_ab")))
+                    bool(x.get("swap_ab")), x.get("maxnreg"))
         for k in sorted({key(x) for x in tune_rows}):
             cells = []
             for b, c in TUNE_SHAPES:
@@ -805,7 +851,7 @@ def main():
                                                 "(default: rows to benchmarks/results/decode.jsonl, no summary file)")
     ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU interpreter (checks the script)")
     ap.add_argument("--quick", action="store_true", help="fewer points (about half the time)")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: acc,tune,grid,small,batch,mt,d128,splits")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: acc,tune,grid,small,occ,prof,batch,mt,d128,splits")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     if args.out:
@@ -817,7 +863,7 @@ def main():
     except Exception as e:
         log(f"SETUP FAILED: {e!r}")
         traceback.print_exc()
-    for sec in (accuracy, tune, grid, small_batch, batch_sweep, multi_token, d128, split_sweep):
+    for sec in (accuracy, tune, grid, small_batch, occupancy, profiles, batch_sweep, multi_token, d128, split_sweep):
         sec(r, skip)
     try:
         md = summary(r)

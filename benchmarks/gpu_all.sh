@@ -35,7 +35,7 @@ step() {  # step NAME TIMEOUT_S CMD...
 
 case "$part" in
   kernels)
-    step decode "${DECODE_LIMIT:-230}" python3 benchmarks/bench_decode.py --out "$work/decode"
+    step decode "${DECODE_LIMIT:-230}" python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} --out "$work/decode"
     # the write paths of an older commit (default: the last one with row-major 8-bit V
     # pages), side by side with today's; PRODUCER_BASE_FILE for a checkout without git
     git show "${PRODUCER_BASE:-889bb9f}:src/int8attn/kernels/quantize.py" >"$work/quantize_base.py" 2>/dev/null \

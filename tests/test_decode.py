@@ -150,6 +150,39 @@ def test_default_orientation_per_pv_mode():
     assert not default_config("bf16", 256, 16, 16, "bf16").swap_ab
 
 
+
+def test_register_cap_validated_and_counted(small_batch):
+    """``maxnreg`` is checked before any launch and raises the planner's programs-per-SM
+    estimate (65536 registers / (128 threads x cap)), so the split count fills the slots."""
+    from int8attn.ops.decode import _programs_per_sm
+
+    b = small_batch
+    for bad in (0, 16, 256, 168.0, True, "168"):
+        with pytest.raises(ValueError, match="maxnreg"):
+            plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape),
+                        config=DecodeConfig(block_n=64, num_warps=4, num_stages=4, swap_ab=True, maxnreg=bad))
+    uncapped = DecodeConfig(block_n=64, num_warps=4, num_stages=4, swap_ab=True)
+    capped = DecodeConfig(block_n=64, num_warps=4, num_stages=4, swap_ab=True, maxnreg=168)
+    assert _programs_per_sm(uncapped, 256, 1) == 2
+    assert _programs_per_sm(capped, 256, 1) == 3
+    assert _programs_per_sm(DecodeConfig(32, 4, 4, swap_ab=True, maxnreg=128), 256, 1) == 4
+
+
+@pytest.mark.parametrize("kv,block_n,maxnreg", [("int8", 64, 168), ("int8", 32, 128), ("fp8", 64, 168)])
+def test_register_capped_configs_match_references(device, monkeypatch, kv, block_n, maxnreg):
+    """A register cap changes register allocation only (spills on the GPU), never results;
+    on CUDA the compiled split kernel must respect the cap."""
+    import int8attn.ops.decode as dec
+
+    config = DecodeConfig(block_n=block_n, num_warps=4, num_stages=4, swap_ab=True, maxnreg=maxnreg)
+    monkeypatch.setattr(dec, "default_config", lambda *args: config)
+    batch = testing.make_paged_batch([17, 97, 123], [1, 2, 1], num_q_heads=12, num_kv_heads=2, head_dim=256,
+                                     kv_dtype=kv, seed=block_n + maxnreg, device=device)
+    _run_and_check(batch, num_splits=2)
+    kernel = dec.LAST_LAUNCH["split_kernel"]
+    if kernel is not None and getattr(kernel, "n_regs", None):
+        assert kernel.n_regs <= maxnreg, f"compiled with {kernel.n_regs} registers, cap {maxnreg}"
+
 def test_swapped_operands_need_an_8bit_cache(small_batch):
     bf16 = testing.make_paged_batch([20], [1], num_q_heads=4, num_kv_heads=1, head_dim=64, kv_dtype="bf16", seed=1,
                                     device="cpu")
@@ -165,6 +198,19 @@ def test_forced_split_counts(device, splits):
                                      kv_dtype="int8", seed=splits, device=device)
     _run_and_check(batch, num_splits=splits)
 
+
+
+def test_merge_folds_more_splits_than_one_chunk(device, monkeypatch):
+    """69 active splits: the merge kernel loads MERGE_MAX_CHUNK partials at a time and folds
+    the rest in a second chunk; a 3-split sequence of the same batch takes one chunk."""
+    import int8attn.ops.decode as dec
+
+    config = DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+    monkeypatch.setattr(dec, "default_config", lambda *args: config)
+    batch = testing.make_paged_batch([2200, 70], [1, 2], num_q_heads=4, num_kv_heads=1, head_dim=64,
+                                     kv_dtype="int8", seed=11, device=device)
+    _run_and_check(batch, num_splits=70)
+    assert dec.LAST_LAUNCH["plan"].num_splits > dec.MERGE_MAX_CHUNK
 
 def test_smoothing_off_outlier_keys(device):
     """Outlier keys quantized without the smoothing offset: larger per-token scales,
@@ -283,6 +329,19 @@ def test_config_tile_must_cover_page(small_batch):
     with pytest.raises(ValueError):
         plan_decode(tuple(small_batch.query.shape), small_batch.cache, tuple(small_batch.block_table.shape),
                     config=DecodeConfig(block_n=24, num_warps=4, num_stages=2))
+
+
+def test_8bit_pv_needs_32_key_tiles(small_batch):
+    """int8 / fp8 PV reduces over the tile's keys 32 at a time (the 8-bit MMA's K): a
+    16-key tile is refused at planning (it would fail to compile on the GPU); bf16 PV
+    over the same 8-bit cache takes it."""
+    b = small_batch
+    shapes = (tuple(b.query.shape), b.cache, tuple(b.block_table.shape))
+    tile16 = DecodeConfig(block_n=16, num_warps=4, num_stages=2)
+    for mode in ("int8", "int8_signed"):
+        with pytest.raises(ValueError, match="block_n >= 32"):
+            plan_decode(*shapes, pv_mode=mode, config=tile16)
+    assert plan_decode(*shapes, pv_mode="bf16", config=tile16).config.block_n == 16
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -126,11 +126,14 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
 
+    # The program's start is a chain of loads (lengths -> block table -> K/V). seq_len is
+    # part of the exit test so that its load is issued with the query bounds, one memory
+    # round trip for both (the compiler sinks a load below an exit that does not use it).
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if (q_len <= 0) | (q_len > MAX_QUERY_LEN):
-        return
     seq_len = tl.load(seq_lens_ptr + seq)
+    if (q_len <= 0) | (q_len > MAX_QUERY_LEN) | (seq_len <= 0):
+        return
     n_active = _num_active_splits(seq_len, num_splits, BLOCK_N)
     if split >= n_active:
         return
@@ -553,9 +556,9 @@ def _decode_merge_kernel(
     col0 = tl.program_id(2) * BLOCK_D
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if (q_len <= 0) | (q_len > MAX_QUERY_LEN):
+    seq_len = tl.load(seq_lens_ptr + seq)  # tested with q_len: one round trip (see the split kernel)
+    if (q_len <= 0) | (q_len > MAX_QUERY_LEN) | (seq_len <= 0):
         return
-    seq_len = tl.load(seq_lens_ptr + seq)
     n_active = _num_active_splits(seq_len, num_splits, BLOCK_N)
     if n_active <= 1:
         return  # written directly by the split kernel

@@ -40,6 +40,8 @@ MAX_DECODE_QUERY_LEN = 8
 #: Output columns per merge program (attention head_dims are powers of two, so this
 #: divides any head_dim >= 64).
 MERGE_BLOCK_D = 64
+#: Most split partials a merge program loads at once (more are folded in further chunks).
+MERGE_MAX_CHUNK = 64
 #: Upper bound of ``num_splits`` (split-K segments per sequence and KV head).
 MAX_NUM_SPLITS = 256
 #: Query heads x query tokens packed into one program's rows at most (more tokens are
@@ -73,6 +75,11 @@ class DecodeConfig:
     #: columns; see kernels.decode._attend_tile_swapped) so 16 query rows reach Hopper's
     #: warpgroup MMA (QGMMA / IGMMA with M = block_n and head_dim).
     swap_ab: bool = False
+    #: Register cap per thread (ptxas ``-maxnreg``), or None for the compiler's choice.
+    #: The 8-bit D=256 kernels take 247-255 registers uncapped, which holds an SM to two
+    #: 4-warp programs whatever the shared memory allows; 168 makes room for a third
+    #: (65536 / (128 x 168) = 3), 128 for a fourth, at the cost of a few spills.
+    maxnreg: int | None = None
 
 
 #: Bytes of one K+V tile the default configs aim at, and the shared memory they may
@@ -120,7 +127,7 @@ def default_config(kv_dtype: str, head_dim: int, block_m: int, block_size: int,
             best = dataclasses.replace(best, swap_ab=False)
         return best
     elem = 1 if kv_dtype in ("int8", "fp8") else 2
-    block_n = max(16, min(128, TILE_BYTES // (2 * head_dim * elem)), block_size)
+    block_n = max(32 if elem == 1 else 16, min(128, TILE_BYTES // (2 * head_dim * elem)), block_size)
     buffers = max(1, min(4, BUFFER_BUDGET // (2 * block_n * head_dim * elem)))
     num_warps = 8 if head_dim * block_m >= 128 * 16 else 4
     return DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=2 * buffers + 1)
@@ -148,10 +155,11 @@ def sm_count(device: torch.device) -> int:
 def _programs_per_sm(config: DecodeConfig, head_dim: int, elem_bytes: int) -> int:
     """Resident programs per SM, estimated from the buffered K+V tiles (see DecodeConfig)
     and from registers (the split kernel needs close to 255 per thread at D >= 128, so
-    8 warps leave room for one program per SM, 4 warps for two)."""
+    8 warps leave room for one program per SM, 4 warps for two; ``maxnreg`` caps them)."""
     buffers = max(1, (config.num_stages - 1) // 2)
     smem = buffers * 2 * config.block_n * head_dim * elem_bytes + SMEM_OVERHEAD
-    by_regs = 65536 // (config.num_warps * 32 * (255 if head_dim >= 128 else 128))
+    regs = config.maxnreg or (255 if head_dim >= 128 else 128)
+    by_regs = 65536 // (config.num_warps * 32 * regs)
     return max(1, min(4, (227 * 1024) // smem, by_regs))
 
 
@@ -292,9 +300,15 @@ def _plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode
     if config.block_n % cache.block_size or config.block_n & (config.block_n - 1) or config.block_n < 16:
         raise ValueError(f"block_n={config.block_n} must be a power of two >= 16 and a multiple of the page size "
                          f"{cache.block_size}")
+    if pv_mode in ("int8", "int8_signed", "fp8") and config.block_n < 32:
+        # the 8-bit PV product reduces over the tile's keys: int8 / e4m3 MMAs take 32 at a time
+        raise ValueError(f"block_n={config.block_n}: {pv_mode} PV needs block_n >= 32 (8-bit MMAs reduce over 32 keys)")
     if config.swap_ab and (cache.kv_dtype not in ("int8", "fp8") or pv_mode == "int8_signed"):
         raise ValueError("swap_ab needs an 8-bit (int8 / fp8) cache and pv_mode int8, fp8 or bf16, got a "
                          f"{cache.kv_dtype!r} cache with pv_mode {pv_mode!r}")
+    if config.maxnreg is not None and (isinstance(config.maxnreg, bool) or not isinstance(config.maxnreg, int)
+                                       or not 32 <= config.maxnreg <= 255):
+        raise ValueError(f"maxnreg must be None or an int in [32, 255], got {config.maxnreg!r}")
     elem = cache.key.element_size()
     if num_splits is None:
         slots = sm_count(cache.device) * _programs_per_sm(config, head_dim, elem)
@@ -477,6 +491,7 @@ class DecodeLaunch:
             MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=_PV_KIND[plan.pv_mode],
             INTERPRET=interpret, SWAP_AB=cfg.swap_ab,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
         )
         # launched through CachedLaunch: Triton binds the arguments on the first call only
         self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs)
@@ -486,13 +501,19 @@ class DecodeLaunch:
         self._merge_grid = None
         if splits > 1:
             merge_cols = min(head_dim, MERGE_BLOCK_D)
+            # The tile of partials a program loads is [chunk, merge_cols]: sized to the split
+            # count, not to the largest one, so a few splits take few registers and warps and
+            # every merge program of a large batch is resident in one wave (a fixed 64-split
+            # tile at bs16 x 4 splits ran the merge in 3 waves: 7.3 us against 73 us of split
+            # kernel on the H200).
+            chunk = min(MERGE_MAX_CHUNK, triton.next_power_of_2(splits))
             self._merge_grid = (num_q_heads, num_seqs, head_dim // merge_cols)
             # the merge kernel's arguments after query_start_loc
             self._merge_args = (splits, out_strides[0], out_strides[1], *part_strides)
             self._merge_constexprs = dict(
                 HEAD_DIM=head_dim, BLOCK_N=block_n, MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN,
-                SPLIT_CHUNK=max(1, 4096 // merge_cols), BLOCK_D=merge_cols,
-                num_warps=4,
+                SPLIT_CHUNK=chunk, BLOCK_D=merge_cols,
+                num_warps=max(1, min(4, chunk * merge_cols // 256)),
             )
             self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs)
 
