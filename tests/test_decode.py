@@ -119,6 +119,7 @@ SWAPPED_CASES = [
     ("fp8", "fp8", 6, 1, 256, 16, [123, 33], [1, 2], None, 128),
     ("int8", "int8", 8, 2, 64, 16, [1, 17, 97, 123], [1, 1, 1, 1], None, 64),
     ("int8", "bf16", 6, 1, 256, 64, [123, 70], [1, 3], 2, 128),
+    ("int8", "int8", 16, 4, 128, 16, [17, 300, 97], [1, 2, 1], None, 128),  # the D128 default's shape
 ]
 
 
@@ -143,6 +144,8 @@ def test_default_orientation_per_pv_mode():
 
     assert default_config("int8", 256, 16, 16, "int8").swap_ab
     assert default_config("fp8", 256, 16, 16, "fp8").swap_ab
+    assert default_config("int8", 128, 16, 16, "int8").swap_ab and default_config("fp8", 128, 16, 16, "fp8").swap_ab
+    assert not default_config("int8", 128, 16, 16, "bf16").swap_ab
     for mode in ROW_MAJOR_PV["int8"]:
         cfg = default_config("int8", 256, 16, 16, mode)
         assert not cfg.swap_ab and cfg.block_n == 64 and cfg.num_warps == 4

@@ -95,13 +95,14 @@ SMEM_OVERHEAD = 36 * 1024
 #: 280.8 us at bs16 L32k against 507.0 for the best row-major fp8 config, whose 16-row e4m3
 #: dot Triton lowers to HMMA after converting to f16; int8 282.8 against 288.0 row-major,
 #: 2% faster at all three shapes; int8 128/4/4 row-major is 2-3% faster at bs16/bs64 but 9%
-#: slower at bs1), bf16 64/8/5. Head_dim 128 (32q/8kv): int8 128/4/5 (305 us at bs16 L32k
-#: against 501 for the rule below), fp8 128/4/5 swapped (10:15 run: 285 us at bs16 L32k, 91.5% of
+#: slower at bs1), bf16 64/8/5. Head_dim 128 (32q/8kv): int8 128/4/5 swapped (11:27 run: 292.9
+#: us at bs16 L32k, 89.1% of copy, against 309.0 row-major and 501 for the rule below; 31.4 us
+#: at bs1 L32k either way), fp8 128/4/5 swapped (10:15 run: 285 us at bs16 L32k, 91.5% of
 #: copy, against 576 for the rule and 367 for 64/4/6 swapped). Other shapes keep the rule: at
 #: 32 packed rows the 4-warp configs spill (swapped ones too).
 MEASURED_BEST = {
     ("int8", 256, 16): DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True),
-    ("int8", 128, 16): DecodeConfig(block_n=128, num_warps=4, num_stages=5),
+    ("int8", 128, 16): DecodeConfig(block_n=128, num_warps=4, num_stages=5, swap_ab=True),
     ("fp8", 256, 16): DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True),
     ("fp8", 128, 16): DecodeConfig(block_n=128, num_warps=4, num_stages=5, swap_ab=True),
     ("bf16", 256, 16): DecodeConfig(block_n=64, num_warps=8, num_stages=5),
