@@ -7,8 +7,9 @@ L2). At the smaller sizes a fixed per-call cost (launch, ramp-up of the memory s
 the tail of the last programs) weighs on any kernel; this script measures it, next to
 the device-to-device copy figure the decode percentages are quoted against.
 
-A Triton kernel sums int32 words: ``programs`` programs each stream a contiguous chunk
-with 16-byte loads, several grid sizes tried, the best kept. Rows go to
+A Triton kernel XOR-reduces int32 words: ``programs`` programs each stream a contiguous
+chunk with 16-byte loads and write one word per lane; several grid sizes are tried and the
+fastest kept. Rows go to
 ``--out DIR/read_floor.jsonl`` (else benchmarks/results/read_floor.jsonl).
 
     PYTHONPATH=src python3 benchmarks/bench_read_floor.py --out $OUT
@@ -31,7 +32,7 @@ from int8attn import bench
 #: bytes each token adds over the 4 KV heads (the 8-bit caches: codes + fp32 scales)
 SHAPES = [(1, 32768), (16, 8192), (16, 16384), (16, 32768), (64, 8192)]
 BYTES_PER_TOKEN = {"int8": 4 * 2 * (256 + 4), "bf16": 4 * 2 * 256 * 2}
-BLOCK = 2048   # int32 words per iteration and program: 8 KB, 16 B per thread x 4 at 8 warps
+BLOCK = 2048   # int32 words per iteration and program: 8 KB, two 16-byte loads per thread at 8 warps
 
 
 @triton.jit
