@@ -316,6 +316,19 @@ def check_attention_values(num_tokens, cache, block_table, seq_lens, query_start
 
 
 # --------------------------------------------------------------------------- writes
+#: Keys an 8-bit (int8 / e4m3) MMA reduces over at once: the least a KV tile can hold when
+#: its PV product (which reduces over the tile's keys) runs in 8 bits.
+MIN_8BIT_PV_KEYS = 32
+
+
+def check_pv_tile_keys(block_n: int, pv_mode: str) -> None:
+    """A KV tile of ``block_n`` keys suits ``pv_mode`` (8-bit PV: at least
+    MIN_8BIT_PV_KEYS; the CPU interpreter would run a smaller one, the GPU compiler not)."""
+    if pv_mode in ("int8", "int8_signed", "fp8") and block_n < MIN_8BIT_PV_KEYS:
+        raise ValueError(f"block_n={block_n} must be >= {MIN_8BIT_PV_KEYS} with {pv_mode} PV (an 8-bit PV tile "
+                         f"needs block_n >= {MIN_8BIT_PV_KEYS}: 8-bit MMAs reduce over {MIN_8BIT_PV_KEYS} keys)")
+
+
 def check_kernel_options(cache, softmax_scale, op: str) -> None:
     """What every attention kernel needs of the cache's head_dim and of softmax_scale."""
     d = cache.head_dim

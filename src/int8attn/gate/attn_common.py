@@ -41,6 +41,18 @@ def head_shape(ctx, size) -> tuple[int, int, int]:
     return hq, hkv, d
 
 
+def planned_attention_call(cache, block_table, seq_lens, query_start_loc, query, softmax_scale, out):
+    """A serving engine's per-layer attention call: an :class:`int8attn.AttentionPlan`
+    made now, once per batch (outside any timed window), and a closure that runs it."""
+    from ..ops.attention import plan_attention
+
+    plan = plan_attention(cache, block_table, seq_lens, query_start_loc, query.shape[1])
+
+    def call():
+        plan.run(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out)
+    return call
+
+
 def _keys_on_device(num_tokens: int, num_heads: int, head_dim: int, gen: torch.Generator, device) -> torch.Tensor:
     """N(0, 1) keys with 4 outlier channels per head (offset 10-30, fixed sign), bf16."""
     k = torch.randn(num_tokens, num_heads, head_dim, generator=gen, device=device, dtype=torch.float32)

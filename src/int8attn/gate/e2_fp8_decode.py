@@ -24,7 +24,8 @@ import torch
 
 from . import metrics
 from .attn_common import (
-    build_cache_set, decode_scales, head_shape, kv_bytes, make_queries, missing_modules, reference_attention,
+    build_cache_set, decode_scales, head_shape, kv_bytes, make_queries, missing_modules, planned_attention_call,
+    reference_attention,
 )
 from .results import ExperimentResult, ScaleInfo
 from .runner import GateContext, PathSpec, ProofSpec, StepSpec, run_case
@@ -53,8 +54,6 @@ def availability(ctx) -> str | None:
 
 
 def run(ctx: GateContext) -> ExperimentResult:
-    from ..ops.attention import plan_attention
-
     size = SIZES[ctx.size]
     exp = ExperimentResult(key=KEY, title=TITLE, claim=CLAIM, accuracy_bound=ACCURACY_BOUND,
                            accuracy_note=ACCURACY_NOTE, x_label="KV length")
@@ -84,11 +83,7 @@ def run(ctx: GateContext) -> ExperimentResult:
         outs = {name: torch.empty_like(query) for name in ("bf16", "fp8_dequant_bf16", "fp8_native")}
 
         def decode(cache, name):
-            plan = plan_attention(cache, bt, seq_lens, qsl, hq)  # once per batch, outside the window
-
-            def fn():
-                plan.run(query, cache, bt, seq_lens, qsl, scale, outs[name])
-            return fn
+            return planned_attention_call(cache, bt, seq_lens, qsl, query, scale, outs[name])
 
         def dequantize_pages():
             # The article's route: FP8 pages -> BF16 (x per-token scale) by plain PyTorch ops.

@@ -128,8 +128,7 @@ class AttentionPlan:
         ``INT8ATTN_CHECK_VALUES=0``).
         """
         launch = _MISSING
-        meta = self._metadata
-        if meta is not None and block_table is meta[0] and seq_lens is meta[1] and query_start_loc is meta[2]:
+        if self._is_plan_metadata(block_table, seq_lens, query_start_loc):
             seen = self._caches.get(id(cache))
             if seen is None or seen[0] is not cache or not _checks._cache_state_is(cache, seen[1]):
                 seen = self._admit_cache(cache)  # another layer's cache: its storage and geometry
@@ -156,9 +155,7 @@ class AttentionPlan:
     def _validate(self, query, cache, block_table, seq_lens, query_start_loc, out, q_quant, q_scale):
         """Full checks of a call the plan has not seen; remembers what passed and returns
         the decode launch for this layout (None when the plan launches no decode)."""
-        meta = self._metadata
-        known_meta = (meta is not None and block_table is meta[0] and seq_lens is meta[1]
-                      and query_start_loc is meta[2])
+        known_meta = self._is_plan_metadata(block_table, seq_lens, query_start_loc)
         _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                        q_quant=q_quant, q_scale=q_scale, check_values=False)
         self._check_matches(query, cache, block_table)
@@ -172,18 +169,20 @@ class AttentionPlan:
         scale_strides = self._admit_cache(cache)[2]
         launch = None
         if self.has_decode and self.num_tokens > 0 and self.num_seqs > 0:
-            q_in = q_quant if q_quant is not None else query
             out_strides = out.stride() if out is not None else (self.num_q_heads * self.head_dim, self.head_dim, 1)
-            launch = _decode.DecodeLaunch(
-                self.decode_plan, cache, self.num_tokens, self.num_q_heads, self.num_seqs, device=cache.device,
-                q_strides=q_in.stride(), q_scale_strides=None if q_scale is None else q_scale.stride(),
-                out_strides=out_strides, block_table_stride=block_table.stride(0), workspace=self.workspace,
-                quantize=cache.quantized and q_quant is None)
+            launch = _decode.DecodeLaunch.for_tensors(self.decode_plan, cache, query, q_quant, q_scale, block_table,
+                                                      out_strides, self.workspace)
         if len(self._launch_by_layout) >= _MAX_REMEMBERED:
             self._launch_by_layout.clear()
         key = (_layout(query), _layout(out), _layout(q_quant), _layout(q_scale), scale_strides)
         self._launch_by_layout[key] = launch
         return launch
+
+    def _is_plan_metadata(self, block_table, seq_lens, query_start_loc) -> bool:
+        """Whether these are the metadata tensors whose values the plan (or an earlier run)
+        checked: compared by identity."""
+        meta = self._metadata
+        return meta is not None and block_table is meta[0] and seq_lens is meta[1] and query_start_loc is meta[2]
 
     def _admit_cache(self, cache) -> tuple:
         """Check a cache object the plan has not run with (its storage layout, remembered
@@ -302,8 +301,7 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
 
     decode_plan = workspace = None
     if has_decode:
-        if num_seqs > 65535:
-            raise ValueError(f"decode_attention launches one grid row per sequence: at most 65535, got {num_seqs}")
+        _decode.check_num_seqs(num_seqs)
         decode_plan = _decode.plan_decode(query_shape, cache, tuple(block_table.shape), pv_mode=pv_mode,
                                           num_splits=num_splits)
         if decode_plan.num_splits > 1:

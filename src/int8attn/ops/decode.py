@@ -44,6 +44,9 @@ MERGE_BLOCK_D = 64
 MERGE_MAX_CHUNK = 64
 #: Upper bound of ``num_splits`` (split-K segments per sequence and KV head).
 MAX_NUM_SPLITS = 256
+#: Most sequences one launch serves: the split kernel's grid has a row per sequence in
+#: CUDA's third grid dimension.
+MAX_DECODE_SEQS = 65535
 #: Query heads x query tokens packed into one program's rows at most (more tokens are
 #: processed in further passes over the same KV range); a GQA group larger than this
 #: still gets all its heads in one program.
@@ -128,7 +131,8 @@ def default_config(kv_dtype: str, head_dim: int, block_m: int, block_size: int,
             best = dataclasses.replace(best, swap_ab=False)
         return best
     elem = 1 if kv_dtype in ("int8", "fp8") else 2
-    block_n = max(32 if elem == 1 else 16, min(128, TILE_BYTES // (2 * head_dim * elem)), block_size)
+    block_n = max(_checks.MIN_8BIT_PV_KEYS if elem == 1 else 16, min(128, TILE_BYTES // (2 * head_dim * elem)),
+                  block_size)
     buffers = max(1, min(4, BUFFER_BUDGET // (2 * block_n * head_dim * elem)))
     num_warps = 8 if head_dim * block_m >= 128 * 16 else 4
     return DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=2 * buffers + 1)
@@ -301,9 +305,7 @@ def _plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode
     if config.block_n % cache.block_size or config.block_n & (config.block_n - 1) or config.block_n < 16:
         raise ValueError(f"block_n={config.block_n} must be a power of two >= 16 and a multiple of the page size "
                          f"{cache.block_size}")
-    if pv_mode in ("int8", "int8_signed", "fp8") and config.block_n < 32:
-        # the 8-bit PV product reduces over the tile's keys: int8 / e4m3 MMAs take 32 at a time
-        raise ValueError(f"block_n={config.block_n}: {pv_mode} PV needs block_n >= 32 (8-bit MMAs reduce over 32 keys)")
+    _checks.check_pv_tile_keys(config.block_n, pv_mode)
     if config.swap_ab and (cache.kv_dtype not in ("int8", "fp8") or pv_mode == "int8_signed"):
         raise ValueError("swap_ab needs an 8-bit (int8 / fp8) cache and pv_mode int8, fp8 or bf16, got a "
                          f"{cache.kv_dtype!r} cache with pv_mode {pv_mode!r}")
@@ -376,16 +378,18 @@ def _run(plan: DecodePlan, query, cache, block_table, seq_lens, query_start_loc,
         out = torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    if num_seqs > 65535:
-        raise ValueError(f"decode_attention launches one grid row per sequence: at most 65535, got {num_seqs}")
-    q_in = q_quant if q_quant is not None else query
-    launch = DecodeLaunch(plan, cache, num_tokens, num_q_heads, num_seqs, device=out.device,
-                          q_strides=q_in.stride(), q_scale_strides=None if q_scale is None else q_scale.stride(),
-                          out_strides=out.stride(), block_table_stride=block_table.stride(0), workspace=workspace,
-                          quantize=cache.quantized and q_quant is None)
+    check_num_seqs(num_seqs)
+    launch = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace)
     qk_scale = qk_scale_of(softmax_scale, head_dim)
     launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
     return out
+
+
+def check_num_seqs(num_seqs: int) -> None:
+    """ValueError when a decode launch would need more grid rows than CUDA allows."""
+    if num_seqs > MAX_DECODE_SEQS:
+        raise ValueError(f"decode_attention launches one grid row per sequence: at most {MAX_DECODE_SEQS}, "
+                         f"got {num_seqs}")
 
 
 def qk_scale_of(softmax_scale, head_dim: int) -> float:
@@ -517,6 +521,20 @@ class DecodeLaunch:
                 num_warps=max(1, min(4, chunk * merge_cols // 256)),
             )
             self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs)
+
+    @classmethod
+    def for_tensors(cls, plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table, out_strides,
+                    workspace: DecodeWorkspace | None = None) -> "DecodeLaunch":
+        """The launch for calls shaped like these tensors: shapes and strides read from the
+        query (or ``q_quant``, which the kernel then reads instead), ``q_scale`` and the block
+        table; the query is quantized in the launch when the cache is 8-bit and no
+        ``q_quant`` is given. ``out_strides``: (token, head, ...) strides of the output."""
+        num_tokens, num_q_heads, _ = query.shape
+        q_in = q_quant if q_quant is not None else query
+        return cls(plan, cache, num_tokens, num_q_heads, block_table.shape[0], device=cache.device,
+                   q_strides=q_in.stride(), q_scale_strides=None if q_scale is None else q_scale.stride(),
+                   out_strides=out_strides, block_table_stride=block_table.stride(0), workspace=workspace,
+                   quantize=cache.quantized and q_quant is None)
 
     def __call__(self, query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out,
                  qk_scale: float) -> None:
