@@ -28,7 +28,7 @@ import triton.language as tl
 
 from int8attn import bench
 
-#: (batch, context) of the decode shapes of DESIGN.md section 4 (24q/4kv, D256) and the K+V
+#: (batch, context) of the decode shapes of docs/design.md §4 (24q/4kv, D256) and the K+V
 #: bytes each token adds over the 4 KV heads (the 8-bit caches: codes + fp32 scales)
 SHAPES = [(1, 32768), (16, 8192), (16, 16384), (16, 32768), (64, 8192)]
 BYTES_PER_TOKEN = {"int8": 4 * 2 * (256 + 4), "bf16": 4 * 2 * 256 * 2}

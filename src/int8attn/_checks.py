@@ -232,7 +232,7 @@ def check_attention_inputs(
     q_scale=None,
     check_values: bool = True,
 ) -> None:
-    """Validate the arguments of :func:`int8attn.attention` (DESIGN.md section 6).
+    """Validate the arguments of :func:`int8attn.attention` (docs/design.md §6).
 
     * query [T, Hq, D] bf16 (fp16 / fp32 accepted), last dim contiguous, D ==
       cache.head_dim, Hq a positive multiple of cache.num_kv_heads;

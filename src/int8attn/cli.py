@@ -18,7 +18,7 @@ import time
 
 
 def _gate_parser(sub) -> None:
-    p = sub.add_parser("gate", help="measure whether low-precision paths pay off (DESIGN.md section 5)",
+    p = sub.add_parser("gate", help="measure whether low-precision paths pay off (docs/design.md §5)",
                        description="Run the low-precision gate and write report.md, report.json and plots.")
     p.add_argument("--out", default="gate-report", help="output folder (default: ./gate-report)")
     p.add_argument("--size", choices=("tiny", "default", "full"), default=None,

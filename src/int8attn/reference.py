@@ -3,7 +3,7 @@
 The single source of truth for tests, benchmarks and the gate; nothing else re-implements
 these semantics.
 
-Two references of attention over a paged cache (DESIGN.md section 6 semantics):
+Two references of attention over a paged cache (docs/design.md §6 semantics):
 
 * :func:`attention_reference` -- the query as given (upcast to float64) against the
   dequantized cache: the answer a float64 model would give with this cache. The gap to it
@@ -164,7 +164,7 @@ def attention_reference(
     softmax_scale: float | None = None,
     query_kv_dtype: str | None = None,
 ) -> torch.Tensor:
-    """float64 attention of ``query`` over the paged ``cache`` (DESIGN.md section 6).
+    """float64 attention of ``query`` over the paged ``cache`` (docs/design.md §6).
 
     ``query_kv_dtype`` quantizes the query first, as the kernels do for that cache dtype
     (see :func:`attention_reference_quantized`). Returns [num_tokens, num_q_heads, D]

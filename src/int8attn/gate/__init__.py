@@ -2,7 +2,7 @@
 
 ``int8attn gate`` (see :mod:`int8attn.cli`) and :func:`run_gate` run experiments that
 each compare low-precision paths with their BF16 counterpart on the same inputs, report
-the seven items of DESIGN.md section 5 per path, and end with an adopt/reject verdict:
+the seven items of docs/design.md §5 per path, and end with an adopt/reject verdict:
 
 * E1 -- dynamic INT8 GEMM vs cuBLAS BF16 (the second article's negative result);
 * E2 -- FP8 KV paged decode vs BF16 (plugs in with the decode kernel);

@@ -38,7 +38,7 @@ from .runner import GateContext, PathSpec, ProofSpec, StepSpec, run_case
 
 KEY = "E4"
 TITLE = "INT8 KV decode and chunked prefill vs BF16 KV (our kernels, 24q/4kv heads, D=256)"
-CLAIM = ("Design target (DESIGN.md section 3): decode is memory-bound, so INT8 K+V can reach up to ~2x BF16 "
+CLAIM = ("Design target (docs/design.md §3): decode is memory-bound, so INT8 K+V can reach up to ~2x BF16 "
          "decode; prefill is matrix-bound and INT8 tensor cores double the rate, ~2x at most. Calibration: a "
          "plain Triton split-K INT8 decode reached 1.78x SDPA BF16 at bs16 L32k.")
 ACCURACY_BOUND = 0.05

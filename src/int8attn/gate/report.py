@@ -1,7 +1,7 @@
 """Write the gate report: report.md, report.json, PNG plots, and the console table.
 
 The Markdown gives, per experiment, a table of paths per case and then the seven items of
-DESIGN.md section 5 for every path, and ends with one verdict line per path. Plots need
+docs/design.md §5 for every path, and ends with one verdict line per path. Plots need
 matplotlib (optional): without it the report says the plots were skipped.
 """
 
@@ -66,7 +66,7 @@ def _md_table(headers, rows) -> list[str]:
 
 # --------------------------------------------------------------------------- markdown
 def path_items(path: PathResult, interpret: bool) -> list[str]:
-    """The seven items of DESIGN.md section 5 for one path, as Markdown lines."""
+    """The seven items of docs/design.md §5 for one path, as Markdown lines."""
     L = [f"#### {path.label} (`{path.name}`, {path.precision}, {path.role})", ""]
     if path.error:
         L += [f"**Failed:** `{path.error}`", ""]

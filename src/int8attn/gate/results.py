@@ -33,7 +33,7 @@ class Step:
 
 @dataclass
 class ScaleInfo:
-    """DESIGN.md section 5 item 3: one scale's granularity, lifetime and reuse."""
+    """docs/design.md §5 item 3: one scale's granularity, lifetime and reuse."""
 
     name: str
     granularity: str

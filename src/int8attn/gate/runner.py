@@ -1,4 +1,4 @@
-"""Measure one path of an experiment: the seven items of DESIGN.md section 5.
+"""Measure one path of an experiment: the seven items of docs/design.md §5.
 
 An experiment describes each path as a :class:`PathSpec` -- its one-time steps (outside
 the timed window, e.g. quantizing weights), its per-call chain (inside the window), the

@@ -1,4 +1,4 @@
-"""Find the matrix instruction in the SASS of the kernel that ran (DESIGN.md section 5 item 4).
+"""Find the matrix instruction in the SASS of the kernel that ran (docs/design.md §5 item 4).
 
 ``cuobjdump --dump-sass`` on the cubin Triton compiled for a launch prints, per function,
 lines such as::

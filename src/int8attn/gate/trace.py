@@ -1,4 +1,4 @@
-"""Prove which GPU kernels a call launched (DESIGN.md section 5 item 4, runtime half).
+"""Prove which GPU kernels a call launched (docs/design.md §5 item 4, runtime half).
 
 A binary that *contains* the intended instruction proves nothing if the call is routed to
 another kernel. :func:`launched_kernels` runs the call under ``torch.profiler`` (CUPTI)

@@ -337,7 +337,7 @@ def _read_facts(query_start_loc, num_seqs: int) -> tuple:
 
 def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scale=None, out=None, *,
               plan: AttentionPlan | None = None, q_quant=None, q_scale=None, pv_mode=None) -> torch.Tensor:
-    """Causal attention of a mixed varlen batch over the paged cache (DESIGN.md section 6).
+    """Causal attention of a mixed varlen batch over the paged cache (docs/design.md §6).
 
     Args:
         query: [T, Hq, D] bf16 (fp16 / fp32 accepted); Hq a multiple of the cache's KV heads.

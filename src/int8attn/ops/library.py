@@ -20,7 +20,7 @@ Tensor layouts are those of :class:`int8attn.PagedKVCache` (key ``[num_blocks,
 num_kv_heads, block_size, head_dim]``; value the same for bf16 and ``[num_blocks,
 num_kv_heads, head_dim, block_size]`` for int8/fp8, whose V pages are transposed; scales
 ``[num_blocks, num_kv_heads, block_size]`` fp32, ``key_mean`` ``[num_kv_heads, head_dim]``
-fp32) and of DESIGN.md section 6 for the rest. ``mutates_args`` names exactly what each op
+fp32) and of docs/design.md §6 for the rest. ``mutates_args`` names exactly what each op
 writes: the cache tensors for the two writers, ``out`` (and ``out_q``/``out_q_scale``) for
 the others. Each op has a fake (meta) implementation that checks metadata only, so shape,
 dtype and device errors surface at trace time; the real implementation calls the eager
@@ -313,7 +313,7 @@ def attention(
     q_scale: torch.Tensor | None = None,
     pv_mode: str | None = None,
 ) -> torch.Tensor:
-    """:func:`int8attn.attention` (DESIGN.md section 6) through ``int8attn::attention``.
+    """:func:`int8attn.attention` (docs/design.md §6) through ``int8attn::attention``.
 
     query [num_tokens, num_q_heads, head_dim] bf16; block_table [num_seqs, max_blocks] int32;
     seq_lens [num_seqs] int32; query_start_loc [num_seqs + 1] int32. Writes and returns
