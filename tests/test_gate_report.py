@@ -101,3 +101,101 @@ def test_console_table_lists_paths_and_verdicts():
 
 def test_to_jsonable_handles_non_finite_floats():
     assert to_jsonable({"a": float("inf"), "b": [float("nan"), 1.0]}) == {"a": "inf", "b": ["nan", 1.0]}
+
+
+def test_interpreter_ratios_are_marked_meaningless(tmp_path):
+    exps = _result(meaningful=False)
+    report.write_report(_report_dict(interpret=True), exps, tmp_path, plots=False)
+    md = (tmp_path / "report.md").read_text()
+    assert "0.035x*" in md and "1.000x*" in md  # table cells and item 5
+    assert "timings and ratios meaningless" in md
+    table = report.console_table(exps)
+    assert "0.035x*" in table and "meaningless timing or ratio" in table
+    # GPU timings carry no mark
+    md_gpu = report.to_markdown(_report_dict(), _result())
+    assert "0.035x" in md_gpu and "0.035x*" not in md_gpu
+
+
+def test_ran_column_says_yes_for_paths_that_ran_without_a_trace():
+    exps = _result(meaningful=False)
+    for exp in exps:
+        for case in exp.cases:
+            for p in case.paths:
+                for proof in p.proofs:
+                    proof.trace_status, proof.matched = "skipped", []
+    md = report.to_markdown(_report_dict(interpret=True), exps)
+    rows = [line for line in md.splitlines() if line.startswith("| INT8 dynamic |")]
+    assert rows and rows[0].rstrip(" |").endswith(report.RAN_UNTRACED)
+    assert "| skipped |" not in md
+    assert "no profiler trace proves which kernel" in md
+    assert report.RAN_UNTRACED in report.console_table(exps)
+
+
+def test_ran_column_flags_a_kernel_the_trace_did_not_see():
+    exps = _result()
+    exps[0].cases[0].paths[1].proofs[0].trace_status = "not-seen"
+    md = report.to_markdown(_report_dict(), exps)
+    row = next(line for line in md.splitlines() if line.startswith("| INT8 dynamic |"))
+    assert row.rstrip(" |").endswith("NO")
+
+
+def test_report_names_the_reproduced_articles():
+    md = report.to_markdown(_report_dict(), _result())
+    assert "《gfx936 DCU上实现INT8 QK MMAC：分页访存、Fragment映射与GQA适配》" in md
+    assert "Implementing INT8 QK MMAC on the gfx936 DCU" in md
+    assert "dynamic INT8 GEMM and FP8 KV cache" in md
+    assert "DESIGN.md" not in md
+
+
+def _mixed_cases_experiment(meaningful=True):
+    """E4-like: decode and prefill cases with different parameters and candidate names."""
+    exp = ExperimentResult("E4", "decode and prefill", "claim", accuracy_bound=0.05, x_label="case")
+    for name, params, cand in (("decode bs16 L8192 q4", {"batch": 16, "L": 8192, "q_len": 4}, "int8_decode"),
+                               ("decode bs1 L32768", {"batch": 1, "L": 32768, "q_len": 1}, "int8_decode"),
+                               ("prefill 4096 over 28672", {"q_len": 4096, "prefix": 28672}, "int8_prefill")):
+        c = CaseResult(name, params, [
+            PathResult("bf16", "bf16", "bf16", "baseline", chain=Timing(100.0, 90.0, meaningful)),
+            PathResult(cand, cand, "int8", "candidate", chain=Timing(60.0, 50.0, meaningful))])
+        for p in c.paths:
+            p.accuracy = {"vs_fp64": {"finite": True, "rel_l2": 0.014 if p.role == "candidate" else 2e-3}}
+        fill_speedups(c)
+        exp.cases.append(c)
+    return exp
+
+
+def test_console_table_keeps_full_case_labels():
+    table = report.console_table([_mixed_cases_experiment()])
+    for label in ("decode bs16 L8192 q4", "prefill 4096 over 28672", "int8_prefill"):
+        assert label in table
+    widths = {len(line) for line in table.splitlines()[2:] if line.startswith("E4 ")}
+    assert len(widths) == 1  # the columns line up
+
+
+def test_cases_on_one_numeric_axis_get_lines_other_cases_grouped_bars(tmp_path):
+    mixed = _mixed_cases_experiment()
+    assert report._numeric_axis(mixed) is None
+    multi = _result()[2]  # cases T=256, T=4096
+    assert report._numeric_axis(multi) == ("T", [256, 4096])
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    drawn = {}
+    real_savefig = plt.Figure.savefig
+
+    def savefig(fig, path, *args, **kwargs):
+        ax_s, ax_a = fig.axes[:2]
+        drawn[str(path).rsplit("/", 1)[-1]] = (
+            [t.get_text() for t in ax_s.get_xticklabels()], len(ax_s.patches), len(ax_s.lines))
+        return real_savefig(fig, path, *args, **kwargs)
+
+    plt.Figure.savefig = savefig
+    try:
+        files, _ = report.write_plots([mixed, multi], tmp_path)
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert files == ["e4.png", "e3.png"]
+    labels, bars, _ = drawn["e4.png"]
+    assert labels == [c.name for c in mixed.cases]  # one labelled group per case, no numeric axis
+    assert bars == 2 * len(mixed.cases)  # eager and graph bar of each case's candidate
+    _, bars, lines = drawn["e3.png"]
+    assert bars == 0 and lines >= 2

@@ -24,6 +24,18 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
+#: The command recorded in every row and report; None -> the interpreter's own argv.
+#: Console entry points set it to the command as the user typed it (see set_command).
+_COMMAND: str | None = None
+
+
+def set_command(command: str | None) -> None:
+    """Record ``command`` (e.g. ``"int8attn gate --size tiny"``) as the command of every
+    later :func:`environment`, instead of ``python <argv>``."""
+    global _COMMAND
+    _COMMAND = command
+
+
 def environment() -> dict:
     import triton
 
@@ -35,7 +47,7 @@ def environment() -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "command": _COMMAND or " ".join([os.path.basename(sys.executable)] + sys.argv),
         "interpreter": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
     }
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 
@@ -50,10 +51,24 @@ def _gate(args) -> int:
         if not args.quiet:
             print("int8attn gate: no GPU found -> tiny sizes under the Triton interpreter (timings meaningless)",
                   flush=True)
-        os.execve(sys.executable, [sys.executable, "-m", "int8attn.cli", *sys.argv[1:]], env)
+        os.execve(sys.executable, [sys.executable, "-m", "int8attn.cli", *args.argv], env)
 
-    from . import gate
+    from . import bench, gate
     from .gate import registry
+
+    # rows and the report record the command as typed (``int8attn gate ...``), also after
+    # the interpreter re-launch above, which passes the same arguments
+    bench.set_command(args.command_line)
+    try:
+        return _run_gate(args, gate, registry)
+    finally:
+        bench.set_command(None)
+
+
+def _run_gate(args, gate, registry) -> int:
+    import torch
+
+    from .testing import interpret_mode
 
     if args.list:
         for key in registry.keys():
@@ -93,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="int8attn", description="int8attn command line")
     sub = parser.add_subparsers(dest="command")
     _gate_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
+    args.command_line = shlex.join(["int8attn", *argv])
     if args.command == "gate":
         return _gate(args)
     parser.print_help()

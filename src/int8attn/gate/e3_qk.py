@@ -29,7 +29,7 @@ from .results import ExperimentResult, ScaleInfo
 from .runner import GateContext, PathSpec, ProofSpec, StepSpec, run_case
 
 KEY = "E3"
-TITLE = "QK alone on long tiles: INT8 K -> BF16 dot vs native INT8 dot vs BF16 (24q/4kv heads, D=256)"
+TITLE = "QK alone on long tiles: INT8 K -> BF16 dot vs native INT8 dot vs BF16"
 CLAIM = ("First article, on a gfx936 DCU: reading INT8 K and converting it to BF16 for the BF16 instruction ran "
          "at 0.71x-1.00x of BF16 QK; the native INT8 instruction ran at 1.55x-1.63x on large tiles and about "
          "parity near 256 tokens.")
@@ -128,6 +128,7 @@ def run(ctx: GateContext) -> ExperimentResult:
     kq_all, ks_all = launch.quantize_rows(k_all.reshape(-1, d), "int8")
     kq_all, ks_all = kq_all.view(hkv, t_all, d), ks_all.view(hkv, t_all)
     counts = _token_counts(size, t_all)
+    exp.title = f"{TITLE} ({hq}q/{hkv}kv heads, D={d}, T {'/'.join(map(str, counts))})"
     t_long = max(counts)
     rows_long = min(t_long, size["row_cap"], m_all)
     qq_l, qs_l = launch.quantize_rows(q_all[:, :rows_long].reshape(-1, d), "int8")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .articles import article_lines
 from .metrics import fmt_bytes, fmt_sci, fmt_us, fmt_x
 from .results import ExperimentResult, PathResult, to_jsonable
 
@@ -31,19 +32,24 @@ def _mma_text(path: PathResult) -> str:
             else:
                 parts.append(f"library ({', '.join(proof.classes) or '?'} by name)")
         else:
-            parts.append("skipped")
+            parts.append("SASS skipped")
     return "; ".join(parts) or "—"
+
+
+#: the "ran" cell of a path that ran (its output was checked) without a profiler trace to
+#: prove which kernel did the work (no GPU, or the trace failed)
+RAN_UNTRACED = "yes (not traced)"
 
 
 def _ran_text(path: PathResult) -> str:
     statuses = {p.trace_status for p in path.proofs}
     if not statuses:
         return "—"
-    if statuses == {"ran"}:
-        return "yes"
     if "not-seen" in statuses:
         return "NO"
-    return "skipped"
+    if statuses == {"ran"}:
+        return "yes"
+    return RAN_UNTRACED
 
 
 def _acc(stats: dict | None, key: str) -> str:
@@ -55,6 +61,12 @@ def _acc(stats: dict | None, key: str) -> str:
 def _timing_cell(us, meaningful: bool) -> str:
     text = fmt_us(us)
     return text if meaningful or us is None else f"{text}*"
+
+
+def _ratio_cell(x, meaningful: bool) -> str:
+    """A speed ratio; marked ``*`` (meaningless) when it comes from interpreter/CPU timings."""
+    text = fmt_x(x)
+    return text if meaningful or x is None else f"{text}*"
 
 
 def _md_table(headers, rows) -> list[str]:
@@ -119,10 +131,11 @@ def path_items(path: PathResult, interpret: bool) -> list[str]:
     if path.launched:
         L.append("   - kernels launched by one call: " + ", ".join(f"`{n[:70]}`" for n in path.launched[:6]))
     sp = path.speedup or {}
-    mark = "" if path.chain.meaningful else " (*meaningless: interpreter/CPU*)"
+    ok = path.chain.meaningful
+    mark = "" if ok else " (*meaningless: interpreter/CPU*)"
     L.append(f"5. **Full chain**: {fmt_us(path.chain.eager_us)} eager, {fmt_us(path.chain.graph_us)} graph{mark}; "
-             f"vs BF16: {fmt_x(sp.get('eager'))} eager, {fmt_x(sp.get('graph'))} graph "
-             f"(kernel alone: {fmt_us(path.kernel.eager_us)}, {fmt_x(sp.get('kernel_eager'))})."
+             f"vs BF16: {_ratio_cell(sp.get('eager'), ok)} eager, {_ratio_cell(sp.get('graph'), ok)} graph "
+             f"(kernel alone: {fmt_us(path.kernel.eager_us)}, {_ratio_cell(sp.get('kernel_eager'), ok)}){mark}."
              + (f" {path.chain.note}." if path.chain.note and path.chain.meaningful else ""))
     a64, abf = path.accuracy.get("vs_fp64"), path.accuracy.get("vs_bf16")
     acc = (f"6. **Accuracy** vs float64: finite {a64.get('finite') if a64 else '—'}, rel-L2 {_acc(a64, 'rel_l2')}, "
@@ -171,7 +184,7 @@ def experiment_markdown(exp: ExperimentResult, interpret: bool) -> list[str]:
                 p.label,
                 _timing_cell(p.chain.eager_us, p.chain.meaningful),
                 _timing_cell(p.chain.graph_us, p.chain.meaningful),
-                fmt_x(sp.get("eager")), fmt_x(sp.get("graph")),
+                _ratio_cell(sp.get("eager"), p.chain.meaningful), _ratio_cell(sp.get("graph"), p.chain.meaningful),
                 fmt_bytes(p.bytes_model.get("total")),
                 fmt_sci((p.achieved.get("eager") or {}).get("TFLOPs")),
                 _acc(a64, "rel_l2"), _acc(abf, "rel_l2"),
@@ -179,9 +192,13 @@ def experiment_markdown(exp: ExperimentResult, interpret: bool) -> list[str]:
             ])
         L += _md_table(["path", "chain eager", "chain graph", "×BF16 eager", "×BF16 graph", "bytes/call",
                         "TFLOP/s", "rel-L2 vs f64", "rel-L2 vs BF16", "MMA in SASS", "ran"], rows)
-        if interpret:
+        if interpret or any(not p.chain.meaningful for p in case.paths):
             L.append("")
-            L.append("\\* timings meaningless (Triton interpreter on a CPU).")
+            L.append("\\* timings and ratios meaningless (Triton interpreter on a CPU).")
+        if any(_ran_text(p) == RAN_UNTRACED for p in case.paths):
+            L.append("")
+            L.append(f"ran \"{RAN_UNTRACED}\": the path ran and its output was checked; no profiler trace "
+                     "proves which kernel did the work (no GPU, or the trace failed).")
         for note in case.notes:
             L.append(f"\n- {note}")
         L.append("")
@@ -203,6 +220,8 @@ def to_markdown(report: dict, experiments: list) -> str:
     L.append(f"- GPU: {env.get('gpu')}; torch {env.get('torch')}, Triton {env.get('triton')}, CUDA {env.get('cuda')}, "
              f"Python {env.get('python')}")
     L.append(f"- Date: {env.get('date')}; command: `{env.get('command')}`")
+    L.append("- Reproduces the two articles of docs/design.md §2:")
+    L += [f"  - {line}" for line in article_lines()]
     L.append(f"- Mode: {mode['mode']}; size: {mode['size']}; experiments: {', '.join(mode['experiments'])}; "
              f"adopt needs ≥{mode['min_speedup']:g}x in eager and graph timings plus the accuracy bound")
     if mode.get("interpret"):
@@ -227,6 +246,72 @@ def to_markdown(report: dict, experiments: list) -> str:
 
 
 # --------------------------------------------------------------------------- plots
+
+def _numeric_axis(exp: ExperimentResult):
+    """(param, values) when the cases differ in exactly one numeric parameter (a line plot
+    over it reads well), else None (the cases get labelled, grouped bars)."""
+    if len(exp.cases) < 2 or len({tuple(c.params) for c in exp.cases}) != 1:
+        return None
+    keys = list(exp.cases[0].params)
+    varying = [k for k in keys if len({c.params[k] for c in exp.cases}) > 1]
+    if len(varying) != 1:
+        return None
+    key = varying[0]
+    xs = [c.params[key] for c in exp.cases]
+    if not all(isinstance(x, (int, float)) and x > 0 for x in xs):
+        return None
+    return key, xs
+
+
+def _grouped_bars(exp: ExperimentResult, names: list, ax_s, ax_a) -> None:
+    """Cases that are not points on one axis (E4: decode and prefill shapes): one group of
+    bars per case, labelled with the case's name; speed-ups of each candidate (eager and
+    CUDA graph) on the left, rel-L2 of every path on the right."""
+    colors = {name: f"C{i % 10}" for i, name in enumerate(names)}
+    ticks, labels, x = [], [], 0.0
+    for case in exp.cases:
+        cands = [p for p in case.paths if p.role == "candidate" and not p.error]
+        for p in cands:
+            eager, graph = p.speedup.get("eager"), p.speedup.get("graph")
+            if eager is not None:
+                ax_s.bar(x - 0.2, eager, width=0.4, color=colors[p.name], label=f"{p.name} eager")
+            if graph is not None:  # not measured without a GPU
+                ax_s.bar(x + 0.2, graph, width=0.4, color=colors[p.name], alpha=0.45, hatch="//",
+                         label=f"{p.name} CUDA graph")
+            ticks.append(x)
+            labels.append(case.name if len(cands) == 1 else f"{case.name}\n{p.name}")
+            x += 1.0
+        x += 0.5
+    ax_s.axhline(1.0, color="k", lw=1)
+    ax_s.set_xticks(ticks, labels, rotation=30, ha="right", fontsize=8)
+    ax_s.set_ylabel("speed vs BF16 (x, higher is faster)")
+    ax_s.set_xlabel(exp.x_label or "case")
+    ticks, labels, x = [], [], 0.0
+    for case in exp.cases:
+        paths = [p for p in case.paths if not p.error]
+        width = 0.8 / max(1, len(paths))
+        for i, p in enumerate(paths):
+            rel = (p.accuracy.get("vs_fp64") or {}).get("rel_l2")
+            if rel:
+                ax_a.bar(x + (i - (len(paths) - 1) / 2) * width, rel, width=width, color=colors[p.name],
+                         label=p.name)
+        ticks.append(x)
+        labels.append(case.name)
+        x += 1.0
+    ax_a.set_yscale("log")
+    ax_a.set_xticks(ticks, labels, rotation=30, ha="right", fontsize=8)
+    ax_a.set_ylabel("rel-L2 vs float64")
+    ax_a.set_xlabel(exp.x_label or "case")
+
+
+def _dedup_legend(ax, **kw) -> None:
+    handles, labels = ax.get_legend_handles_labels()
+    seen = {}
+    for h, label in zip(handles, labels):
+        seen.setdefault(label, h)
+    if seen:
+        ax.legend(list(seen.values()), list(seen), **kw)
+
 def write_plots(experiments: list, out_dir: Path) -> tuple[list[str], str]:
     """One PNG per experiment that ran: speed-up vs BF16 (eager/graph) and rel-L2 vs
     float64. Returns (file names, note)."""
@@ -247,7 +332,9 @@ def write_plots(experiments: list, out_dir: Path) -> tuple[list[str], str]:
             for p in case.paths:
                 if p.name not in names:
                     names.append(p.name)
-        fig, (ax_s, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
+        wide = _numeric_axis(exp) is None and len(exp.cases) > 1
+        n_bars = sum(len(c.paths) for c in exp.cases) if wide else 0
+        fig, (ax_s, ax_a) = plt.subplots(1, 2, figsize=(max(12.0, 4.0 + 0.9 * n_bars), 5.5 if wide else 4.5))
         meaningful = all(p.chain.meaningful for c in exp.cases for p in c.paths)
         if len(exp.cases) == 1:
             case = exp.cases[0]
@@ -269,8 +356,8 @@ def write_plots(experiments: list, out_dir: Path) -> tuple[list[str], str]:
             if all(v > 0 for v in rel):
                 ax_a.set_xscale("log")
                 ax_a.xaxis.set_minor_formatter(NullFormatter())
-        else:
-            xs = [list(c.params.values())[0] for c in exp.cases]
+        elif _numeric_axis(exp) is not None:
+            key, xs = _numeric_axis(exp)
             for name in names:
                 ps = [c.path(name) for c in exp.cases]
                 if all(p is None or p.role == "baseline" for p in ps):
@@ -278,8 +365,9 @@ def write_plots(experiments: list, out_dir: Path) -> tuple[list[str], str]:
                 eager = [p.speedup.get("eager") if p and not p.error else None for p in ps]
                 graph = [p.speedup.get("graph") if p and not p.error else None for p in ps]
                 line, = ax_s.plot(xs, [v if v is not None else float("nan") for v in eager], "o-", label=f"{name} eager")
-                ax_s.plot(xs, [v if v is not None else float("nan") for v in graph], "s--", color=line.get_color(),
-                          label=f"{name} graph")
+                if any(v is not None for v in graph):  # no CUDA graph without a GPU
+                    ax_s.plot(xs, [v if v is not None else float("nan") for v in graph], "s--",
+                              color=line.get_color(), label=f"{name} graph")
             for name in names:
                 ps = [c.path(name) for c in exp.cases]
                 rel = [((p.accuracy.get("vs_fp64") or {}).get("rel_l2") if p and not p.error else None) for p in ps]
@@ -288,15 +376,25 @@ def write_plots(experiments: list, out_dir: Path) -> tuple[list[str], str]:
             ax_a.set_yscale("log")
             ax_s.set_xscale("log", base=2)
             ax_a.set_xscale("log", base=2)
-            ax_s.set_xlabel(exp.x_label)
-            ax_a.set_xlabel(exp.x_label)
-            ax_s.set_ylabel("speed vs BF16 (x)")
+            ax_s.set_xticks(xs, [str(x) for x in xs])
+            ax_a.set_xticks(xs, [str(x) for x in xs])
+            ax_s.xaxis.set_minor_formatter(NullFormatter())
+            ax_a.xaxis.set_minor_formatter(NullFormatter())
+            ax_s.set_xlabel(exp.x_label or key)
+            ax_a.set_xlabel(exp.x_label or key)
+            ax_s.set_ylabel("speed vs BF16 (x, higher is faster)")
             ax_a.set_ylabel("rel-L2 vs float64")
             ax_a.legend(fontsize=8)
+        else:
+            _grouped_bars(exp, names, ax_s, ax_a)
+        if not meaningful:
+            ax_s.set_title("ratios MEANINGLESS (interpreter/CPU timings)", fontsize=8, color="r")
         if exp.accuracy_bound is not None:
             (ax_a.axvline if len(exp.cases) == 1 else ax_a.axhline)(exp.accuracy_bound, color="r", ls=":",
                                                                     label="bound")
-        ax_s.legend(fontsize=8)
+        _dedup_legend(ax_s, fontsize=8)
+        if wide:
+            _dedup_legend(ax_a, fontsize=8)
         title = f"{exp.key}: {exp.title}"
         if not meaningful:
             title += "\n(timings MEANINGLESS: interpreter/CPU)"
@@ -312,9 +410,14 @@ def write_plots(experiments: list, out_dir: Path) -> tuple[list[str], str]:
 
 # --------------------------------------------------------------------------- console
 def console_table(experiments: list) -> str:
-    """A compact fixed-width summary for the terminal."""
-    header = f"{'exp':<4} {'case':<16} {'path':<17} {'eager':>10} {'graph':>10} {'xBF16 e':>8} {'xBF16 g':>8} " \
-             f"{'relL2':>9} {'MMA':<22} ran"
+    """A fixed-width summary for the terminal; the case and path columns are as wide as
+    their longest entry, so no label is cut."""
+    ran = [e for e in experiments if e.status == "ran"]
+    case_w = max([len("case")] + [len(c.name) for e in ran for c in e.cases])
+    path_w = max([len("path")] + [len(p.name) for e in ran for c in e.cases for p in c.paths])
+    mma_w = 22
+    header = (f"{'exp':<4} {'case':<{case_w}} {'path':<{path_w}} {'eager':>10} {'graph':>10} {'xBF16 e':>8} "
+              f"{'xBF16 g':>8} {'relL2':>9} {'MMA':<{mma_w}} ran")
     lines = [header, "-" * len(header)]
     for exp in experiments:
         if exp.status != "ran":
@@ -323,19 +426,22 @@ def console_table(experiments: list) -> str:
         for case in exp.cases:
             for p in case.paths:
                 if p.error:
-                    lines.append(f"{exp.key:<4} {case.name[:16]:<16} {p.name[:17]:<17} FAILED: {p.error[:60]}")
+                    lines.append(f"{exp.key:<4} {case.name:<{case_w}} {p.name:<{path_w}} FAILED: {p.error[:60]}")
                     continue
-                star = "" if p.chain.meaningful else "*"
+                ok = p.chain.meaningful
+                star = "" if ok else "*"
                 sp = p.speedup or {}
                 mma = _mma_text(p)
                 lines.append(
-                    f"{exp.key:<4} {case.name[:16]:<16} {p.name[:17]:<17} {fmt_us(p.chain.eager_us) + star:>10} "
-                    f"{fmt_us(p.chain.graph_us):>10} {fmt_x(sp.get('eager')):>8} {fmt_x(sp.get('graph')):>8} "
-                    f"{fmt_sci((p.accuracy.get('vs_fp64') or {}).get('rel_l2')):>9} {mma[:22]:<22} {_ran_text(p)}")
+                    f"{exp.key:<4} {case.name:<{case_w}} {p.name:<{path_w}} {fmt_us(p.chain.eager_us) + star:>10} "
+                    f"{_timing_cell(p.chain.graph_us, ok):>10} {_ratio_cell(sp.get('eager'), ok):>8} "
+                    f"{_ratio_cell(sp.get('graph'), ok):>8} "
+                    f"{fmt_sci((p.accuracy.get('vs_fp64') or {}).get('rel_l2')):>9} {mma[:mma_w]:<{mma_w}} "
+                    f"{_ran_text(p)}")
         for v in exp.verdicts:
             lines.append(f"     -> {v.path}: {DECISION_MARK.get(v.decision, v.decision)} — {v.reason}")
     if any(not p.chain.meaningful for e in experiments for c in e.cases for p in c.paths):
-        lines.append("* meaningless timing (Triton interpreter / CPU)")
+        lines.append("* meaningless timing or ratio (Triton interpreter / CPU)")
     return "\n".join(lines)
 
 
