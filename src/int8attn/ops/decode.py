@@ -54,7 +54,7 @@ MAX_BLOCK_M = 32
 
 #: PV precisions each cache dtype accepts; the first is the default. INT8 PV (shifted
 #: 0..255 P) is within the accuracy goal on the H200 (rel-L2 0.008 vs float64 on
-#: outlier keys) and was as fast or faster than BF16 PV in the H200 run of 08:37
+#: outlier keys) and was as fast or faster than BF16 PV in the H200 run recorded in d3c2e2b
 #: (284 vs 298 us at bs16 L32k; benchmarks/notes/decode.md).
 PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
 _PV_KIND = {"int8": PV_INT8.value, "int8_signed": PV_INT8_SIGNED.value, "fp8": PV_FP8.value, "bf16": PV_BF16.value}
@@ -94,13 +94,13 @@ SMEM_OVERHEAD = 36 * 1024
 
 #: Winners of the H200 sweeps in benchmarks/bench_decode.py (2026-11-30, 8-bit V pages
 #: transposed; one pass of <= 16 packed rows; geometric mean of bs16 L32k, bs1 L32k and
-#: bs64 L8k). Head_dim 256: int8 and fp8 64/4/6 with swapped operands (09:48 run: fp8
+#: bs64 L8k). Head_dim 256: int8 and fp8 64/4/6 with swapped operands (run of 80c7e2f: fp8
 #: 280.8 us at bs16 L32k against 507.0 for the best row-major fp8 config, whose 16-row e4m3
 #: dot Triton lowers to HMMA after converting to f16; int8 282.8 against 288.0 row-major,
 #: 2% faster at all three shapes; int8 128/4/4 row-major is 2-3% faster at bs16/bs64 but 9%
-#: slower at bs1), bf16 64/8/5. Head_dim 128 (32q/8kv): int8 128/4/5 swapped (11:27 run: 292.9
+#: slower at bs1), bf16 64/8/5. Head_dim 128 (32q/8kv): int8 128/4/5 swapped (run of 0205ea4: 292.9
 #: us at bs16 L32k, 89.1% of copy, against 309.0 row-major and 501 for the rule below; 31.4 us
-#: at bs1 L32k either way), fp8 128/4/5 swapped (10:15 run: 285 us at bs16 L32k, 91.5% of
+#: at bs1 L32k either way), fp8 128/4/5 swapped (run of 80c7e2f: 285 us at bs16 L32k, 91.5% of
 #: copy, against 576 for the rule and 367 for 64/4/6 swapped). Other shapes keep the rule: at
 #: 32 packed rows the 4-warp configs spill (swapped ones too).
 MEASURED_BEST = {
@@ -114,7 +114,7 @@ MEASURED_BEST = {
 
 #: PV modes that run the row-major tile even where MEASURED_BEST swaps the operands:
 #: an int8 cache with bf16 PV (V converted to bf16 for the warpgroup MMA: 309 us at bs16
-#: L32k against 282 row-major in the 10:15 run) and the signed-P variant (row-major only).
+#: L32k against 282 row-major in the run of 80c7e2f) and the signed-P variant (row-major only).
 ROW_MAJOR_PV = {"int8": ("bf16", "int8_signed")}
 
 

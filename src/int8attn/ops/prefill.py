@@ -86,11 +86,11 @@ def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> PrefillConfig:
     if pv_mode == "bf16":
         if head_dim <= 128:
             # H200, 32q/8kv/D128 over 28672 (benchmarks/results/prefill.jsonl): 128-key tiles
-            # beat 64-key ones (07:15 run, row-major V: 6.36 / 6.57 ms against 8.83 / 9.21).
-            # With the transposed V pages (09:10 run) int8 runs best loading V early (6.88
+            # beat 64-key ones (run of 7f5019f, row-major V: 6.36 / 6.57 ms against 8.83 / 9.21).
+            # With the transposed V pages (run of 3af788b) int8 runs best loading V early (6.88
             # ms against 7.19 late: no spills in the diagonal loop), fp8 late (7.65 / 7.82).
             # Loading V one contiguous page run at a time (v_flat: no bank conflicts in the
-            # staging tile) was faster in the 10:15 run at prefix 28672 / 0: int8 6.32 / 0.735
+            # staging tile) was faster in the run of 80c7e2f at prefix 28672 / 0: int8 6.32 / 0.735
             # ms against 7.01 / 0.796, fp8 6.42 / 0.741 against 7.59 / 0.873.
             return PrefillConfig(block_m=128, block_n=128, dv=head_dim, num_warps=8, num_stages=2,
                                  v_late=kv_dtype == "fp8", v_flat=True)
@@ -99,7 +99,7 @@ def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> PrefillConfig:
     # live registers within budget at head_dim 256.
     if head_dim > 128:
         return PrefillConfig(block_m=128, block_n=64, dv=64, num_warps=8, num_stages=2, v_late=True)
-    # int8 PV with v_flat (10:15 run): 8.37 / 0.843 ms against 9.02 / 0.910 (fp8 PV unmeasured)
+    # int8 PV with v_flat (run of 80c7e2f): 8.37 / 0.843 ms against 9.02 / 0.910 (fp8 PV unmeasured)
     return PrefillConfig(block_m=128, block_n=64, dv=head_dim, num_warps=8, num_stages=2, v_late=True,
                          v_flat=kv_dtype == "int8")
 
