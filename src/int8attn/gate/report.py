@@ -343,7 +343,8 @@ def write_plots(experiments: list, out_dir: Path) -> tuple[list[str], str]:
             eager = [p.speedup.get("eager") or 0 for p in cands]
             graph = [p.speedup.get("graph") or 0 for p in cands]
             ax_s.barh([y + 0.2 for y in ys], eager, height=0.4, label="eager")
-            ax_s.barh([y - 0.2 for y in ys], graph, height=0.4, label="CUDA graph")
+            if any(graph):  # no CUDA graph without a GPU
+                ax_s.barh([y - 0.2 for y in ys], graph, height=0.4, label="CUDA graph")
             ax_s.set_yticks(list(ys), [p.name for p in cands])
             ax_s.axvline(1.0, color="k", lw=1)
             ax_s.set_xlabel("speed vs BF16 (x, higher is faster)")
