@@ -52,7 +52,7 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from int8attn import bench, reference, testing  # noqa: E402
+from int8attn import bench, reference, runtime, testing  # noqa: E402
 from int8attn.cache import PagedKVCache  # noqa: E402
 from int8attn.ops import decode as dec  # noqa: E402
 from int8attn.ops.producer import quantize_query  # noqa: E402
@@ -439,7 +439,7 @@ def time_sdpa(r: Run, shape, bs, ctx, tag="grid"):
 
 def setup(r: Run) -> None:
     r.copy_bw = 1.0 if SMOKE else bench.copy_bandwidth()
-    sms = dec.sm_count(torch.device(DEV))
+    sms = runtime.sm_count(torch.device(DEV))
     log(f"device {r.rec.env['gpu']} torch {r.rec.env['torch']} triton {r.rec.env['triton']} SMs {sms} "
         f"copy {r.copy_bw / 1e12:.3f} TB/s")
     r.rec.add(kind="copy_bandwidth", bytes_per_s=r.copy_bw)

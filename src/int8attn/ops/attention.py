@@ -37,7 +37,7 @@ import torch
 
 from .. import _checks
 from ..cache import PagedKVCache
-from ..testing import interpret_mode
+from ..runtime import interpret_mode
 from . import decode as _decode
 from . import prefill as _prefill
 from .decode import MAX_DECODE_QUERY_LEN

@@ -20,20 +20,16 @@ import triton
 
 from .. import _checks
 from ..cache import PagedKVCache
-from ..kernels.prefill import PV_BF16, PV_FP8, PV_INT8, _prefill_kernel
-from ..testing import interpret_mode
-from .write import KV_KIND, device_guard
+from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
+from ..kernels.prefill import _prefill_kernel
+from ..runtime import device_guard, interpret_mode
 
-#: PV precisions each cache dtype accepts. "bf16" means a 16-bit float PV product (fp16
-#: for 8-bit caches: their V values are exact in it).
-PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
 #: Default PV precision per cache dtype. On the H200 (benchmarks/notes/prefill.md) the
 #: 16-bit PV was both faster and more accurate than 8-bit PV for 8-bit caches: INT8 cache
 #: 9.5 ms (fp16 PV) vs 14.4 ms (int8 PV) at 4096 tokens over 28672, end-to-end rel-L2
 #: 0.013 vs 0.018. Those runs predate the transposed V pages of 8-bit caches (V now
 #: arrives K-major, as 8-bit MMAs need, without a byte transpose in registers).
 DEFAULT_PV = {"int8": "bf16", "fp8": "bf16", "bf16": "bf16"}
-_PV_KIND = {"int8": PV_INT8.value, "fp8": PV_FP8.value, "bf16": PV_BF16.value}
 
 #: The compiled kernel of the latest launch (benchmarks read its SASS); None in the
 #: interpreter.
@@ -257,7 +253,7 @@ def _run(config: PrefillConfig, pv_mode: str, query, cache, block_table, seq_len
             block_table.stride(0),
             GROUP=group, HEAD_DIM=head_dim, DV=config.dv, PAGE=cache.block_size,
             BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
-            KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=_PV_KIND[pv_mode], P_SHIFT=bool(config.p_shift),
+            KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[pv_mode], P_SHIFT=bool(config.p_shift),
             Q_QUANTIZED=q_quantized or not cache.quantized, SEARCH=search, V_LATE=bool(config.v_late),
             V_TRANSPOSED=cache.value_transposed, V_FLAT=bool(config.v_flat), CVT_ASM=_use_cvt_asm(config, cache),
             LAZY_RESCALE=bool(config.lazy_rescale), INTERPRET=interpret_mode(),
