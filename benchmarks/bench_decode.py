@@ -218,7 +218,7 @@ class Decode:
         self._it = itertools.cycle(self.tables)
 
     def __call__(self):
-        return dec._run(self.plan, self.query, self.cache, next(self._it), self.seq_lens, self.qsl, None, self.out,
+        return dec.run_decode(self.plan, self.query, self.cache, next(self._it), self.seq_lens, self.qsl, None, self.out,
                         self.qq, self.qs, self.ws)
 
 
@@ -243,7 +243,7 @@ def _compile_worker(key):
         sl = torch.full((bs,), ctx, dtype=torch.int32, device=DEV)
         qsl = torch.arange(0, bs * tpp + 1, tpp, dtype=torch.int32, device=DEV)
         qq, qs = (None, None) if not cache.quantized else quantize_query(q, kv)
-        dec._run(plan, q, cache, bt, sl, qsl, None, None, qq, qs, None)
+        dec.run_decode(plan, q, cache, bt, sl, qsl, None, None, qq, qs, None)
         torch.cuda.synchronize()
         return key, None
     except Exception as e:  # reported, the main process compiles it again if needed
@@ -498,7 +498,7 @@ def accuracy(r: Run) -> None:
                     plan = dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), pv_mode=pv,
                                            config=cfg)
                     out = testing.poisoned_like(b.query)
-                    dec._run(plan, *a, None, out, None, None, None)
+                    dec.run_decode(plan, *a, None, out, None, None, None)
                     st = reference.error_stats(out, ref)
                     row = dict(kind="accuracy", case=case, kv_dtype=kv, pv_mode=mode, seq_lens=lens, q_lens=qs,
                                num_splits=plan.num_splits, key_smoothing=b.cache.key_smoothing,

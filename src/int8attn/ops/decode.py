@@ -285,15 +285,14 @@ def _plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode
     if config.swap_ab and (cache.kv_dtype not in ("int8", "fp8") or pv_mode == "int8_signed"):
         raise ValueError("swap_ab needs an 8-bit (int8 / fp8) cache and pv_mode int8, fp8 or bf16, got a "
                          f"{cache.kv_dtype!r} cache with pv_mode {pv_mode!r}")
-    if config.maxnreg is not None and (isinstance(config.maxnreg, bool) or not isinstance(config.maxnreg, int)
-                                       or not 32 <= config.maxnreg <= 255):
+    if config.maxnreg is not None and not _checks.is_int(config.maxnreg, 32, 255):
         raise ValueError(f"maxnreg must be None or an int in [32, 255], got {config.maxnreg!r}")
     elem = cache.key.element_size()
     if num_splits is None:
         slots = sm_count(cache.device) * _programs_per_sm(config, head_dim, elem)
         num_splits = choose_num_splits(num_seqs, cache.num_kv_heads, max_blocks * cache.block_size, config.block_n,
                                        group * tokens, head_dim, elem, slots)
-    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_NUM_SPLITS:
+    elif not _checks.is_int(num_splits, 1, MAX_NUM_SPLITS):
         raise ValueError(f"num_splits must be an int in [1, {MAX_NUM_SPLITS}], got {num_splits!r}")
     return DecodePlan(num_splits=num_splits, tokens_per_pass=tokens, block_m=block_m, config=config, pv_mode=pv_mode)
 
@@ -330,24 +329,26 @@ def decode_attention(query, cache, block_table, seq_lens, query_start_loc, *, so
     """
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                    q_quant=q_quant, q_scale=q_scale)
-    _check_decode_options(cache, softmax_scale, workspace)
+    check_decode_options(cache, softmax_scale, workspace)
     plan = plan_decode(tuple(query.shape), cache, tuple(block_table.shape), pv_mode=pv_mode, num_splits=num_splits)
-    return _run(plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
+    return run_decode(plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
                 workspace)
 
 
-def _check_decode_options(cache, softmax_scale, workspace) -> None:
+def check_decode_options(cache, softmax_scale, workspace) -> None:
+    """The non-tensor arguments of a decode call (cache, softmax_scale, workspace)."""
     _checks.check_kernel_options(cache, softmax_scale, "decode_attention")
     if workspace is not None:
         if not isinstance(workspace, DecodeWorkspace):
             raise TypeError(f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
-        if not _checks._same_device(workspace.device, cache.device):
+        if not _checks.same_device(workspace.device, cache.device):
             raise ValueError(f"workspace is on {workspace.device} but the cache is on {cache.device}")
 
 
-def _run(plan: DecodePlan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant,
-         q_scale, workspace) -> torch.Tensor:
-    """Launch with a fixed plan (no validation; benchmarks call it with their own plans)."""
+def run_decode(plan: DecodePlan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant,
+               q_scale, workspace) -> torch.Tensor:
+    """Launch with a fixed plan, no validation: for callers that checked the inputs
+    themselves (``decode_attention``, ``attention``; benchmarks with their own plans)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = block_table.shape[0]
     if out is None:

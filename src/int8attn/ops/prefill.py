@@ -109,17 +109,18 @@ def resolve_pv_mode(kv_dtype: str, pv_mode: str | None) -> str:
     return pv_mode
 
 
-def _check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) -> None:
+def check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) -> None:
+    """The non-tensor arguments of a prefill call (cache, softmax_scale, query-length bounds)."""
     _checks.check_kernel_options(cache, softmax_scale, "prefill_attention")
-    if isinstance(min_query_len, bool) or not isinstance(min_query_len, int) or min_query_len < 0:
+    if not _checks.is_int(min_query_len):
         raise ValueError(f"min_query_len must be an int >= 0, got {min_query_len!r}")
-    if max_query_len is not None and (
-        isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0
-    ):
+    if max_query_len is not None and not _checks.is_int(max_query_len):
         raise ValueError(f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
 
 
-def _check_config(config: PrefillConfig, cache: PagedKVCache, group: int, pv_mode: str | None = None) -> PrefillConfig:
+def check_config(config: PrefillConfig, cache: PagedKVCache, group: int, pv_mode: str | None = None) -> PrefillConfig:
+    """``config`` checked against the cache, GQA group and PV mode (ValueError /
+    TypeError), as the launch uses it."""
     d = cache.head_dim
     dv = config.dv or d
     for name in ("p_shift", "v_late", "lazy_rescale", "v_flat"):
@@ -174,15 +175,15 @@ def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, s
     """
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                    q_quant=q_quant, q_scale=q_scale)
-    _check_prefill_options(cache, softmax_scale, min_query_len, max_query_len)
+    check_prefill_options(cache, softmax_scale, min_query_len, max_query_len)
     pv_mode = resolve_pv_mode(cache.kv_dtype, pv_mode)
     if config is None:
         config = default_config(cache.kv_dtype, cache.head_dim, pv_mode)
     elif not isinstance(config, PrefillConfig):
         raise TypeError(f"config must be a PrefillConfig, got {type(config).__name__}")
     group = query.shape[1] // cache.num_kv_heads
-    config = _check_config(config, cache, group, pv_mode)
-    return _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
+    config = check_config(config, cache, group, pv_mode)
+    return run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                 q_quant, q_scale, min_query_len, max_query_len)
 
 
@@ -204,9 +205,10 @@ def _use_cvt_asm(config: PrefillConfig, cache: PagedKVCache) -> bool:
     return bool(config.cvt_asm) and native
 
 
-def _run(config: PrefillConfig, pv_mode: str, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
-         out, q_quant, q_scale, min_query_len, max_query_len) -> torch.Tensor:
-    """Launch with a checked config (no validation)."""
+def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, seq_lens, query_start_loc,
+                softmax_scale, out, q_quant, q_scale, min_query_len, max_query_len) -> torch.Tensor:
+    """Launch with a config from :func:`check_config`, no validation: for callers that
+    checked the inputs themselves (``prefill_attention``, ``attention``)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = block_table.shape[0]
     if out is None:
