@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from int8attn import reference, testing
+from int8attn import launches, reference, testing
 from int8attn.ops.decode import (
     MAX_DECODE_QUERY_LEN,
     DecodeConfig,
@@ -134,7 +134,7 @@ def test_swapped_operands_match_references(device, monkeypatch, kv, pv, hq, hkv,
     batch = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                      kv_dtype=kv, seed=7 * d + hq + bs + block_n, device=device)
     _run_and_check(batch, pv_mode=pv, num_splits=splits)
-    assert dec.LAST_LAUNCH["plan"].config.swap_ab
+    assert launches.last("_decode_split_kernel").facts["plan"].config.swap_ab
 
 
 def test_default_orientation_per_pv_mode():
@@ -182,7 +182,7 @@ def test_register_capped_configs_match_references(device, monkeypatch, kv, block
     batch = testing.make_paged_batch([17, 97, 123], [1, 2, 1], num_q_heads=12, num_kv_heads=2, head_dim=256,
                                      kv_dtype=kv, seed=block_n + maxnreg, device=device)
     _run_and_check(batch, num_splits=2)
-    kernel = dec.LAST_LAUNCH["split_kernel"]
+    kernel = launches.last("_decode_split_kernel").compiled
     if kernel is not None and getattr(kernel, "n_regs", None):
         assert kernel.n_regs <= maxnreg, f"compiled with {kernel.n_regs} registers, cap {maxnreg}"
 
@@ -213,7 +213,7 @@ def test_merge_folds_more_splits_than_one_chunk(device, monkeypatch):
     batch = testing.make_paged_batch([2200, 70], [1, 2], num_q_heads=4, num_kv_heads=1, head_dim=64,
                                      kv_dtype="int8", seed=11, device=device)
     _run_and_check(batch, num_splits=70)
-    assert dec.LAST_LAUNCH["plan"].num_splits > dec.MERGE_MAX_CHUNK
+    assert launches.last("_decode_split_kernel").facts["plan"].num_splits > dec.MERGE_MAX_CHUNK
 
 def test_smoothing_off_outlier_keys(device):
     """Outlier keys quantized without the smoothing offset: larger per-token scales,

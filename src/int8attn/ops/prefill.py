@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from .. import _checks
+from .. import _checks, launches
 from ..cache import PagedKVCache
 from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
 from ..kernels.prefill import _prefill_kernel
@@ -30,10 +30,6 @@ from ..runtime import device_guard, interpret_mode
 #: 0.013 vs 0.018. Those runs predate the transposed V pages of 8-bit caches (V now
 #: arrives K-major, as 8-bit MMAs need, without a byte transpose in registers).
 DEFAULT_PV = {"int8": "bf16", "fp8": "bf16", "bf16": "bf16"}
-
-#: The compiled kernel of the latest launch (benchmarks read its SASS); None in the
-#: interpreter.
-last_compiled_kernel = None
 
 
 @dataclass(frozen=True)
@@ -118,10 +114,10 @@ def check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) ->
         raise ValueError(f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
 
 
-def check_config(config: PrefillConfig, cache: PagedKVCache, group: int, pv_mode: str | None = None) -> PrefillConfig:
-    """``config`` checked against the cache, GQA group and PV mode (ValueError /
-    TypeError), as the launch uses it."""
-    d = cache.head_dim
+def check_config(config: PrefillConfig, head_dim: int, group: int, pv_mode: str | None = None) -> PrefillConfig:
+    """``config`` checked against the cache's head_dim, the GQA group and the PV mode
+    (ValueError / TypeError), completed as the launch uses it (``dv``, ``block_m``)."""
+    d = head_dim
     dv = config.dv or d
     for name in ("p_shift", "v_late", "lazy_rescale", "v_flat"):
         if not isinstance(getattr(config, name), bool):
@@ -182,7 +178,7 @@ def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, s
     elif not isinstance(config, PrefillConfig):
         raise TypeError(f"config must be a PrefillConfig, got {type(config).__name__}")
     group = query.shape[1] // cache.num_kv_heads
-    config = check_config(config, cache, group, pv_mode)
+    config = check_config(config, cache.head_dim, group, pv_mode)
     return run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                 q_quant, q_scale, min_query_len, max_query_len)
 
@@ -242,9 +238,8 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
         softmax_scale = head_dim ** -0.5
     qk_scale = float(softmax_scale) * math.log2(math.e)
 
-    global last_compiled_kernel
     with device_guard(cache.device):
-        last_compiled_kernel = _prefill_kernel[(num_tiles, cache.num_kv_heads)](
+        compiled = _prefill_kernel[(num_tiles, cache.num_kv_heads)](
             q_in, q_scale_in, out,
             key, value, k_scale, v_scale,
             block_table, seq_lens, query_start_loc,
@@ -261,4 +256,5 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
             LAZY_RESCALE=bool(config.lazy_rescale), INTERPRET=interpret_mode(),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
+    launches.record("_prefill_kernel", compiled)
     return out
