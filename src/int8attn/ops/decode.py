@@ -79,17 +79,13 @@ BUFFER_BUDGET = 180 * 1024
 SMEM_OVERHEAD = 36 * 1024
 
 
-#: Winners of the H200 sweeps in benchmarks/bench_decode.py (2026-11-30, 8-bit V pages
-#: transposed; one pass of <= 16 packed rows; geometric mean of bs16 L32k, bs1 L32k and
-#: bs64 L8k). Head_dim 256: int8 and fp8 64/4/6 with swapped operands (09:48 run: fp8
-#: 280.8 us at bs16 L32k against 507.0 for the best row-major fp8 config, whose 16-row e4m3
-#: dot Triton lowers to HMMA after converting to f16; int8 282.8 against 288.0 row-major,
-#: 2% faster at all three shapes; int8 128/4/4 row-major is 2-3% faster at bs16/bs64 but 9%
-#: slower at bs1), bf16 64/8/5. Head_dim 128 (32q/8kv): int8 128/4/5 swapped (11:27 run: 292.9
-#: us at bs16 L32k, 89.1% of copy, against 309.0 row-major and 501 for the rule below; 31.4 us
-#: at bs1 L32k either way), fp8 128/4/5 swapped (10:15 run: 285 us at bs16 L32k, 91.5% of
-#: copy, against 576 for the rule and 367 for 64/4/6 swapped). Other shapes keep the rule: at
-#: 32 packed rows the 4-warp configs spill (swapped ones too).
+#: Winners of the H200 sweeps of benchmarks/bench_decode.py (one pass of <= 16 packed rows,
+#: ranked by the geometric mean of bs16 L32k, bs1 L32k and bs64 L8k), by (kv_dtype, head_dim,
+#: packed rows). 8-bit caches swap the MMA operands: a 16-row e4m3 dot is otherwise lowered
+#: to HMMA after a conversion to f16, and swapped int8 is faster at all three shapes. Other
+#: shapes keep the tile rule of default_config: at 32 packed rows the 4-warp configs spill
+#: (swapped ones too). Figures: benchmarks/notes/decode.md, "Figures behind
+#: ops.decode.MEASURED_BEST".
 MEASURED_BEST = {
     ("int8", 256, 16): DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True),
     ("int8", 128, 16): DecodeConfig(block_n=128, num_warps=4, num_stages=5, swap_ab=True),
@@ -99,9 +95,9 @@ MEASURED_BEST = {
 }
 
 
-#: PV modes that run the row-major tile even where MEASURED_BEST swaps the operands:
-#: an int8 cache with bf16 PV (V converted to bf16 for the warpgroup MMA: 309 us at bs16
-#: L32k against 282 row-major in the 10:15 run) and the signed-P variant (row-major only).
+#: PV modes that run the row-major tile even where MEASURED_BEST swaps the operands: an
+#: int8 cache with bf16 PV (V converted to bf16 for the warpgroup MMA is slower swapped;
+#: benchmarks/notes/decode.md, same section) and the signed-P variant (row-major only).
 ROW_MAJOR_PV = {"int8": ("bf16", "int8_signed")}
 
 
