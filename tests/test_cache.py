@@ -3,10 +3,11 @@
 import pytest
 import torch
 
+from _ids import cases
 from int8attn.cache import BlockAllocator, PagedKVCache
 
 
-@pytest.mark.parametrize("kv_dtype,storage", [("int8", torch.int8), ("fp8", torch.float8_e4m3fn),
+@cases("kv_dtype,storage", [("int8", torch.int8), ("fp8", torch.float8_e4m3fn),
                                               ("bf16", torch.bfloat16)])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_layout(kv_dtype, storage, head_dim, device):
@@ -43,7 +44,7 @@ def test_layout(kv_dtype, storage, head_dim, device):
     assert kv_dtype in repr(cache)
 
 
-@pytest.mark.parametrize(
+@cases(
     "kwargs,match",
     [
         (dict(kv_dtype="int4"), "kv_dtype"),
