@@ -8,7 +8,7 @@ over). Sections, each under try/except so one failure does not lose the rest:
    processes (they fill Triton's on-disk cache; the main process then loads them);
 1. ``acc``: accuracy at real shapes (24q/4kv D256 page 16, outlier keys) vs the float64
    reference for every cache dtype / PV mode (same-quantization reference for INT8) and
-   the SASS of the kernels that ran (``LAST_LAUNCH``): IMMA/IGMMA for INT8, QGMMA or
+   the SASS of the kernels that ran (``int8attn.launches``): IMMA/IGMMA for INT8, QGMMA or
    what Triton chose for fp8, HMMA/HGMMA for BF16; registers, spills, shared memory;
 2. ``tune``: a handful of tile / warps / stages configs per cache dtype (picked from the
    sm_90 static analysis) at bs16 L32k, bs1 L32k, bs64 L8k; the best (geometric mean)
@@ -52,7 +52,7 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from int8attn import bench, reference, testing  # noqa: E402
+from int8attn import bench, launches, reference, runtime, testing  # noqa: E402
 from int8attn.cache import PagedKVCache  # noqa: E402
 from int8attn.ops import decode as dec  # noqa: E402
 from int8attn.ops.producer import quantize_query  # noqa: E402
@@ -218,7 +218,7 @@ class Decode:
         self._it = itertools.cycle(self.tables)
 
     def __call__(self):
-        return dec._run(self.plan, self.query, self.cache, next(self._it), self.seq_lens, self.qsl, None, self.out,
+        return dec.run_decode(self.plan, self.query, self.cache, next(self._it), self.seq_lens, self.qsl, None, self.out,
                         self.qq, self.qs, self.ws)
 
 
@@ -243,7 +243,7 @@ def _compile_worker(key):
         sl = torch.full((bs,), ctx, dtype=torch.int32, device=DEV)
         qsl = torch.arange(0, bs * tpp + 1, tpp, dtype=torch.int32, device=DEV)
         qq, qs = (None, None) if not cache.quantized else quantize_query(q, kv)
-        dec._run(plan, q, cache, bt, sl, qsl, None, None, qq, qs, None)
+        dec.run_decode(plan, q, cache, bt, sl, qsl, None, None, qq, qs, None)
         torch.cuda.synchronize()
         return key, None
     except Exception as e:  # reported, the main process compiles it again if needed
@@ -293,6 +293,12 @@ def loop_sizes(sass: str) -> list:
             if n > 100:
                 loops.append((int(m.group(1), 16), n))
     return [n for _, n in sorted(loops)]
+
+
+def split_launch():
+    """The compiled split kernel of the latest decode launch (None before one / on CPU)."""
+    rec = launches.last("_decode_split_kernel")
+    return rec.compiled if rec is not None else None
 
 
 def sass_summary(kernel) -> dict:
@@ -439,7 +445,7 @@ def time_sdpa(r: Run, shape, bs, ctx, tag="grid"):
 
 def setup(r: Run) -> None:
     r.copy_bw = 1.0 if SMOKE else bench.copy_bandwidth()
-    sms = dec.sm_count(torch.device(DEV))
+    sms = runtime.sm_count(torch.device(DEV))
     log(f"device {r.rec.env['gpu']} torch {r.rec.env['torch']} triton {r.rec.env['triton']} SMs {sms} "
         f"copy {r.copy_bw / 1e12:.3f} TB/s")
     r.rec.add(kind="copy_bandwidth", bytes_per_s=r.copy_bw)
@@ -498,7 +504,7 @@ def accuracy(r: Run) -> None:
                     plan = dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), pv_mode=pv,
                                            config=cfg)
                     out = testing.poisoned_like(b.query)
-                    dec._run(plan, *a, None, out, None, None, None)
+                    dec.run_decode(plan, *a, None, out, None, None, None)
                     st = reference.error_stats(out, ref)
                     row = dict(kind="accuracy", case=case, kv_dtype=kv, pv_mode=mode, seq_lens=lens, q_lens=qs,
                                num_splits=plan.num_splits, key_smoothing=b.cache.key_smoothing,
@@ -510,9 +516,9 @@ def accuracy(r: Run) -> None:
                     log(f"acc {case:11s} {kv}/{mode:11s} splits {plan.num_splits:3d} rel_l2 {st['rel_l2']:.4f} "
                         f"max_abs {st['max_abs']:.4f} finite {st['finite']}"
                         + (f" | same-quant rel_l2 {row['vs_sameq_rel_l2']:.4f}" if refq is not None else ""))
-                    if not SMOKE and case == "decode" and dec.LAST_LAUNCH.get("split_kernel") is not None:
+                    if not SMOKE and case == "decode" and split_launch() is not None:
                         try:
-                            s = sass_summary(dec.LAST_LAUNCH["split_kernel"])
+                            s = sass_summary(split_launch())
                             r.rec.add(kind="sass", kv_dtype=kv, pv_mode=mode, **s)
                             r.sass_rows.append(dict(kv_dtype=kv, pv_mode=mode, **s))
                             log(f"sass {kv}/{mode}: {json.dumps(s)}")

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from int8attn import reference, testing
+from _ids import cases
+from int8attn import launches, reference, testing
 from int8attn.ops.decode import (
     MAX_DECODE_QUERY_LEN,
     DecodeConfig,
@@ -75,14 +76,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kv,pv,hq,hkv,d,bs,seq_lens,q_lens,splits", CASES)
+@cases("kv,pv,hq,hkv,d,bs,seq_lens,q_lens,splits", CASES)
 def test_matches_references(device, kv, pv, hq, hkv, d, bs, seq_lens, q_lens, splits):
     batch = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                      kv_dtype=kv, seed=len(CASES) * d + hq + bs, device=device)
     _run_and_check(batch, pv_mode=pv, num_splits=splits)
 
 
-@pytest.mark.parametrize("kv,hq,d,bs,swap", [("int8", 4, 64, 16, False), ("fp8", 8, 64, 32, False),
+@cases("kv,hq,d,bs,swap", [("int8", 4, 64, 16, False), ("fp8", 8, 64, 32, False),
                                              ("bf16", 4, 128, 16, False), ("fp8", 8, 64, 16, True)])
 def test_stale_slots_never_leak(device, monkeypatch, kv, hq, d, bs, swap):
     """The tile loads are unmasked within a page (keys past seq_len read stale slots of
@@ -123,7 +124,7 @@ SWAPPED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kv,pv,hq,hkv,d,bs,seq_lens,q_lens,splits,block_n", SWAPPED_CASES)
+@cases("kv,pv,hq,hkv,d,bs,seq_lens,q_lens,splits,block_n", SWAPPED_CASES)
 def test_swapped_operands_match_references(device, monkeypatch, kv, pv, hq, hkv, d, bs, seq_lens, q_lens, splits,
                                            block_n):
     """The operand-swapped tile (keys in the MMA's M rows, O^T accumulated): same results."""
@@ -134,7 +135,7 @@ def test_swapped_operands_match_references(device, monkeypatch, kv, pv, hq, hkv,
     batch = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                      kv_dtype=kv, seed=7 * d + hq + bs + block_n, device=device)
     _run_and_check(batch, pv_mode=pv, num_splits=splits)
-    assert dec.LAST_LAUNCH["plan"].config.swap_ab
+    assert launches.last("_decode_split_kernel").facts["plan"].config.swap_ab
 
 
 def test_default_orientation_per_pv_mode():
@@ -171,7 +172,7 @@ def test_register_cap_validated_and_counted(small_batch):
     assert _programs_per_sm(DecodeConfig(32, 4, 4, swap_ab=True, maxnreg=128), 256, 1) == 4
 
 
-@pytest.mark.parametrize("kv,block_n,maxnreg", [("int8", 64, 168), ("int8", 32, 128), ("fp8", 64, 168)])
+@cases("kv,block_n,maxnreg", [("int8", 64, 168), ("int8", 32, 128), ("fp8", 64, 168)])
 def test_register_capped_configs_match_references(device, monkeypatch, kv, block_n, maxnreg):
     """A register cap changes register allocation only (spills on the GPU), never results;
     on CUDA the compiled split kernel must respect the cap."""
@@ -182,7 +183,7 @@ def test_register_capped_configs_match_references(device, monkeypatch, kv, block
     batch = testing.make_paged_batch([17, 97, 123], [1, 2, 1], num_q_heads=12, num_kv_heads=2, head_dim=256,
                                      kv_dtype=kv, seed=block_n + maxnreg, device=device)
     _run_and_check(batch, num_splits=2)
-    kernel = dec.LAST_LAUNCH["split_kernel"]
+    kernel = launches.last("_decode_split_kernel").compiled
     if kernel is not None and getattr(kernel, "n_regs", None):
         assert kernel.n_regs <= maxnreg, f"compiled with {kernel.n_regs} registers, cap {maxnreg}"
 
@@ -213,7 +214,7 @@ def test_merge_folds_more_splits_than_one_chunk(device, monkeypatch):
     batch = testing.make_paged_batch([2200, 70], [1, 2], num_q_heads=4, num_kv_heads=1, head_dim=64,
                                      kv_dtype="int8", seed=11, device=device)
     _run_and_check(batch, num_splits=70)
-    assert dec.LAST_LAUNCH["plan"].num_splits > dec.MERGE_MAX_CHUNK
+    assert launches.last("_decode_split_kernel").facts["plan"].num_splits > dec.MERGE_MAX_CHUNK
 
 def test_smoothing_off_outlier_keys(device):
     """Outlier keys quantized without the smoothing offset: larger per-token scales,
@@ -287,7 +288,7 @@ def small_batch(device):
                                     seed=5, device=device)
 
 
-@pytest.mark.parametrize("kw,exc", [
+@cases("kw,exc", [
     ({"query": "q.int()"}, TypeError),
     ({"query": "q[:, :3]"}, ValueError),                      # 3 q heads over 2 KV heads
     ({"query": "q[..., :32]"}, ValueError),                   # head_dim mismatch
@@ -371,12 +372,13 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from int8attn.kernels.codes import KV_KIND, PV_KIND
 from int8attn.kernels.decode import _decode_split_kernel
 
 kv, pv, block_n, warps, stages, swap = json.loads(sys.argv[1])
 elem = {"int8": "*i8", "fp8": "*fp8e4nv", "bf16": "*bf16"}[kv]
 const = dict(GROUP=6, HEAD_DIM=256, PAGE=16, BLOCK_N=block_n, BLOCK_M=16, TOKENS_PER_PASS=1, MAX_QUERY_LEN=8,
-             KV_KIND={"int8": 0, "fp8": 1, "bf16": 2}[kv], PV_KIND=pv, INTERPRET=False, SWAP_AB=swap)
+             KV_KIND=KV_KIND[kv], PV_KIND=PV_KIND[pv], INTERPRET=False, SWAP_AB=swap)
 ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
             block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16",
             part_acc_ptr="*fp32", part_ml_ptr="*fp32", qk_scale="fp32")
@@ -393,7 +395,7 @@ sys.stdout.write(compiled.asm["ttgir"])
 """
 
 
-def _ttgir_for_sm90(kv_dtype: str, pv_kind: int, config: DecodeConfig) -> str:
+def _ttgir_for_sm90(kv_dtype: str, pv_mode: str, config: DecodeConfig) -> str:
     """TTGIR of the split kernel compiled ahead of time for sm_90 (no GPU needed), in a
     subprocess because this test session runs Triton in its interpreter."""
     import json
@@ -402,7 +404,7 @@ def _ttgir_for_sm90(kv_dtype: str, pv_kind: int, config: DecodeConfig) -> str:
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    args = json.dumps([kv_dtype, pv_kind, config.block_n, config.num_warps, config.num_stages, config.swap_ab])
+    args = json.dumps([kv_dtype, pv_mode, config.block_n, config.num_warps, config.num_stages, config.swap_ab])
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE, args], capture_output=True, text=True, env=env,
                           timeout=300)
     if proc.returncode != 0 or "scf.for" not in proc.stdout:
@@ -411,8 +413,12 @@ def _ttgir_for_sm90(kv_dtype: str, pv_kind: int, config: DecodeConfig) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("kv_dtype,pv_kind,swap", [("int8", 0, False), ("bf16", 3, False), ("fp8", 2, True)])
-def test_split_kernel_is_software_pipelined(kv_dtype, pv_kind, swap):
+@pytest.mark.parametrize("kv_dtype,pv_mode,swap", [
+    pytest.param("int8", "int8", False, id="int8-pv_int8"),
+    pytest.param("bf16", "bf16", False, id="bf16-pv_bf16"),
+    pytest.param("fp8", "fp8", True, id="fp8-pv_fp8-swap_ab"),
+])
+def test_split_kernel_is_software_pipelined(kv_dtype, pv_mode, swap):
     """Regression guard: the KV tile loop must keep tiles in flight. A loop shape that
     Triton cannot pipeline still compiles and runs correctly, but waits for every load in
     the iteration that issues it (measured on the H200: ~20% of copy bandwidth).
@@ -424,7 +430,7 @@ def test_split_kernel_is_software_pipelined(kv_dtype, pv_kind, swap):
         config = DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True)
     else:
         config = DecodeConfig(block_n=64 if kv_dtype == "int8" else 32, num_warps=8, num_stages=9)
-    ttgir = _ttgir_for_sm90(kv_dtype, pv_kind, config)
+    ttgir = _ttgir_for_sm90(kv_dtype, pv_mode, config)
     if swap:
         wgmma = re.findall(r"ttng\.warp_group_dot .*?-> tensor<(\d+)x(\d+)x", ttgir)
         assert ("64", "16") in wgmma and ("256", "16") in wgmma, f"QK / PV not on the warpgroup MMA: {wgmma}"

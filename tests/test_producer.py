@@ -9,12 +9,15 @@ import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _ids import cases
 from int8attn import reference
 from int8attn.cache import PagedKVCache
 from int8attn.kernels.quantize import _amax_rows, _quantize, _quantize_rows, _row_scale
 from int8attn.ops.producer import apply_rope_torch, quantize_query, rope_quantize_and_write
 from int8attn.ops.write import write_kv
-from int8attn.testing import interpret_mode, make_keys, make_normal, poisoned_like
+from int8attn.kernels.codes import KV_KIND
+from int8attn.runtime import interpret_mode
+from int8attn.testing import make_keys, make_normal, poisoned_like
 
 
 def bits(t):
@@ -23,7 +26,7 @@ def bits(t):
 
 # --------------------------------------------------------------------------- quantize_query
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-@pytest.mark.parametrize("shape", [(17, 24, 256), (97, 6, 64), (3, 5, 128)])
+@cases("shape", [(17, 24, 256), (97, 6, 64), (3, 5, 128)])
 def test_quantize_query_bit_exact(kv_dtype, shape, gen, device):
     q = (make_normal(shape, generator=gen) * 4).to(device)
     q[1, 0] = 0  # a zero row
@@ -91,7 +94,8 @@ def test_older_quantize_entry_point_matches(gen, device):
     """``_quantize(x, scale)`` (kept for kernels written against it) gives the codes of
     ``_quantize_rows``, the reference's."""
     x = (make_normal((4, 64), generator=gen, dtype=torch.float32) * 5).to(device)
-    for kind, kv_dtype in ((0, "int8"), (1, "fp8")):
+    for kv_dtype in ("int8", "fp8"):
+        kind = KV_KIND[kv_dtype]
         ref_q, _ = reference.quantize_rows(x.cpu(), kv_dtype)
         a = torch.empty(4, 64, dtype=ref_q.dtype, device=device)
         b = torch.empty_like(a)
@@ -210,7 +214,7 @@ def check_quantized_rows(got_q, got_s, want, kv_dtype, what):
     assert mismatch < 0.01, f"{what}: {mismatch:.2%} codes differ from the reference quantization"
 
 
-@pytest.mark.parametrize(
+@cases(
     "n,hq,hkv,d,rotary_dim,kv_dtype",
     [
         (17, 2, 2, 64, 64, "int8"),  # GQA 1:1, full rotary

@@ -14,25 +14,19 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 
 from .. import _checks
 from ..cache import PagedKVCache
-from ..kernels.decode import (
-    PV_BF16,
-    PV_FP8,
-    PV_INT8,
-    PV_INT8_SIGNED,
-    _decode_merge_kernel,
-    _decode_split_kernel,
-)
+from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
+from ..kernels.decode import _decode_merge_kernel, _decode_split_kernel
 from ..kernels.quantize import _quantize_query_kernel
-from ..testing import interpret_mode
+from ..runtime import device_guard, interpret_mode, sm_count
 from ._launch import CachedLaunch
 from .producer import quantize_query_args, quantize_query_launch
-from .write import KV_KIND, device_guard
 
 #: Longest query (new tokens of one sequence) the decode kernel handles; sequences with
 #: more are skipped here and left to the prefill kernel.
@@ -51,13 +45,6 @@ MAX_DECODE_SEQS = 65535
 #: processed in further passes over the same KV range); a GQA group larger than this
 #: still gets all its heads in one program.
 MAX_BLOCK_M = 32
-
-#: PV precisions each cache dtype accepts; the first is the default. INT8 PV (shifted
-#: 0..255 P) is within the accuracy goal on the H200 (rel-L2 0.008 vs float64 on
-#: outlier keys) and was as fast or faster than BF16 PV in the H200 run recorded in d3c2e2b
-#: (284 vs 298 us at bs16 L32k; benchmarks/notes/decode.md).
-PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
-_PV_KIND = {"int8": PV_INT8.value, "int8_signed": PV_INT8_SIGNED.value, "fp8": PV_FP8.value, "bf16": PV_BF16.value}
 
 
 @dataclass(frozen=True)
@@ -92,17 +79,13 @@ BUFFER_BUDGET = 180 * 1024
 SMEM_OVERHEAD = 36 * 1024
 
 
-#: Winners of the H200 sweeps in benchmarks/bench_decode.py (2026-11-30, 8-bit V pages
-#: transposed; one pass of <= 16 packed rows; geometric mean of bs16 L32k, bs1 L32k and
-#: bs64 L8k). Head_dim 256: int8 and fp8 64/4/6 with swapped operands (run of 80c7e2f: fp8
-#: 280.8 us at bs16 L32k against 507.0 for the best row-major fp8 config, whose 16-row e4m3
-#: dot Triton lowers to HMMA after converting to f16; int8 282.8 against 288.0 row-major,
-#: 2% faster at all three shapes; int8 128/4/4 row-major is 2-3% faster at bs16/bs64 but 9%
-#: slower at bs1), bf16 64/8/5. Head_dim 128 (32q/8kv): int8 128/4/5 swapped (run of 0205ea4: 292.9
-#: us at bs16 L32k, 89.1% of copy, against 309.0 row-major and 501 for the rule below; 31.4 us
-#: at bs1 L32k either way), fp8 128/4/5 swapped (run of 80c7e2f: 285 us at bs16 L32k, 91.5% of
-#: copy, against 576 for the rule and 367 for 64/4/6 swapped). Other shapes keep the rule: at
-#: 32 packed rows the 4-warp configs spill (swapped ones too).
+#: Winners of the H200 sweeps of benchmarks/bench_decode.py (one pass of <= 16 packed rows,
+#: ranked by the geometric mean of bs16 L32k, bs1 L32k and bs64 L8k), by (kv_dtype, head_dim,
+#: packed rows). 8-bit caches swap the MMA operands: a 16-row e4m3 dot is otherwise lowered
+#: to HMMA after a conversion to f16, and swapped int8 is faster at all three shapes. Other
+#: shapes keep the tile rule of default_config: at 32 packed rows the 4-warp configs spill
+#: (swapped ones too). Figures: benchmarks/notes/decode.md, "Figures behind
+#: ops.decode.MEASURED_BEST".
 MEASURED_BEST = {
     ("int8", 256, 16): DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True),
     ("int8", 128, 16): DecodeConfig(block_n=128, num_warps=4, num_stages=5, swap_ab=True),
@@ -112,9 +95,9 @@ MEASURED_BEST = {
 }
 
 
-#: PV modes that run the row-major tile even where MEASURED_BEST swaps the operands:
-#: an int8 cache with bf16 PV (V converted to bf16 for the warpgroup MMA: 309 us at bs16
-#: L32k against 282 row-major in the run of 80c7e2f) and the signed-P variant (row-major only).
+#: PV modes that run the row-major tile even where MEASURED_BEST swaps the operands: an
+#: int8 cache with bf16 PV (V converted to bf16 for the warpgroup MMA is slower swapped;
+#: benchmarks/notes/decode.md, same section) and the signed-P variant (row-major only).
 ROW_MAJOR_PV = {"int8": ("bf16", "int8_signed")}
 
 
@@ -136,25 +119,6 @@ def default_config(kv_dtype: str, head_dim: int, block_m: int, block_size: int,
     buffers = max(1, min(4, BUFFER_BUDGET // (2 * block_n * head_dim * elem)))
     num_warps = 8 if head_dim * block_m >= 128 * 16 else 4
     return DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=2 * buffers + 1)
-
-
-#: What the latest launch ran: the compiled split / merge kernels (their ``asm`` holds the
-#: SASS on a GPU), the plan and the grid -- evidence for benchmarks and the gate that the
-#: intended kernel is the one that ran.
-LAST_LAUNCH: dict = {}
-
-_SM_COUNT: dict = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (a fixed 8 on the CPU interpreter); cached, no sync."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 8
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 def _programs_per_sm(config: DecodeConfig, head_dim: int, elem_bytes: int) -> int:
@@ -252,12 +216,15 @@ class DecodePlan:
     pv_mode: str
 
 
-#: Plans already made, by everything :func:`plan_decode` reads (shapes, cache geometry,
-#: options and the config / split functions in use): a decode call of a known shape skips
-#: the split-count search. Bounded; cleared when full. Clear it after changing
-#: ``MEASURED_BEST`` in place at run time.
-_PLANS: dict = {}
-_MAX_PLANS = 1024
+class _PlanCache(NamedTuple):
+    """What :func:`_plan_decode` reads of the cache (hashable, no tensors: a memo key
+    that keeps no cache alive)."""
+
+    kv_dtype: str
+    num_kv_heads: int
+    block_size: int
+    elem_bytes: int
+    device: torch.device
 
 
 def plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode=None, num_splits=None,
@@ -268,25 +235,28 @@ def plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode=
     the host (a router planning a batch does); it sizes the packed rows so every sequence
     is done in one pass. Without it the mean query length is used.
 
-    Plans are memoized (``_PLANS``): the same shapes and options give the same plan object."""
+    Plans are memoized (:func:`_memo_plan`): the same shapes and options give the same
+    plan object."""
+    facts = _PlanCache(cache.kv_dtype, cache.num_kv_heads, cache.block_size, cache.key.element_size(), cache.device)
+    # the planning functions in use are part of the key: replacing one (a test, a sweep) replans
+    args = (tuple(query_shape), facts, tuple(block_table_shape), pv_mode, num_splits, config, max_query_len,
+            (default_config, choose_num_splits, _programs_per_sm))
     try:
-        key = (tuple(query_shape), tuple(block_table_shape), cache.kv_dtype, cache.num_kv_heads, cache.block_size,
-               cache.key.element_size(), cache.device, pv_mode, num_splits, type(num_splits), config,
-               max_query_len, type(max_query_len), default_config, choose_num_splits, _programs_per_sm)
-        plan = _PLANS.get(key)
+        hash(args)
     except TypeError:  # an unhashable option: let the planner reject it
-        key = plan = None
-    if plan is None:
-        plan = _plan_decode(query_shape, cache, block_table_shape, pv_mode=pv_mode, num_splits=num_splits,
-                            config=config, max_query_len=max_query_len)
-        if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
-    return plan
+        return _plan_decode(*args[:-1])
+    return _memo_plan(*args)
 
 
-def _plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode=None, num_splits=None,
+@functools.lru_cache(maxsize=1024, typed=True)  # typed: num_splits=True is not num_splits=1
+def _memo_plan(query_shape, cache: _PlanCache, block_table_shape, pv_mode, num_splits, config, max_query_len,
+               planners) -> DecodePlan:
+    """Memoized :func:`_plan_decode`; ``planners`` only keys the memo. Call
+    ``_memo_plan.cache_clear()`` after changing ``MEASURED_BEST`` in place at run time."""
+    return _plan_decode(query_shape, cache, block_table_shape, pv_mode, num_splits, config, max_query_len)
+
+
+def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None, num_splits=None,
                  config: DecodeConfig | None = None, max_query_len: int | None = None) -> DecodePlan:
     """:func:`plan_decode` without the memo."""
     num_tokens, num_q_heads, head_dim = query_shape
@@ -294,6 +264,8 @@ def _plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode
     group = num_q_heads // cache.num_kv_heads
     allowed = PV_MODES[cache.kv_dtype]
     if pv_mode is None:
+        # the cache's own precision: INT8 PV (shifted 0..255 P) meets the accuracy goal and
+        # is not slower than BF16 PV on the H200 (benchmarks/notes/decode.md)
         pv_mode = allowed[0]
     elif pv_mode not in allowed and not (cache.kv_dtype == "int8" and pv_mode == "int8_signed"):
         raise ValueError(f"pv_mode for a {cache.kv_dtype!r} cache must be one of {allowed}, got {pv_mode!r}")
@@ -309,15 +281,14 @@ def _plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode
     if config.swap_ab and (cache.kv_dtype not in ("int8", "fp8") or pv_mode == "int8_signed"):
         raise ValueError("swap_ab needs an 8-bit (int8 / fp8) cache and pv_mode int8, fp8 or bf16, got a "
                          f"{cache.kv_dtype!r} cache with pv_mode {pv_mode!r}")
-    if config.maxnreg is not None and (isinstance(config.maxnreg, bool) or not isinstance(config.maxnreg, int)
-                                       or not 32 <= config.maxnreg <= 255):
+    if config.maxnreg is not None and not _checks.is_int(config.maxnreg, 32, 255):
         raise ValueError(f"maxnreg must be None or an int in [32, 255], got {config.maxnreg!r}")
-    elem = cache.key.element_size()
+    elem = cache.elem_bytes
     if num_splits is None:
         slots = sm_count(cache.device) * _programs_per_sm(config, head_dim, elem)
         num_splits = choose_num_splits(num_seqs, cache.num_kv_heads, max_blocks * cache.block_size, config.block_n,
                                        group * tokens, head_dim, elem, slots)
-    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_NUM_SPLITS:
+    elif not _checks.is_int(num_splits, 1, MAX_NUM_SPLITS):
         raise ValueError(f"num_splits must be an int in [1, {MAX_NUM_SPLITS}], got {num_splits!r}")
     return DecodePlan(num_splits=num_splits, tokens_per_pass=tokens, block_m=block_m, config=config, pv_mode=pv_mode)
 
@@ -354,24 +325,26 @@ def decode_attention(query, cache, block_table, seq_lens, query_start_loc, *, so
     """
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                    q_quant=q_quant, q_scale=q_scale)
-    _check_decode_options(cache, softmax_scale, workspace)
+    check_decode_options(cache, softmax_scale, workspace)
     plan = plan_decode(tuple(query.shape), cache, tuple(block_table.shape), pv_mode=pv_mode, num_splits=num_splits)
-    return _run(plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
+    return run_decode(plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
                 workspace)
 
 
-def _check_decode_options(cache, softmax_scale, workspace) -> None:
+def check_decode_options(cache, softmax_scale, workspace) -> None:
+    """The non-tensor arguments of a decode call (cache, softmax_scale, workspace)."""
     _checks.check_kernel_options(cache, softmax_scale, "decode_attention")
     if workspace is not None:
         if not isinstance(workspace, DecodeWorkspace):
             raise TypeError(f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
-        if not _checks._same_device(workspace.device, cache.device):
+        if not _checks.same_device(workspace.device, cache.device):
             raise ValueError(f"workspace is on {workspace.device} but the cache is on {cache.device}")
 
 
-def _run(plan: DecodePlan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant,
-         q_scale, workspace) -> torch.Tensor:
-    """Launch with a fixed plan (no validation; benchmarks call it with their own plans)."""
+def run_decode(plan: DecodePlan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant,
+               q_scale, workspace) -> torch.Tensor:
+    """Launch with a fixed plan, no validation: for callers that checked the inputs
+    themselves (``decode_attention``, ``attention``; benchmarks with their own plans)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = block_table.shape[0]
     if out is None:
@@ -399,26 +372,21 @@ def qk_scale_of(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale) * math.log2(math.e)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256)  # (tokens, heads, head_dim, kv dtype) shapes of planned decodes
 def _query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dtype: str, interpret: bool):
     """Memoized :func:`int8attn.ops.producer.quantize_query_launch` (``interpret`` keys the
     INTERPRET flag it bakes in)."""
     return quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype)
 
 
-_PLACEHOLDERS: dict = {}
-
-
+@functools.lru_cache(maxsize=64)  # devices x (Hq, D) shapes in use; each entry a few KB
 def _placeholder_partials(device, num_q_heads: int, head_dim: int):
     """[1, Hq, 1, D] and [1, Hq, 1, 2] fp32 stand-ins for the partials of a one-split
     launch, which writes ``out`` directly and never touches them; shaped like real views
     so the kernel is specialized the same way as with a workspace. Shared by every such
     launch (nothing reads or writes them), made once per device and shape."""
-    key = (device, num_q_heads, head_dim)
-    if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = (torch.empty((1, num_q_heads, 1, head_dim), dtype=torch.float32, device=device),
-                              torch.empty((1, num_q_heads, 1, 2), dtype=torch.float32, device=device))
-    return _PLACEHOLDERS[key]
+    return (torch.empty((1, num_q_heads, 1, head_dim), dtype=torch.float32, device=device),
+            torch.empty((1, num_q_heads, 1, 2), dtype=torch.float32, device=device))
 
 
 class DecodeLaunch:
@@ -493,13 +461,15 @@ class DecodeLaunch:
         self._split_constexprs = dict(
             GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, PAGE=cache.block_size,
             BLOCK_N=block_n, BLOCK_M=plan.block_m, TOKENS_PER_PASS=plan.tokens_per_pass,
-            MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=_PV_KIND[plan.pv_mode],
+            MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[plan.pv_mode],
             INTERPRET=interpret, SWAP_AB=cfg.swap_ab,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
         )
         # launched through CachedLaunch: Triton binds the arguments on the first call only
-        self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs)
+        # recorded in int8attn.launches with the plan: launches.last("_decode_split_kernel")
+        self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs,
+                                          {"plan": plan})
         self._quantize_kernel = self._merge_kernel = None
         if quantize:
             self._quantize_kernel = CachedLaunch(_quantize_query_kernel, *self._query_launch)
@@ -520,7 +490,8 @@ class DecodeLaunch:
                 SPLIT_CHUNK=chunk, BLOCK_D=merge_cols,
                 num_warps=max(1, min(4, chunk * merge_cols // 256)),
             )
-            self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs)
+            self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs,
+                                              {"plan": plan})
 
     @classmethod
     def for_tensors(cls, plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table, out_strides,
@@ -549,10 +520,8 @@ class DecodeLaunch:
             else:
                 q_in = q_quant if q_quant is not None else query
                 q_scale_in, k_scale, v_scale = q_in, cache.key, cache.value
-            split_kernel = self._split_kernel(q_in, q_scale_in, cache.key, cache.value, k_scale, v_scale,
+            self._split_kernel(q_in, q_scale_in, cache.key, cache.value, k_scale, v_scale,
                                               block_table, seq_lens, query_start_loc, out, part_acc, part_ml,
                                               qk_scale, *self._split_args)
-            merge = None
             if self._merge_kernel is not None:
-                merge = self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc, *self._merge_args)
-        LAST_LAUNCH.update(split_kernel=split_kernel, merge_kernel=merge, plan=self.plan, grid=self._split_grid)
+                self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc, *self._merge_args)
