@@ -17,7 +17,7 @@ enough to check that mapping on the CPU:
       C[16x8]   c_i (i < 4):  row = groupID (+8 for i >= 2), col = 2*tig + (i & 1)
 
 * ``GFX936_MMAC_I32_16X16X32_I8`` -- ``v_mmac_i32_16x16x32_i8`` on a 64-lane wave, as
-  DESIGN.md section 2 describes it. ASSUMPTION (no ISA document is available to us): the
+  the INT8-attention article describes it. ASSUMPTION (no ISA document is available to us): the
   output fragment is read as ``row = lane % 16``, ``c = lane // 16``, a lane's four values
   being columns ``c, c+4, c+8, c+12`` (the only consistent reading of the article's
   description of a 16x16 tile over 64 lanes x 4 values); inputs are modelled as
@@ -126,7 +126,7 @@ GFX936_MMAC_I32_16X16X32_I8 = FragmentLayout(
     instruction="v_mmac_i32_16x16x32_i8 (wave64)",
     m=16, n=16, k=32, lanes=64, a_per_lane=8, b_per_lane=8, c_per_lane=4,
     a_coord=_amd_a, b_coord=_amd_b, c_coord=_amd_c,
-    source=("DESIGN.md section 2 (assumed reading: row = lane % 16, c = lane // 16, "
+    source=("the article's description (assumed reading: row = lane % 16, c = lane // 16, "
             "values at columns c, c+4, c+8, c+12; input maps modelled, not documented)"),
 )
 
