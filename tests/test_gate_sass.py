@@ -85,6 +85,31 @@ def test_library_kernel_class_from_name(name, cls):
     assert sass.infer_class_from_name(name) == cls
 
 
+LOOPS_SASS = """
+        Function : _outer_kernel
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IMAD.MOV.U32 R2, RZ, RZ, RZ ;
+        /*0020*/                   IGMMA.64x64x32.S8.S8 R24, gdesc[UR4], RZ, !UPT ;
+        /*0030*/                   FMUL R3, R3, R4 ;
+        /*0040*/              @P0 BRA 0x20 ;
+        /*0050*/                   LDG.E R5, desc[UR6][R2.64] ;
+        /*0060*/              @!P1 BRA 0x50 ;
+        /*0070*/                   BRA 0x80 ;
+        /*0080*/                   EXIT ;
+        Function : _second_kernel
+        /*0000*/                   FADD R1, R2, R3 ;
+        /*0010*/                   BRA 0x0 ;
+"""
+
+
+def test_loops_are_backward_branches_in_program_order():
+    bodies = sass.loops(LOOPS_SASS)
+    assert bodies == [["IGMMA.64x64x32.S8.S8", "FMUL", "BRA"], ["LDG.E", "BRA"], ["FADD", "BRA"]]
+    assert sass.loops(LOOPS_SASS, "_second_kernel") == [["FADD", "BRA"]]
+    ins = sass.instructions(LOOPS_SASS)["_outer_kernel"]
+    assert ins[4] == (0x40, "BRA", " 0x20 ")  # the predicate is not part of the opcode
+
+
 def test_excerpt_keeps_every_matrix_instruction_and_stays_parseable():
     text = (DATA / "aot39_sm90_qk_int8_to_bf16.txt").read_text()
     small = sass.excerpt(text, max_lines=40)
