@@ -13,7 +13,7 @@ over). Sections, each under try/except so one failure does not lose the rest:
 2. ``tune``: a handful of tile / warps / stages configs per cache dtype (picked from the
    sm_90 static analysis) at bs16 L32k, bs1 L32k, bs64 L8k; the best (geometric mean)
    becomes the config of the headline table;
-3. ``grid``: the headline table, docs/design.md §4 shapes at q_len 1: eager (CUDA
+3. ``grid``: the headline table, DESIGN.md section 4 shapes at q_len 1: eager (CUDA
    events, L2 flushed) and CUDA-graph replay over rotating block tables (so the KV bytes
    never sit in L2), % of copy bandwidth, vs PyTorch SDPA BF16 on contiguous K/V and vs
    our own BF16-cache path;
@@ -21,13 +21,18 @@ over). Sections, each under try/except so one failure does not lose the rest:
    and without a register cap (DecodeConfig.maxnreg) at the FP8-goal points; ``prof``:
    split / merge kernel device times (torch profiler) against the graph time;
 5. ``batch``: bs 1..64 at L 8k (no cliff); 6. ``mt``: q_len 2 and 4 at a few points;
-7. ``d128``: 32q/8kv D128; 8. ``splits``: split counts around the planner's choice.
+7. ``d128``: 32q/8kv D128; 8. ``splits``: split counts around the planner's choice;
+9. ``peers``: FlashInfer paged decode (fa2 tensor-core kernel, BF16 and FP8 e4m3 K/V) at
+   the headline grid points, when installed (benchmarks/_peers.py; rows carry its version).
 
 Rows go to ``--out DIR/decode.jsonl`` (else benchmarks/results/decode.jsonl) via
 int8attn.bench.Recorder, a markdown summary to ``DIR/decode_summary.md``, the log to
-``DIR/decode_log.txt``. ``--smoke`` runs every code path at toy sizes on the CPU
-interpreter (timings meaningless); ``--quick`` times fewer points.
+``DIR/decode_log.txt``. ``--smoke`` runs every section at toy sizes, every peer attempted:
+on the GPU as a first check of a run (well under a minute plus the peers' JIT), without one
+under the CPU interpreter (timings meaningless); ``--quick`` times fewer points.
+Sections, rows, logging, the compile pool and SASS summaries are benchmarks/_harness.py.
 
+    PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/bench_decode.py --smoke --out $OUT/smoke
     PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/bench_decode.py --out $OUT
 """
 
@@ -36,35 +41,30 @@ from __future__ import annotations
 import argparse
 import collections
 import itertools
-import json
 import math
 import os
-import re
-import subprocess
 import sys
-import tempfile
-import time
-import traceback
 
 import torch
 
+import _harness as H
+import _peers as P
+
 SMOKE = "--smoke" in sys.argv
-if SMOKE:
-    os.environ["TRITON_INTERPRET"] = "1"
+INTERPRET = H.start(SMOKE)   # before the kernels are imported
 
 from int8attn import bench, launches, reference, runtime, testing  # noqa: E402
 from int8attn.cache import PagedKVCache  # noqa: E402
 from int8attn.ops import decode as dec  # noqa: E402
 from int8attn.ops.producer import quantize_query  # noqa: E402
 
-DEV = "cpu" if SMOKE else "cuda"
-LOG = []
 
+def split_launch():
+    """The compiled split kernel of the latest decode launch (None before one / on CPU)."""
+    rec = launches.last("_decode_split_kernel")
+    return rec.compiled if rec is not None else None
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-    LOG.append(msg)
-
+DEV = "cpu" if INTERPRET else "cuda"
 
 # --------------------------------------------------------------------------- shapes
 QUICK = "--quick" in sys.argv
@@ -187,15 +187,36 @@ def kv_bytes(kv_dtype: str, bs: int, ctx: int, hkv: int, d: int) -> int:
     return bs * hkv * ctx * (2 * d * elem + scales)
 
 
-def timeit(fn_cycle, graph: bool) -> float:
+class Run(H.Run):
+    """The harness run plus what the decode sections share: caches, copy bandwidth and
+    the configs the tuning section chose."""
+
+    def __init__(self, out_dir):
+        super().__init__("decode", out_dir, deadline_s=DEADLINE_S, interpret=INTERPRET)
+        self.copy_bw = 1.0
+        self.caches = {}
+        self.caches_d128 = {}
+        self.best = {}          # kv dtype -> DecodeConfig chosen by the tuning section
+        self.acc_rows = []
+        self.sass_rows = []
+
+    def config(self, kv):
+        return self.best.get(kv)
+
+
+def timeit(r: Run, fn_cycle, graph: bool) -> float:
     """Median µs per call. ``fn_cycle`` is a zero-arg callable that runs the next input set."""
-    if SMOKE:
-        t0 = time.perf_counter()
-        fn_cycle()
-        return (time.perf_counter() - t0) * 1e6
-    if graph:
-        return bench.time_graph(fn_cycle, replays=30, repeats=9)
-    return bench.time_eager(fn_cycle, warmup_ms=10, rep_ms=60)
+    return r.time(fn_cycle, graph, rep_ms=60, replays=30, repeats=9)
+
+
+def pct_copy(r: Run, row: dict) -> dict:
+    """Bandwidth and % of copy bandwidth of each timing of ``row`` (over ``row["bytes"]``)."""
+    for mode in ("graph", "eager"):
+        if row.get(f"{mode}_us"):
+            bw = row["bytes"] / (row[f"{mode}_us"] * 1e-6)
+            row[f"{mode}_bw_tbs"] = bw / 1e12
+            row[f"{mode}_pct_copy"] = 100 * bw / r.copy_bw
+    return row
 
 
 class Decode:
@@ -231,143 +252,20 @@ def _variant_key(kv, pv, shape, plan):
 
 def _compile_worker(key):
     """Run one variant once on toy inputs with the same specialization (worker process)."""
-    try:
-        kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm, swap, maxnreg = key
-        shape = dict(hq=hq, hkv=hkv, d=d, page=page)
-        cache = make_cache(kv, 64, shape)
-        bs, ctx = 2, 4 * max(block_n, page)
-        cfg = dec.DecodeConfig(block_n, warps, stages, min_bm, swap, maxnreg)
-        plan = dec.DecodePlan(num_splits=2, tokens_per_pass=tpp, block_m=block_m, config=cfg, pv_mode=pv)
-        q = torch.randn(bs * tpp, hq, d, device=DEV).to(torch.bfloat16)
-        bt = torch.arange(bs * ctx // page, dtype=torch.int32, device=DEV).view(bs, -1)
-        sl = torch.full((bs,), ctx, dtype=torch.int32, device=DEV)
-        qsl = torch.arange(0, bs * tpp + 1, tpp, dtype=torch.int32, device=DEV)
-        qq, qs = (None, None) if not cache.quantized else quantize_query(q, kv)
-        dec.run_decode(plan, q, cache, bt, sl, qsl, None, None, qq, qs, None)
-        torch.cuda.synchronize()
-        return key, None
-    except Exception as e:  # reported, the main process compiles it again if needed
-        return key, repr(e)
-
-
-def precompile(keys) -> None:
-    if SMOKE or not keys:
-        return
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
-    t0 = time.time()
-    workers = min(len(keys), max(1, (os.cpu_count() or 4) - 2))
-    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
-        for key, err in ex.map(_compile_worker, sorted(keys)):
-            if err:
-                log(f"  precompile {key}: {err}")
-    log(f"precompiled {len(keys)} variants with {workers} processes in {time.time() - t0:.1f}s")
-
-
-# --------------------------------------------------------------------------- 3. SASS
-MMA_RE = re.compile(r"\b((?:IMMA|IGMMA|QGMMA|HGMMA|HMMA|QMMA|OMMA)[\w.]*)")
-
-
-def sass_of(kernel) -> str:
-    try:
-        return kernel.asm["sass"]
-    except Exception:
-        with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-            f.write(kernel.asm["cubin"])
-        import triton
-        bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        tool = bundled if os.path.exists(bundled) else "cuobjdump"
-        return subprocess.run([tool, "--dump-sass", f.name], capture_output=True, text=True).stdout
-
-
-def loop_sizes(sass: str) -> list:
-    """Instructions of each loop (backward branch) of more than 100 instructions, in
-    program order: for the split kernel, the single-pass tile loop comes first."""
-    ins = [(int(a, 16), t) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    loops = []
-    for a, t in ins:
-        m = re.search(r"BRA[^;]*?0x([0-9a-f]+)", t) if "BRA" in t else None
-        if m and int(m.group(1), 16) < a:
-            n = sum(1 for b, _ in ins if int(m.group(1), 16) <= b <= a)
-            if n > 100:
-                loops.append((int(m.group(1), 16), n))
-    return [n for _, n in sorted(loops)]
-
-
-def split_launch():
-    """The compiled split kernel of the latest decode launch (None before one / on CPU)."""
-    rec = launches.last("_decode_split_kernel")
-    return rec.compiled if rec is not None else None
-
-
-def sass_summary(kernel) -> dict:
-    sass = sass_of(kernel)
-    mma = collections.Counter(m.split(".")[0] + "." + ".".join(m.split(".")[1:3]) for m in MMA_RE.findall(sass))
-    ops = collections.Counter(re.findall(r"\b(LDS\.U8|STS\.U8|LDL[\w.]*|STL[\w.]*|LDGSTS[\w.]*|LDG\.E[\w.]*)\b", sass))
-    meta = kernel.metadata
-    return {
-        "mma": dict(mma), "ops": dict(ops), "loop_instr": loop_sizes(sass),
-        "n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None),
-        "shared_bytes": getattr(meta, "shared", None), "num_warps": getattr(meta, "num_warps", None),
-        "num_stages": getattr(meta, "num_stages", None),
-    }
-
-
-# --------------------------------------------------------------------------- main
-class Run:
-    """State shared by the sections: recorder, caches, copy bandwidth, chosen configs."""
-
-    def __init__(self, out_dir, quick):
-        self.out_dir = out_dir
-        self.quick = quick
-        self.rec = bench.Recorder("decode", path=os.path.join(out_dir, "decode.jsonl") if out_dir else None)
-        self.t0 = time.time()
-        self.copy_bw = 1.0
-        self.caches = {}
-        self.caches_d128 = {}
-        self.best = {}          # kv dtype -> DecodeConfig chosen by the tuning section
-        self.rows = []          # every timing row, for the summary
-        self.acc_rows = []
-        self.sass_rows = []
-
-    def elapsed(self):
-        return time.time() - self.t0
-
-    def late(self, section):
-        if self.elapsed() > DEADLINE_S:
-            log(f"deadline ({DEADLINE_S:.0f}s): skipping {section}")
-            return True
-        return False
-
-    def config(self, kv):
-        return self.best.get(kv)
-
-    def flush(self):
-        try:
-            self.rec.save()
-            self.rec.rows.clear()
-        except Exception as e:  # never lose the run over a write error
-            log(f"save failed: {e!r}")
-
-
-def section(name):
-    """Run a section under try/except so one failure does not lose the rest."""
-    def wrap(fn):
-        def run(r: Run, skip):
-            if name in skip or r.late(name):
-                return
-            t = time.time()
-            try:
-                fn(r)
-            except Exception as e:
-                log(f"SECTION {name} FAILED: {e!r}")
-                traceback.print_exc()
-            log(f"-- {name} done in {time.time() - t:.1f}s (total {r.elapsed():.1f}s)")
-            r.flush()
-        run.__name__ = name
-        return run
-    return wrap
+    kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm, swap, maxnreg = key
+    shape = dict(hq=hq, hkv=hkv, d=d, page=page)
+    bs, ctx = 2, 4 * max(block_n, page)
+    cache = make_cache(kv, bs * ctx // page, shape)
+    cfg = dec.DecodeConfig(block_n, warps, stages, min_bm, swap, maxnreg)
+    plan = dec.DecodePlan(num_splits=2, tokens_per_pass=tpp, block_m=block_m, config=cfg, pv_mode=pv)
+    q = torch.randn(bs * tpp, hq, d, device=DEV).to(torch.bfloat16)
+    bt = torch.arange(bs * ctx // page, dtype=torch.int32, device=DEV).view(bs, -1)
+    sl = torch.full((bs,), ctx, dtype=torch.int32, device=DEV)
+    qsl = torch.arange(0, bs * tpp + 1, tpp, dtype=torch.int32, device=DEV)
+    qq, qs = (None, None) if not cache.quantized else quantize_query(q, kv)
+    dec.run_decode(plan, q, cache, bt, sl, qsl, None, None, qq, qs, None)
+    torch.cuda.synchronize()
+    return key
 
 
 def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_splits=None, graph_only=False,
@@ -376,14 +274,13 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
     try:
         runner = Decode(cache, shape, bs, ctx, q_len, pv, cfg, num_splits, quantize_in_call)
         runner()
-        if not SMOKE:
-            torch.cuda.synchronize()
-        res = {"graph_us": timeit(runner, True)}
+        r.sync()
+        res = {"graph_us": timeit(r, runner, True)}
         if not graph_only:
-            res["eager_us"] = timeit(runner, False)
+            res["eager_us"] = timeit(r, runner, False)
     except Exception as e:
-        log(f"  {tag} {name} bs{bs} L{ctx} q{q_len} FAILED: {e!r}")
-        traceback.print_exc()
+        r.log(f"  {tag} {name} bs{bs} L{ctx} q{q_len} FAILED: {e!r}")
+        r.row(kind="failed", tag=tag, path=name, bs=bs, context=ctx, q_len=q_len, error=repr(e)[:300])
         return None
     nbytes = kv_bytes(kv, bs, ctx, shape["hkv"], shape["d"])
     p = runner.plan
@@ -394,67 +291,73 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
                min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, maxnreg=p.config.maxnreg, bytes=nbytes, quantize_in_call=quantize_in_call,
                config_source="tuned" if cfg is not None and cfg == r.best.get(kv) else (
                    "default" if cfg is None else "explicit"), **res)
-    for mode in ("graph", "eager"):
-        if f"{mode}_us" in res:
-            bw = nbytes / (res[f"{mode}_us"] * 1e-6)
-            row[f"{mode}_bw_tbs"] = bw / 1e12
-            row[f"{mode}_pct_copy"] = 100 * bw / r.copy_bw
+    pct_copy(r, row)
     row.update(extra or {})
-    r.rec.add(**row)
-    r.rows.append(row)
-    log(f"{tag:6s} {name:12s} bs{bs:3d} L{ctx:6d} q{q_len} S{p.num_splits:3d} BN{p.config.block_n:4d} "
+    r.row(**row)
+    r.log(f"{tag:6s} {name:12s} bs{bs:3d} L{ctx:6d} q{q_len} S{p.num_splits:3d} BN{p.config.block_n:4d} "
         f"w{p.config.num_warps} st{p.config.num_stages}{' swap' if p.config.swap_ab else ''}"
         f"{f' r{p.config.maxnreg}' if p.config.maxnreg else ''} graph {res['graph_us']:9.1f}us "
         f"({row['graph_pct_copy']:5.1f}%)" + (f" eager {res['eager_us']:9.1f}us ({row['eager_pct_copy']:5.1f}%)"
-                                               if "eager_us" in res else ""))
+                                                 if "eager_us" in res else ""))
     return row
+
 
 
 def time_sdpa(r: Run, shape, bs, ctx, tag="grid"):
-    hq, hkv, d = shape["hq"], shape["hkv"], shape["d"]
+    """PyTorch SDPA BF16 decode on contiguous K/V (the peer every user has)."""
     try:
-        rot = max(1, min(4, MAX_BS // bs))
-        k = torch.randn(bs * rot, hkv, ctx, d, device=DEV, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        q = torch.randn(bs, hq, 1, d, device=DEV, dtype=torch.bfloat16)
-        sets = itertools.cycle([(k[i * bs:(i + 1) * bs], v[i * bs:(i + 1) * bs]) for i in range(rot)])
-
-        def fn():
-            kk, vv = next(sets)
-            return torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)
-
-        fn()
-        res = {"graph_us": timeit(fn, True), "eager_us": timeit(fn, False)}
-        del k, v
+        res = P.sdpa_decode(r, bs, ctx, shape["hq"], shape["hkv"], shape["d"], MAX_BS)
     except Exception as e:
-        log(f"  sdpa bs{bs} L{ctx} FAILED: {e!r}")
+        r.log(f"  sdpa bs{bs} L{ctx} FAILED: {e!r}")
         return None
-    nbytes = kv_bytes("bf16", bs, ctx, hkv, d)
-    row = dict(kind=tag, path="sdpa_bf16", kv_dtype="bf16", bs=bs, context=ctx, q_len=1, q_heads=hq,
-               kv_heads=hkv, head_dim=d, bytes=nbytes, **res)
-    for mode in ("graph", "eager"):
-        bw = nbytes / (res[f"{mode}_us"] * 1e-6)
-        row[f"{mode}_bw_tbs"] = bw / 1e12
-        row[f"{mode}_pct_copy"] = 100 * bw / r.copy_bw
-    r.rec.add(**row)
-    r.rows.append(row)
-    log(f"{tag:6s} {'sdpa_bf16':12s} bs{bs:3d} L{ctx:6d} q1 graph {res['graph_us']:9.1f}us "
-        f"({row['graph_pct_copy']:5.1f}%) eager {res['eager_us']:9.1f}us ({row['eager_pct_copy']:5.1f}%)")
+    row = pct_copy(r, dict(kind=tag, path="sdpa_bf16", kv_dtype="bf16", bs=bs, context=ctx, q_len=1,
+                           q_heads=shape["hq"], kv_heads=shape["hkv"], head_dim=shape["d"],
+                           bytes=kv_bytes("bf16", bs, ctx, shape["hkv"], shape["d"]), **res))
+    r.row(**row)
+    r.log(f"{tag:6s} {'sdpa_bf16':12s} bs{bs:3d} L{ctx:6d} q1 graph {res['graph_us']:9.1f}us "
+          f"({row['graph_pct_copy']:5.1f}%) eager {res['eager_us']:9.1f}us ({row['eager_pct_copy']:5.1f}%) "
+          f"rel_l2 {res['rel_l2']:.4f}")
     return row
 
 
+@H.section("peers")
+def peers(r: Run) -> None:
+    """FlashInfer paged decode (fa2 tensor-core kernel) with BF16 and FP8 e4m3 K/V at the
+    headline grid points, eager (CUDA events, L2 flushed); first calls JIT-compile."""
+    for kv in ("bf16", "fp8"):
+        for bs in BATCHES:
+            for ctx in CONTEXTS[:1] if SMOKE else CONTEXTS:
+                if r.late(f"peers flashinfer {kv} bs{bs} L{ctx}"):
+                    return
+                try:
+                    res = P.flashinfer_decode(r, bs, ctx, HEADLINE["hq"], HEADLINE["hkv"], HEADLINE["d"],
+                                              HEADLINE["page"], kv_dtype=kv)
+                except P.Unavailable as e:
+                    r.log(f"peers: {e}")
+                    r.row(kind="peer_unavailable", peer="flashinfer", reason=str(e)[:300])
+                    return
+                except Exception as e:
+                    r.log(f"  flashinfer {kv} bs{bs} L{ctx} FAILED: {e!r}")
+                    r.row(kind="peer_failed", peer="flashinfer", kv_dtype=kv, bs=bs, context=ctx, error=repr(e)[:300])
+                    continue
+                row = pct_copy(r, dict(kind="peer", path=f"flashinfer_{kv}", q_len=1, **res))
+                r.row(**row)
+                r.log(f"peer   flashinfer_{kv:5s} bs{bs:3d} L{ctx:6d} eager {res['eager_us']:9.1f}us "
+                      f"({row['eager_pct_copy']:5.1f}%) rel_l2 {res['rel_l2']:.4f} ({res['peer_version']})")
+
+
 def setup(r: Run) -> None:
-    r.copy_bw = 1.0 if SMOKE else bench.copy_bandwidth()
+    r.copy_bw = 1.0 if INTERPRET else bench.copy_bandwidth()
     sms = runtime.sm_count(torch.device(DEV))
-    log(f"device {r.rec.env['gpu']} torch {r.rec.env['torch']} triton {r.rec.env['triton']} SMs {sms} "
-        f"copy {r.copy_bw / 1e12:.3f} TB/s")
-    r.rec.add(kind="copy_bandwidth", bytes_per_s=r.copy_bw)
+    r.log(f"device {r.env['gpu']} torch {r.env['torch']} triton {r.env['triton']} SMs {sms} "
+          f"copy {r.copy_bw / 1e12:.3f} TB/s")
+    r.row(kind="copy_bandwidth", bytes_per_s=r.copy_bw)
     for kv in ("int8", "fp8", "bf16"):
         r.caches[kv] = make_cache(kv, MAX_BS * MAX_L // HEADLINE["page"] + 8, HEADLINE,
                                   gen_seed={"int8": 1, "fp8": 2, "bf16": 3}[kv])
     d128_blocks = max(b for b, _ in D128_POINTS) * max(c for _, c in D128_POINTS) // COMMON["page"] + 8
     r.caches_d128 = {kv: make_cache(kv, d128_blocks, COMMON) for kv in ("int8", "fp8", "bf16")}
-    log(f"caches ready {r.elapsed():.1f}s")
+    r.log(f"caches ready {r.elapsed():.1f}s")
 
     # every variant the run may time, compiled in parallel worker processes
     keys = set()
@@ -481,10 +384,10 @@ def setup(r: Run) -> None:
         for mode in modes:
             pv, cfg = ACC_CONFIG_MODES.get(mode, (mode, None))
             want(kv, pv, HEADLINE, 2, 3, cfg)
-    precompile(keys)
+    H.precompile(r, _compile_worker, sorted(keys))
 
 
-@section("acc")
+@H.section("acc")
 def accuracy(r: Run) -> None:
     """rel-L2 etc. vs the float64 reference at real shapes (outlier keys, default key
     smoothing), every cache dtype / PV mode; same-quantization reference for int8; SASS
@@ -511,22 +414,20 @@ def accuracy(r: Run) -> None:
                                **{f"vs_f64_{k}": v for k, v in st.items()})
                     if refq is not None:
                         row.update({f"vs_sameq_{k}": v for k, v in reference.error_stats(out, refq).items()})
-                    r.rec.add(**row)
+                    r.row(**row)
                     r.acc_rows.append(row)
-                    log(f"acc {case:11s} {kv}/{mode:11s} splits {plan.num_splits:3d} rel_l2 {st['rel_l2']:.4f} "
+                    r.log(f"acc {case:11s} {kv}/{mode:11s} splits {plan.num_splits:3d} rel_l2 {st['rel_l2']:.4f} "
                         f"max_abs {st['max_abs']:.4f} finite {st['finite']}"
                         + (f" | same-quant rel_l2 {row['vs_sameq_rel_l2']:.4f}" if refq is not None else ""))
-                    if not SMOKE and case == "decode" and split_launch() is not None:
-                        try:
-                            s = sass_summary(split_launch())
-                            r.rec.add(kind="sass", kv_dtype=kv, pv_mode=mode, **s)
-                            r.sass_rows.append(dict(kv_dtype=kv, pv_mode=mode, **s))
-                            log(f"sass {kv}/{mode}: {json.dumps(s)}")
-                        except Exception as e:
-                            log(f"sass {kv}/{mode} failed: {e!r}")
+                    if not INTERPRET and case == "decode" and split_launch() is not None:
+                        s = H.sass_summary(split_launch())
+                        r.row(kind="sass", kv_dtype=kv, pv_mode=mode, **s)
+                        r.sass_rows.append(dict(kv_dtype=kv, pv_mode=mode, **s))
+                        r.log(f"sass {kv}/{mode}: mma {s.get('mma')} loops {s.get('loop_instr')} regs {s['n_regs']} "
+                              f"spills {s['n_spills']} smem {s['shared_bytes']} {s.get('sass_error', '')}")
                 except Exception as e:
-                    log(f"acc {case} {kv}/{mode} FAILED: {e!r}")
-                    traceback.print_exc()
+                    r.log(f"acc {case} {kv}/{mode} FAILED: {e!r}")
+                    r.row(kind="failed", tag="accuracy", case=case, kv_dtype=kv, pv_mode=mode, error=repr(e)[:300])
             del b
     b = testing.make_paged_batch([5000, 77] if not SMOKE else [90, 7], [1, 1], num_q_heads=32, num_kv_heads=8,
                                  head_dim=128, kv_dtype="int8", seed=5, device=DEV)
@@ -536,12 +437,12 @@ def accuracy(r: Run) -> None:
     stq = reference.error_stats(out, reference.attention_reference_quantized(*a))
     row = dict(kind="accuracy", case="d128", kv_dtype="int8", pv_mode="int8",
                **{f"vs_f64_{k}": v for k, v in st.items()}, **{f"vs_sameq_{k}": v for k, v in stq.items()})
-    r.rec.add(**row)
+    r.row(**row)
     r.acc_rows.append(row)
-    log(f"acc d128 int8/int8 rel_l2 {st['rel_l2']:.4f} same-quant {stq['rel_l2']:.4f}")
+    r.log(f"acc d128 int8/int8 rel_l2 {st['rel_l2']:.4f} same-quant {stq['rel_l2']:.4f}")
 
 
-@section("tune")
+@H.section("tune")
 def tune(r: Run) -> None:
     """A handful of configs per cache dtype (chosen from the sm_90 static analysis, see
     benchmarks/notes/decode.md) at the tuning shapes, graph-timed with the planner's
@@ -563,17 +464,17 @@ def tune(r: Run) -> None:
         best = min(geo, key=geo.get)
         default = tuple(TUNE_CONFIGS[kv][0])
         r.best[kv] = dec.DecodeConfig(*best)
-        r.rec.add(kind="tune_choice", kv_dtype=kv, block_n=best[0], num_warps=best[1], num_stages=best[2],
+        r.row(kind="tune_choice", kv_dtype=kv, block_n=best[0], num_warps=best[1], num_stages=best[2],
                   swap_ab=r.best[kv].swap_ab, maxnreg=r.best[kv].maxnreg,
                   geomean_us=geo[best], default_geomean_us=geo.get(default),
                   all={cfg_label(c): g for c, g in geo.items()})
-        log(f"tune choice {kv}: {cfg_label(best)} geomean {geo[best]:.1f}us "
-            f"(default {geo.get(default, float('nan')):.1f}us)")
+        r.log(f"tune choice {kv}: {cfg_label(best)} geomean {geo[best]:.1f}us "
+              f"(default {geo.get(default, float('nan')):.1f}us)")
 
 
-@section("grid")
+@H.section("grid")
 def grid(r: Run) -> None:
-    """Headline table (docs/design.md §4, q_len 1): eager + graph, vs SDPA and our bf16."""
+    """Headline table (DESIGN.md section 4, q_len 1): eager + graph, vs SDPA and our bf16."""
     for bs in BATCHES:
         for ctx in CONTEXTS:
             if r.late(f"grid bs{bs} L{ctx}"):
@@ -595,7 +496,7 @@ def grid(r: Run) -> None:
     time_path(r, "grid", "int8_default", "int8", "int8", None, HEADLINE, BS_MID, CONTEXTS[-1], graph_only=True)
 
 
-@section("batch")
+@H.section("batch")
 def batch_sweep(r: Run) -> None:
     """bs 1..64 at L 8k, graph: time per sequence must fall or stay flat (no cliff)."""
     for bs in SWEEP_BATCHES:
@@ -603,7 +504,7 @@ def batch_sweep(r: Run) -> None:
             time_path(r, "batch", kv, kv, None, r.config(kv), HEADLINE, bs, L8K, graph_only=True)
 
 
-@section("mt")
+@H.section("mt")
 def multi_token(r: Run) -> None:
     """q_len 1 / 2 / 4 with the default configs: at 32 packed rows (q 4) the 4-warp and
     128-key tuning configs spill registers (sm_90 static analysis), the defaults do not."""
@@ -613,7 +514,7 @@ def multi_token(r: Run) -> None:
                 time_path(r, "mt", kv, kv, None, None, HEADLINE, bs, ctx, q_len=q_len, graph_only=True)
 
 
-@section("d128")
+@H.section("d128")
 def d128(r: Run) -> None:
     """32q/8kv at head_dim 128 with the default configs, plus the candidate int8 configs
     (timed so a head_dim-128 entry of MEASURED_BEST can be chosen from them)."""
@@ -630,7 +531,7 @@ def d128(r: Run) -> None:
         time_sdpa(r, COMMON, bs, ctx, tag="d128")
 
 
-@section("splits")
+@H.section("splits")
 def split_sweep(r: Run) -> None:
     """Split count around the planner's choice for the chosen int8 config (checks the model)."""
     cfg = r.config("int8") or dec.DecodeConfig(*TUNE_CONFIGS["int8"][0])
@@ -644,11 +545,11 @@ def split_sweep(r: Run) -> None:
     for s in sorted({2, 3, base, 5, 6, 8} if not SMOKE else {base}):
         time_path(r, "splits", "fp8", "fp8", None, None, HEADLINE, BS_MID, L8K, num_splits=s, graph_only=True,
                   extra={"auto_splits": base})
-    if not SMOKE:
+    if not INTERPRET:
         try:
             kernel_profile(r, "int8", cfg, 1, TUNE_SHAPES[1][1])
         except Exception as e:  # a profiler problem must not cost the rest of the run
-            log(f"kernel profile FAILED: {e!r}")
+            r.log(f"kernel profile FAILED: {e!r}")
 
 
 def kernel_profile(r: Run, kv: str, cfg, bs: int, ctx: int) -> None:
@@ -667,21 +568,21 @@ def kernel_profile(r: Run, kv: str, cfg, bs: int, ctx: int) -> None:
         if ev.device_type == torch.autograd.DeviceType.CUDA and "_decode_" in ev.name:
             per_kernel[ev.name].append(ev.device_time)
     med = {k: sorted(v)[len(v) // 2] for k, v in per_kernel.items()}
-    graph_us = timeit(runner, True)
+    graph_us = timeit(r, runner, True)
     cfg = runner.plan.config
     row = dict(kind="kernel_profile", path=kv, bs=bs, context=ctx, num_splits=runner.plan.num_splits,
                block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, swap_ab=cfg.swap_ab,
                graph_us=graph_us, bytes=kv_bytes(kv, bs, ctx, HEADLINE["hkv"], HEADLINE["d"]),
                **{f"{k}_us": v for k, v in med.items()})
-    r.rec.add(**row)
-    log(f"profile {kv} bs{bs} L{ctx} S{runner.plan.num_splits}: graph {graph_us:.1f}us, kernels "
-        + ", ".join(f"{k} {v:.1f}us" for k, v in med.items()))
+    r.row(**row)
+    r.log(f"profile {kv} bs{bs} L{ctx} S{runner.plan.num_splits}: graph {graph_us:.1f}us, kernels "
+          + ", ".join(f"{k} {v:.1f}us" for k, v in med.items()))
 
 
 SMALL_CONFIGS = [(64, 4, 6, 16, True), *CAPPED["int8"]]
 
 
-@section("small")
+@H.section("small")
 def small_batch(r: Run) -> None:
     """Batch 1 at L 32k, where the 75%-of-copy goal is missed: configs x split counts."""
     bs, ctx = 1, TUNE_SHAPES[1][1]
@@ -695,7 +596,7 @@ def small_batch(r: Run) -> None:
                       extra={"auto_splits": base, "config": cfg_label(c)})
 
 
-@section("occ")
+@H.section("occ")
 def occupancy(r: Run) -> None:
     """The 8-bit configs with and without a register cap next to our BF16 path at the
     batch / length points of the FP8 >= 1.8x goal (graph, planner's splits)."""
@@ -710,11 +611,11 @@ def occupancy(r: Run) -> None:
                           graph_only=True)
 
 
-@section("prof")
+@H.section("prof")
 def profiles(r: Run) -> None:
     """Split / merge kernel device time against the graph time of the call, default
     configs, at the points of the missed goals (bs1 L32k; FP8 vs BF16 at bs16 8k / 32k)."""
-    if SMOKE:   # the CUDA profiler has nothing to see under the interpreter
+    if INTERPRET:   # the CUDA profiler has nothing to see under the interpreter
         return
     for bs, ctx in ((1, CONTEXTS[-1]), (BS_MID, L8K), (BS_MID, CONTEXTS[-1])):
         for kv in ("fp8", "int8", "bf16"):
@@ -724,16 +625,13 @@ def profiles(r: Run) -> None:
 
 
 # --------------------------------------------------------------------------- summary
-def _fmt(x, f="{:.1f}"):
-    return "–" if x is None else f.format(x)
-
-
 def summary(r: Run) -> str:
     """Markdown summary (also printed): headline, goals, tuning, batch sweep, mt, d128, accuracy."""
-    env = r.rec.env
+    env = r.env
     by = {}
     for row in r.rows:
-        by[(row["kind"], row["path"], row["bs"], row["context"], row.get("q_len", 1), row.get("head_dim"))] = row
+        if "path" in row and "bs" in row:
+            by[(row["kind"], row["path"], row["bs"], row["context"], row.get("q_len", 1), row.get("head_dim"))] = row
     md = [f"### Decode run: {env.get('gpu')}, torch {env.get('torch')}, Triton {env.get('triton')}, {env.get('date')}",
           "", f"Copy bandwidth {r.copy_bw / 1e12:.3f} TB/s. Configs (block_n/warps/stages): "
           + ", ".join(f"{kv} {c.block_n}/{c.num_warps}/{c.num_stages}" for kv, c in r.best.items())
@@ -749,10 +647,10 @@ def summary(r: Run) -> str:
                 continue
             ratio = lambda a, b: (a["graph_us"] / b["graph_us"]) if a and b else None  # noqa: E731
             md.append(f"| {bs} | {ctx} | {i8['graph_us']:.1f} | {i8['graph_pct_copy']:.1f} | "
-                      f"{_fmt(i8.get('eager_pct_copy'))} | {_fmt(pb and pb['graph_us'])} | {_fmt(f8 and f8['graph_us'])} | "
-                      f"{_fmt(b16 and b16['graph_us'])} | {_fmt(sd and sd['graph_us'])} | "
-                      f"{_fmt(ratio(sd, i8), '{:.2f}x')} | {_fmt(ratio(b16, i8), '{:.2f}x')} | "
-                      f"{_fmt(ratio(b16, f8), '{:.2f}x')} |")
+                      f"{H.fmt(i8.get('eager_pct_copy'))} | {H.fmt(pb and pb['graph_us'])} | {H.fmt(f8 and f8['graph_us'])} | "
+                      f"{H.fmt(b16 and b16['graph_us'])} | {H.fmt(sd and sd['graph_us'])} | "
+                      f"{H.fmt(ratio(sd, i8), '{:.2f}x')} | {H.fmt(ratio(b16, i8), '{:.2f}x')} | "
+                      f"{H.fmt(ratio(b16, f8), '{:.2f}x')} |")
     # goals
     def pct(bs, ctx, mode="graph"):
         row = by.get(("grid", "int8", bs, ctx, 1, 256))
@@ -779,7 +677,7 @@ def summary(r: Run) -> str:
     ]
     md += ["", "| goal | target | measured | status |", "|---|---|---|---|"]
     for name, target, val, ok in goals:
-        md.append(f"| {name} | {target} | {_fmt(val, '{:.3f}' if val is not None and val < 1 else '{:.2f}')} | "
+        md.append(f"| {name} | {target} | {H.fmt(val, '{:.3f}' if val is not None and val < 1 else '{:.2f}')} | "
                   f"{'–' if val is None else ('met' if ok(val) else 'missed')} |")
     tune_rows = [x for x in r.rows if x["kind"] == "tune"]
     if tune_rows:
@@ -811,7 +709,7 @@ def summary(r: Run) -> str:
                "|---|---|---|---|---|---|"]
         for kv in ("int8", "bf16"):
             for b, c in MT_POINTS:
-                cells = [_fmt((by.get(("mt", kv, b, c, q, 256)) or {}).get("graph_us")) for q in (1,) + MT_QLENS]
+                cells = [H.fmt((by.get(("mt", kv, b, c, q, 256)) or {}).get("graph_us")) for q in (1,) + MT_QLENS]
                 md.append(f"| {kv} | {b} | {c} | " + " | ".join(cells) + " |")
     d = [x for x in r.rows if x["kind"] == "d128"]
     if d:
@@ -820,9 +718,9 @@ def summary(r: Run) -> str:
         for b, c in D128_POINTS:
             g = lambda p: by.get(("d128", p, b, c, 1, 128))  # noqa: E731
             i8, b16, sd = g("int8"), g("bf16"), g("sdpa_bf16")
-            md.append(f"| {b} | {c} | {_fmt(i8 and i8['graph_us'])} ({_fmt(i8 and i8['graph_pct_copy'])}%) | "
-                      f"{_fmt(b16 and b16['graph_us'])} | {_fmt(sd and sd['graph_us'])} | "
-                      f"{_fmt(sd['graph_us'] / i8['graph_us'] if i8 and sd else None, '{:.2f}x')} |")
+            md.append(f"| {b} | {c} | {H.fmt(i8 and i8['graph_us'])} ({H.fmt(i8 and i8['graph_pct_copy'])}%) | "
+                      f"{H.fmt(b16 and b16['graph_us'])} | {H.fmt(sd and sd['graph_us'])} | "
+                      f"{H.fmt(sd['graph_us'] / i8['graph_us'] if i8 and sd else None, '{:.2f}x')} |")
     small = [x for x in r.rows if x["kind"] == "small"]
     if small:
         splits = sorted({x["num_splits"] for x in small})
@@ -841,7 +739,7 @@ def summary(r: Run) -> str:
                "|---|---|---|---|---|---|"]
         for a in r.acc_rows:
             md.append(f"| {a['case']} | {a['kv_dtype']}/{a['pv_mode']} | {a['vs_f64_rel_l2']:.4f} | "
-                      f"{_fmt(a.get('vs_sameq_rel_l2'), '{:.4f}')} | {a['vs_f64_max_abs']:.4f} | {a['vs_f64_finite']} |")
+                      f"{H.fmt(a.get('vs_sameq_rel_l2'), '{:.4f}')} | {a['vs_f64_max_abs']:.4f} | {a['vs_f64_finite']} |")
     if r.sass_rows:
         md += ["", "SASS of the kernels that ran (default configs; loop instr = per warp per tile, single-pass "
                "loop first):", "", "| kv/pv | MMA | loop instr | regs | spills | smem |", "|---|---|---|---|---|---|"]
@@ -855,36 +753,30 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="directory for decode.jsonl, decode_summary.md and the log "
                                                 "(default: rows to benchmarks/results/decode.jsonl, no summary file)")
-    ap.add_argument("--smoke", action="store_true", help="toy sizes on the CPU interpreter (checks the script)")
+    ap.add_argument("--smoke", action="store_true", help="toy sizes, every section and peer (CPU: interpreter)")
     ap.add_argument("--quick", action="store_true", help="fewer points (about half the time)")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: acc,tune,grid,small,occ,prof,batch,mt,d128,splits")
+    ap.add_argument("--skip", default="", help="comma list of sections to skip: " + ",".join(s.section for s in SECTIONS))
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-    r = Run(args.out, args.quick)
+    r = Run(args.out)
     torch.manual_seed(0)
     try:
         setup(r)
     except Exception as e:
-        log(f"SETUP FAILED: {e!r}")
-        traceback.print_exc()
-    for sec in (accuracy, tune, grid, small_batch, occupancy, profiles, batch_sweep, multi_token, d128, split_sweep):
+        r.log(f"SETUP FAILED: {e!r}")
+        r.row(kind="section_failed", section="setup", error=repr(e)[:500])
+    for sec in SECTIONS:
         sec(r, skip)
     try:
         md = summary(r)
-        log("\n" + md)
-        if args.out:
-            with open(os.path.join(args.out, "decode_summary.md"), "w") as f:
-                f.write(md)
+        r.log("\n" + md)
+        r.write("decode_summary.md", md)
     except Exception as e:
-        log(f"summary failed: {e!r}")
-        traceback.print_exc()
-    log(f"total {r.elapsed():.1f}s")
-    if args.out:
-        with open(os.path.join(args.out, "decode_log.txt"), "w") as f:
-            f.write("\n".join(LOG) + "\n")
+        r.log(f"summary failed: {e!r}")
+    r.log(f"total {r.elapsed():.1f}s")
 
+
+SECTIONS = (accuracy, tune, grid, small_batch, occupancy, profiles, batch_sweep, multi_token, d128, split_sweep, peers)
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,5 @@
 """Chunked prefill on the GPU in one short run (<= 3 minutes on an H200, compilation
-included): a 4096-token chunk over a cached prefix (docs/design.md §4), INT8 / FP8 / BF16
+included): a 4096-token chunk over a cached prefix (DESIGN.md section 4), INT8 / FP8 / BF16
 caches through the same kernel, against PyTorch SDPA BF16 on contiguous K/V, ratios from
 the same run.
 
@@ -25,7 +25,13 @@ goes on; ``--budget-s`` skips whatever would start after the budget is spent):
 4. a mixed decode + prefill batch through ``attention()``: without a plan, with a plan,
    with a plan made from host bounds only, and the planned run captured in a CUDA graph and
    replayed, each checked against float64 (all rows) and timed;
-5. query quantization alone and inside the fused producer (``--extras``).
+5. a causal batch of 4 x 4096 tokens (prefix 0, 24q/4kv/D256): each family's library
+   default against cuDNN SDPA, FlashInfer and FlashAttention-4;
+6. peers, when installed (benchmarks/_peers.py; rows carry their version), on every case:
+   FlashInfer paged prefill ``backend="fa3"`` (BF16) and FlashAttention-4 dense BF16 (causal
+   bottom-right), each checked against float32 attention; they run after our cases so
+   their JIT compilation never costs our rows;
+7. query quantization alone and inside the fused producer (``--extras``).
 
 Cases: 24q/4kv/D256 at prefix 28672 (sweep), then 32q/8kv/D128 at 28672 (sweep), then
 24q/4kv/D256 at 8192 and 0, then 32q/8kv/D128 at 0. ``--only REGEX`` keeps only the
@@ -33,23 +39,31 @@ variants whose name matches (plus each family's default), runs them in every sel
 case (no best-of-sweep pruning) and skips the mixed batch: a short side-by-side run, e.g.
 ``--only 'm64w4|flat' --cases 0,1,3,4``. Rows go to ``<out>/prefill.jsonl`` and a Markdown summary to
 ``<out>/prefill_summary.md`` (copy both to ``benchmarks/results/``); the table is printed at
-the end. ``--smoke`` runs a tiny version on the CPU interpreter (timings meaningless).
+the end. ``--smoke`` runs a tiny version of every section with every peer attempted: on the
+GPU (library defaults, chunk 256) as a first check, without one under the CPU interpreter
+(timings meaningless). Sections, rows, logging, the compile pool and SASS summaries are
+benchmarks/_harness.py.
 
-Usage: ``PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/bench_prefill.py --out DIR``
+Usage: ``PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/bench_prefill.py [--smoke] --out DIR``
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import shutil
-import subprocess
+import sys
 import time
-import traceback
 
 import torch
+
+import _harness as H
+import _peers as P
+
+SMOKE = "--smoke" in sys.argv
+INTERPRET = H.start(SMOKE)   # before the kernels are imported
+DEV = "cpu" if INTERPRET else "cuda"
+
 
 SHAPES = {"24q4kv_d256": (24, 4, 256), "32q8kv_d128": (32, 8, 128)}
 #: (shape, prefix, sweep?) in run order: the headline first.
@@ -60,6 +74,8 @@ BLOCK_SIZE = 16
 SEED = 7
 #: Families reported per case: (kv dtype, PV precision); "bf16" PV is fp16 for 8-bit caches.
 FAMILIES = (("int8", "bf16"), ("int8", "int8"), ("fp8", "bf16"), ("fp8", "fp8"), ("bf16", "bf16"))
+#: the causal batch: sequences x tokens (prefix 0) at the headline shape
+BATCH_SEQS = 4
 
 
 # --------------------------------------------------------------------------- variants
@@ -225,26 +241,18 @@ def run_variant(batch, var, out=None):
 def _warm_worker(job):
     """Compile one variant (or the mixed-batch kernels) in a worker process."""
     shape, var = job
-    t = time.time()
-    try:
-        if var == "mixed":
-            mixed_batch_check(None, False, None, warm_only=True)
-            name = "mixed batch kernels"
-        else:
-            name = var["name"]
-            batch = build_batch(shape, 0, 256, var["kv"], "cuda")
-            run_variant(batch, var)()
-            torch.cuda.synchronize()
-        return name, round(time.time() - t, 1), None
-    except Exception as e:  # reported; the main process retries and records the failure
-        return (var if isinstance(var, str) else var["name"]), round(time.time() - t, 1), repr(e)[:300]
+    if var == "mixed":
+        mixed_batch_check(None, warm_only=True)
+        return "mixed batch kernels"
+    batch = build_batch(shape, 0, 256, var["kv"], "cuda")
+    run_variant(batch, var)()
+    torch.cuda.synchronize()
+    return var["name"]
 
 
 def sample_rows(chunk: int) -> list[tuple[int, int]]:
-    """(start, end) token blocks of the chunk checked against float64."""
-    n = min(32, chunk)
-    starts = sorted({0, chunk // 3, (2 * chunk) // 3, chunk - n})
-    return [(s, min(s + n, chunk)) for s in starts]
+    """(start, end) token blocks of the chunk checked against float64 (4 blocks of 32)."""
+    return P.sample_rows(chunk, 32)
 
 
 def reference_rows(query, k, v, prefix, rows, scale, query_kv_dtype=None):
@@ -266,120 +274,14 @@ def take_rows(out, rows):
     return torch.cat([out[s:e] for s, e in rows])
 
 
-# --------------------------------------------------------------------------- SASS
-_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.x]*)([^;]*);")
-
-
-def sass_summary(kernel) -> dict:
-    """Matrix instructions, registers, spills and the instruction mix of the two largest
-    loops (the unmasked and the diagonal KV loop) of a compiled Triton kernel."""
-    info = {"n_regs": getattr(kernel, "n_regs", None), "n_spills": getattr(kernel, "n_spills", None)}
-    try:
-        info["shared_bytes"] = kernel.metadata.shared
-    except Exception:
-        pass
-    try:
-        tool = shutil.which("cuobjdump")
-        if tool is None:
-            import triton
-
-            tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        path = f"/tmp/_prefill_kernel_{os.getpid()}.cubin"
-        with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
-        sass = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, timeout=60).stdout
-        ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_LINE.match, sass.splitlines()) if m]
-        info["mma"] = sorted({op for _, op, _ in ins if "GMMA" in op or op.startswith(("IMMA", "HMMA"))})
-        info["count_LDL_STL"] = sum(op.startswith(("LDL", "STL")) for _, op, _ in ins)
-        loops = []
-        for addr, op, rest in ins:
-            t = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
-            if t and int(t.group(1), 16) < addr:
-                lo = int(t.group(1), 16)
-                loops.append([op2 for a, op2, _ in ins if lo <= a <= addr])
-        # the two largest loops: the unmasked KV loop (shorter body) and the diagonal one
-        for tag, body in zip(("main_loop", "diagonal_loop"), sorted(sorted(loops, key=len)[-2:], key=len)):
-            def n(*prefixes, body=body):
-                return sum(op.startswith(prefixes) for op in body)
-            info[tag] = {"instructions": len(body), "mma": sum("GMMA" in op for op in body),
-                                "LDL_STL": n("LDL", "STL"), "MUFU": n("MUFU"), "BAR": n("BAR"),
-                                "STS": n("STS"), "PRMT": n("PRMT")}
-    except Exception as e:
-        info["sass_error"] = repr(e)[:200]
-    return info
-
-
-# --------------------------------------------------------------------------- SDPA
-def sdpa_fastest_exact(q, k, v, prefix, chunk, scale):
-    """(name, fn) pairs computing the exact bottom-right causal problem with SDPA, fastest
-    backend first (round-1 measurement). q [1, Hq, chunk, D], k/v [1, Hq, prefix + chunk, D]."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if prefix == 0:
-        def causal(be):
-            def f():
-                with sdpa_kernel([be]):
-                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-            return f
-        return [("sdpa_cudnn_causal", causal(SDPBackend.CUDNN_ATTENTION)),
-                ("sdpa_flash_causal", causal(SDPBackend.FLASH_ATTENTION))]
-    from torch.nn.attention.bias import causal_lower_right
-
-    kp, vp = k[:, :, :prefix], v[:, :, :prefix]
-    kc, vc = k[:, :, prefix:], v[:, :, prefix:]
-
-    def cudnn_split():
-        a = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kp, vp, None, True, 0.0, False, False,
-                                                               scale=scale)
-        b = torch.ops.aten._scaled_dot_product_cudnn_attention(q, kc, vc, None, True, 0.0, True, False,
-                                                               scale=scale)
-        (o1, l1), (o2, l2) = (a[0], a[1]), (b[0], b[1])
-        l1 = l1.reshape(o1.shape[:-1]).float()
-        l2 = l2.reshape(o2.shape[:-1]).float()
-        lse = torch.logaddexp(l1, l2)
-        return (o1.float() * torch.exp(l1 - lse)[..., None] + o2.float() * torch.exp(l2 - lse)[..., None]).to(q.dtype)
-
-    bias = causal_lower_right(chunk, prefix + chunk)
-
-    def flash():
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
-
-    return [("sdpa_cudnn_split_merge", cudnn_split), ("sdpa_flash_lower_right", flash)]
-
-
-# --------------------------------------------------------------------------- logging
-class Log:
-    def __init__(self, out_dir):
-        from int8attn.bench import environment
-
-        self.f = open(os.path.join(out_dir, "prefill_log.txt"), "a")
-        self.rows_path = os.path.join(out_dir, "prefill.jsonl")
-        self.env = environment()
-        self.rows = []
-
-    def __call__(self, *a):
-        msg = " ".join(str(x) for x in a)
-        print(msg, flush=True)
-        self.f.write(msg + "\n")
-        self.f.flush()
-
-    def row(self, **r):
-        full = {**r, **self.env}
-        self.rows.append(full)
-        with open(self.rows_path, "a") as f:
-            f.write(json.dumps(full, sort_keys=True, default=str) + "\n")
-
-
-# --------------------------------------------------------------------------- one case
-def run_case(log, args, shape_name, prefix, do_sweep, variants, best, smoke, timeit, chunk, dev):
+def run_case(r, args, shape_name, prefix, do_sweep, variants, best, chunk):
     """Check and time the case's variants and SDPA; returns the summary rows."""
     from int8attn import reference
     from int8attn.reference import gather_kv
     from int8attn import launches
 
-    hq, hkv, d = SHAPES[shape_name] if not smoke else (4, 2, 64)
+    hq, hkv, d = SHAPES[shape_name]
+    dev = r.device
     scale = d ** -0.5
     flops = unmasked_flops(hq, d, chunk, prefix)
     rows = sample_rows(chunk)
@@ -403,64 +305,62 @@ def run_case(log, args, shape_name, prefix, do_sweep, variants, best, smoke, tim
                 out = torch.full(batch.query.shape, float("nan"), dtype=torch.bfloat16, device=dev)
                 fn = run_variant(batch, var, out=out)
                 fn()
-                if not smoke:
-                    torch.cuda.synchronize()
+                r.sync()
                 all_written = bool(torch.isfinite(out).all())
                 got = take_rows(out, rows)
                 acc = {"e2e": reference.error_stats(got, ref_e2e),
                        "vs_dequant_cache": reference.error_stats(got, ref_deq),
                        "vs_quantized_query": reference.error_stats(got, ref_q)}
-                sass = {} if smoke else sass_summary(launches.last("_prefill_kernel").compiled)
-                us = timeit(fn)
+                sass = {} if INTERPRET else H.sass_summary(launches.last("_prefill_kernel").compiled)
+                us = r.time(fn, rep_ms=args.rep_ms)
                 tflops = flops / (us * 1e-6) / 1e12
                 ok = all_written and acc["e2e"]["rel_l2"] <= 0.05
                 if ok:
                     times[name] = (us, var)
                 loop = sass.get("main_loop", {})
-                log(f"{shape_name} prefix={prefix:5d} {name:30s} {us / 1e3:8.3f} ms {tflops:6.1f} TFLOP/s "
+                r.log(f"{shape_name} prefix={prefix:5d} {name:30s} {us / 1e3:8.3f} ms {tflops:6.1f} TFLOP/s "
                     f"e2e={acc['e2e']['rel_l2']:.4f} deq={acc['vs_dequant_cache']['rel_l2']:.4f} "
                     f"qq={acc['vs_quantized_query']['rel_l2']:.4f} written={all_written} "
                     f"regs={sass.get('n_regs')} spills={sass.get('n_spills')} "
                     f"main_loop_ins={loop.get('instructions')} loop_LDL_STL={loop.get('LDL_STL')} mma={sass.get('mma')}")
-                log.row(kind="prefill_kernel", variant=name, kv_dtype=kv, pv_mode=var["pv"], config=var["cfg"],
+                r.row(kind="prefill_kernel", variant=name, kv_dtype=kv, pv_mode=var["pv"], config=var["cfg"],
                         library_default=var["default"], prequantized_q=var["prequant"], time_us=us,
                         effective_tflops=tflops, all_rows_written=all_written, accuracy=acc, sass=sass,
-                        timing="MEANINGLESS (interpreter)" if smoke else "eager (do_bench median, L2 flushed)",
+                        timing="MEANINGLESS (interpreter)" if INTERPRET else "eager (do_bench median, L2 flushed)",
                         **case)
             except Exception as e:
-                log(f"{shape_name} prefix={prefix} {name} FAILED {e!r}"[:600])
-                traceback.print_exc()
-                log.row(kind="prefill_kernel", variant=name, kv_dtype=kv, error=repr(e)[:500], **case)
+                r.log(f"{shape_name} prefix={prefix} {name} FAILED {e!r}"[:600])
+                r.row(kind="prefill_kernel", variant=name, kv_dtype=kv, error=repr(e)[:500], **case)
         del batch
 
     # ---- SDPA BF16 on contiguous K/V (all query heads), same tokens: fastest exact backend
     sdpa_best = None
-    if not smoke:
-        try:
-            g = hq // hkv
-            q4 = raw.query.transpose(0, 1).unsqueeze(0).contiguous()
-            k4 = raw.key.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
-            v4 = raw.value.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
-            for name, fn in sdpa_fastest_exact(q4, k4, v4, prefix, chunk, scale):
-                try:
-                    o = fn()
-                    torch.cuda.synchronize()
-                    err = reference.error_stats(take_rows(o[0].transpose(0, 1), rows), ref_e2e)
-                    us = timeit(fn)
-                    tflops = flops / (us * 1e-6) / 1e12
-                    log(f"{shape_name} prefix={prefix:5d} {name:30s} {us / 1e3:8.3f} ms {tflops:6.1f} TFLOP/s "
-                        f"e2e={err['rel_l2']:.4f}")
-                    log.row(kind="sdpa_bf16", variant=name, time_us=us, effective_tflops=tflops,
-                            accuracy={"e2e": err}, exact_problem=True, **case)
-                    if err["rel_l2"] < 0.02:
-                        sdpa_best = (name, us)
-                        break  # the fastest backend worked: the fallback is not needed
-                except Exception as e:
-                    log(f"{shape_name} prefix={prefix} {name} unavailable: {e!r}"[:400])
-                    log.row(kind="sdpa_bf16", variant=name, error=repr(e)[:300], **case)
-            del q4, k4, v4
-        except Exception as e:
-            log(f"{shape_name} prefix={prefix} SDPA section failed {e!r}"[:400])
+    # attempted under the interpreter too: the rows record why it cannot run there
+    try:
+        g = hq // hkv
+        q4 = raw.query.transpose(0, 1).unsqueeze(0).contiguous()
+        k4 = raw.key.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+        v4 = raw.value.repeat_interleave(g, dim=1).transpose(0, 1).unsqueeze(0).contiguous()
+        for name, fn in P.sdpa_prefill(q4, k4, v4, prefix, chunk, scale):
+            try:
+                o = fn()
+                r.sync()
+                err = reference.error_stats(take_rows(o[0].transpose(0, 1), rows), ref_e2e)
+                us = r.time(fn, rep_ms=args.rep_ms)
+                tflops = flops / (us * 1e-6) / 1e12
+                r.log(f"{shape_name} prefix={prefix:5d} {name:30s} {us / 1e3:8.3f} ms {tflops:6.1f} TFLOP/s "
+                    f"e2e={err['rel_l2']:.4f}")
+                r.row(kind="sdpa_bf16", variant=name, time_us=us, effective_tflops=tflops,
+                      accuracy={"e2e": err}, exact_problem=True, peer_version=P.sdpa_version(), **case)
+                if err["rel_l2"] < 0.02:
+                    sdpa_best = (name, us)
+                    break  # the fastest backend worked: the fallback is not needed
+            except Exception as e:
+                r.log(f"{shape_name} prefix={prefix} {name} unavailable: {e!r}"[:400])
+                r.row(kind="sdpa_bf16", variant=name, error=repr(e)[:300], **case)
+        del q4, k4, v4
+    except Exception as e:
+        r.log(f"{shape_name} prefix={prefix} SDPA section failed {e!r}"[:400])
 
     # ---- best per family (the sweep's winners are reused by later cases of this shape)
     fam_best = {}
@@ -481,18 +381,17 @@ def run_case(log, args, shape_name, prefix, do_sweep, variants, best, smoke, tim
         name, us, var = fam_best[key]
         default = next((times[v["name"]][0] for v in variants
                         if v["default"] and (v["kv"], v["pv"]) == key and v["name"] in times), None)
-        r = {"kind": "prefill_summary", "kv_dtype": key[0], "pv_mode": key[1], "best_variant": name, "time_us": us,
-             "effective_tflops": flops / (us * 1e-6) / 1e12, "library_default_time_us": default,
-             "ratio_vs_own_bf16_cache": (bf[1] / us) if bf else None,
-             "sdpa_best": sdpa_best[0] if sdpa_best else None, "sdpa_time_us": sdpa_best[1] if sdpa_best else None,
-             "ratio_vs_sdpa_bf16": (sdpa_best[1] / us) if sdpa_best else None, **case}
-        log.row(**r)
-        summary.append(r)
+        row = {"kind": "prefill_summary", "kv_dtype": key[0], "pv_mode": key[1], "best_variant": name,
+               "time_us": us, "effective_tflops": flops / (us * 1e-6) / 1e12, "library_default_time_us": default,
+               "ratio_vs_own_bf16_cache": (bf[1] / us) if bf else None,
+               "sdpa_best": sdpa_best[0] if sdpa_best else None, "sdpa_time_us": sdpa_best[1] if sdpa_best else None,
+               "ratio_vs_sdpa_bf16": (sdpa_best[1] / us) if sdpa_best else None, **case}
+        r.row(**row)
+        summary.append(row)
     return summary
 
 
-# --------------------------------------------------------------------------- mixed batch
-def mixed_batch_check(log, smoke, timeit, warm_only=False):
+def mixed_batch_check(r, warm_only=False):
     """Decode + prefill sequences in one attention() call, checked against float64 on every
     row: no plan, a plan read from the batch, a plan from host bounds only (no read), and
     the planned run captured in a CUDA graph and replayed."""
@@ -501,13 +400,13 @@ def mixed_batch_check(log, smoke, timeit, warm_only=False):
     from int8attn.ops.attention import attention, plan_attention
     from int8attn.ops.decode import MAX_DECODE_QUERY_LEN
 
-    if smoke:
+    if SMOKE:
         seq_lens, q_lens, shape = [20, 33, 9, 40], [1, 20, 9, 3], (4, 2, 64)
     else:
         seq_lens, q_lens, shape = [2048] * 8 + [1200, 300], [1] * 6 + [4, 8] + [500, 100], (24, 4, 256)
     hq, hkv, d = shape
     b = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, kv_dtype="int8",
-                                 seed=3, device="cpu" if smoke else "cuda")
+                                 seed=3, device=DEV)
     args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
     out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=b.query.device))
     attention(*args, out=out)
@@ -535,14 +434,14 @@ def mixed_batch_check(log, smoke, timeit, warm_only=False):
     row["prefill_rows_rel_l2"] = reference.error_stats(oc[~is_decode], ref[~is_decode])["rel_l2"]
     row["plan_equals_no_plan"] = bool(torch.equal(out, out_plan))
     row["bound_plan_equals_plan"] = bool(torch.equal(out_bound, out_plan))
-    log(f"mixed batch: written={row['no_plan_all_written']}/{row['plan_all_written']}/{row['bound_plan_all_written']} "
-        f"rel_l2 no-plan={row['no_plan_rel_l2']:.4f} plan={row['plan_rel_l2']:.4f} "
+    r.log(f"mixed batch: written={row['no_plan_all_written']}/{row['plan_all_written']}/{row['bound_plan_all_written']} "
+          f"rel_l2 no-plan={row['no_plan_rel_l2']:.4f} plan={row['plan_rel_l2']:.4f} "
         f"bound-plan={row['bound_plan_rel_l2']:.4f} (decode rows {row['decode_rows_rel_l2']:.4f}, "
         f"prefill rows {row['prefill_rows_rel_l2']:.4f}) plan==no-plan {row['plan_equals_no_plan']} "
         f"launches={plan.launches}")
-    if not smoke:
-        row["eager_no_plan_us"] = timeit(lambda: attention(*args, out=out))
-        row["eager_plan_us"] = timeit(lambda: attention(*args, out=out_plan, plan=plan))
+    if not INTERPRET:
+        row["eager_no_plan_us"] = r.time(lambda: attention(*args, out=out))
+        row["eager_plan_us"] = r.time(lambda: attention(*args, out=out_plan, plan=plan))
         try:
             out_graph = testing.poisoned_like(out)
             row["graph_plan_us"] = time_graph(lambda: attention(*args, out=out_graph, plan=bound_plan),
@@ -572,26 +471,25 @@ def mixed_batch_check(log, smoke, timeit, warm_only=False):
             del g
         except Exception as e:
             row["graph_error"] = repr(e)[:300]
-        log(f"mixed batch: eager no-plan {row['eager_no_plan_us']:.1f} us, plan {row['eager_plan_us']:.1f} us, "
+        r.log(f"mixed batch: eager no-plan {row['eager_no_plan_us']:.1f} us, plan {row['eager_plan_us']:.1f} us, "
             f"graph replay {row.get('graph_plan_us', float('nan')):.1f} us, graph==eager "
             f"{row.get('graph_equals_eager')}, graph rel_l2 {row.get('graph_rel_l2', float('nan')):.4f}, "
             f"replay with new inputs rel_l2 {row.get('graph_replay_new_inputs_rel_l2', float('nan')):.4f} "
             f"{row.get('graph_error', '')}")
-    log.row(**row)
+    r.row(**row)
     return row
 
 
-# --------------------------------------------------------------------------- extras
-def extras(log, timeit):
+def extras(r):
     """Query quantization alone and inside the fused producer (4096 tokens, 24q/4kv/D256)."""
     from int8attn import reference as R
     from int8attn.cache import PagedKVCache
     from int8attn.ops.producer import quantize_query, rope_quantize_and_write
 
     q = torch.randn(CHUNK, 24, 256, device="cuda").to(torch.bfloat16)
-    us = timeit(lambda: quantize_query(q, "int8"))
-    log(f"quantize_query 4096x24x256 int8: {us:.1f} us")
-    log.row(kind="quantize_query", num_tokens=CHUNK, num_heads=24, head_dim=256, kv_dtype="int8", time_us=us)
+    us = r.time(lambda: quantize_query(q, "int8"))
+    r.log(f"quantize_query 4096x24x256 int8: {us:.1f} us")
+    r.row(kind="quantize_query", num_tokens=CHUNK, num_heads=24, head_dim=256, kv_dtype="int8", time_us=us)
     cache = PagedKVCache(CHUNK // 16 + 4, 16, 4, 256, kv_dtype="int8", device="cuda")
     kx = torch.randn(CHUNK, 4, 256, device="cuda").to(torch.bfloat16)
     vx = torch.randn(CHUNK, 4, 256, device="cuda").to(torch.bfloat16)
@@ -599,130 +497,253 @@ def extras(log, timeit):
     cs = R.rope_cos_sin_cache(CHUNK, 64, device="cuda")
     slots = torch.arange(CHUNK, device="cuda")
     rope_quantize_and_write(q, kx, vx, pos, cs, cache, slots)
-    us = timeit(lambda: rope_quantize_and_write(q, kx, vx, pos, cs, cache, slots))
-    log(f"fused producer (RoPE 64 of 256 + K/V write + Q quant) 4096 tokens 24q/4kv/D256: {us:.1f} us")
-    log.row(kind="fused_producer", num_tokens=CHUNK, num_q_heads=24, num_kv_heads=4, head_dim=256, rotary_dim=64,
-            kv_dtype="int8", time_us=us)
+    us = r.time(lambda: rope_quantize_and_write(q, kx, vx, pos, cs, cache, slots))
+    r.log(f"fused producer (RoPE 64 of 256 + K/V write + Q quant) 4096 tokens 24q/4kv/D256: {us:.1f} us")
+    r.row(kind="fused_producer", num_tokens=CHUNK, num_q_heads=24, num_kv_heads=4, head_dim=256, rotary_dim=64,
+          kv_dtype="int8", time_us=us)
+
+
+
+# --------------------------------------------------------------------------- causal batch
+def causal_batch(r, args, variants, chunk):
+    """BATCH_SEQS sequences of ``chunk`` tokens each, causal from token 0, in one call: each
+    family's library default (sampled rows of the first and last sequence checked against
+    float64, every row written) and the peers on the same tokens. Returns the summary row."""
+    from int8attn import reference
+    from int8attn.ops.prefill import PrefillConfig, prefill_attention
+
+    shape_name = "smoke" if INTERPRET else "24q4kv_d256"
+    hq, hkv, d = SHAPES[shape_name]
+    scale = d ** -0.5
+    n = 2 if SMOKE else BATCH_SEQS
+    raw = testing_batch([chunk] * n, [chunk] * n, (hq, hkv, d), "bf16")
+    rows = sample_rows(chunk)
+    flops = n * unmasked_flops(hq, d, chunk, 0)
+    case = {"shape": shape_name, "num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d, "num_seqs": n,
+            "q_len": chunk, "prefix": 0, "block_size": BLOCK_SIZE, "unmasked_flops": flops}
+    kf, vf = raw.key.to(torch.float64), raw.value.to(torch.float64)
+    refs = [reference_rows(raw.query[i * chunk:(i + 1) * chunk], kf[i * chunk:(i + 1) * chunk],
+                           vf[i * chunk:(i + 1) * chunk], 0, rows, scale) for i in (0, n - 1)]
+    times = {}
+    for kv, pv in FAMILIES:
+        var = next(v for v in variants if v["default"] and (v["kv"], v["pv"]) == (kv, pv))
+        try:
+            batch = with_cache(raw, kv)
+            out = torch.full(batch.query.shape, float("nan"), dtype=torch.bfloat16, device=r.device)
+            fn = lambda: prefill_attention(batch.query, batch.cache, batch.block_table, batch.seq_lens,  # noqa: E731
+                                           batch.query_start_loc, out=out, pv_mode=pv,
+                                           config=PrefillConfig(**var["cfg"]))
+            fn()
+            r.sync()
+            written = bool(torch.isfinite(out).all())
+            err = max(reference.error_stats(take_rows(out[i * chunk:(i + 1) * chunk], rows), ref)["rel_l2"]
+                      for i, ref in zip((0, n - 1), refs))
+            us = r.time(fn, rep_ms=args.rep_ms)
+            times[(kv, pv)] = us
+            r.log(f"batch {n}x{chunk} {var['name']:30s} {us / 1e3:8.3f} ms {flops / us / 1e6:6.1f} TFLOP/s "
+                  f"rel_l2={err:.4f} written={written}")
+            r.row(kind="prefill_batch", variant=var["name"], kv_dtype=kv, pv_mode=pv, config=var["cfg"],
+                  time_us=us, effective_tflops=flops / us / 1e6, rel_l2_max=err, all_rows_written=written, **case)
+        except Exception as e:
+            r.log(f"batch {n}x{chunk} {var['name']} FAILED {e!r}"[:600])
+            r.row(kind="prefill_batch", variant=var["name"], kv_dtype=kv, pv_mode=pv, error=repr(e)[:500], **case)
+    summary = {"kind": "prefill_batch_summary", **case, **{f"{kv}_pv{pv}_us": t for (kv, pv), t in times.items()}}
+    # cuDNN SDPA causal over the batch (heads expanded), then the optional peers
+    g = hq // hkv
+    q4 = raw.query.view(n, chunk, hq, d).transpose(1, 2)
+    k4 = raw.key.view(n, chunk, hkv, d).repeat_interleave(g, dim=2).transpose(1, 2)
+    v4 = raw.value.view(n, chunk, hkv, d).repeat_interleave(g, dim=2).transpose(1, 2)
+    for name, fn in P.sdpa_prefill(q4, k4, v4, 0, chunk, scale)[:1]:
+        try:
+            o = fn()
+            r.sync()
+            err = reference.error_stats(take_rows(o[0].transpose(0, 1), rows), refs[0])["rel_l2"]
+            us = r.time(fn, rep_ms=args.rep_ms)
+            summary["sdpa_cudnn_us"] = us
+            r.row(kind="peer", peer="torch_sdpa", peer_version=P.sdpa_version(), variant=name, time_us=us,
+                  effective_tflops=flops / us / 1e6, rel_l2=err, **case)
+            r.log(f"batch {n}x{chunk} {name:30s} {us / 1e3:8.3f} ms {flops / us / 1e6:6.1f} TFLOP/s rel_l2={err:.4f}")
+        except Exception as e:
+            r.log(f"batch {n}x{chunk} {name} unavailable: {e!r}"[:400])
+            r.row(kind="peer_unavailable", peer="torch_sdpa", variant=name, reason=repr(e)[:300], **case)
+    del q4, k4, v4
+    if not args.no_peers:
+        calls = {"flashinfer": lambda: P.flashinfer_prefill(r, raw.query, raw.key, raw.value, [chunk] * n, [chunk] * n),
+                 "fa4": lambda: P.fa4_prefill(r, raw.query.view(n, chunk, hq, d), raw.key.view(n, chunk, hkv, d),
+                                              raw.value.view(n, chunk, hkv, d))}
+        for peer, call in calls.items():
+            res = run_peer(r, peer, call, flops, case, f"batch {n}x{chunk}")
+            if res:
+                summary[f"{peer}_us"] = res["eager_us"]
+    r.row(**summary)
+    return summary
+
+
+def testing_batch(seq_lens, q_lens, shape, kv):
+    from int8attn import testing
+
+    hq, hkv, d = shape
+    return testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                    block_size=BLOCK_SIZE, kv_dtype=kv, seed=SEED, device=DEV)
+
+
+# --------------------------------------------------------------------------- peers
+def run_peer(r, peer, call, flops, case, label):
+    """One peer timing: its row (version, time, TFLOP/s, rel-L2 vs float32) or why it is missing."""
+    try:
+        res = call()
+    except P.Unavailable as e:
+        r.log(f"{label} {peer}: {e}")
+        r.row(kind="peer_unavailable", peer=peer, reason=str(e)[:300], **case)
+        return None
+    except Exception as e:
+        r.log(f"{label} {peer} FAILED {e!r}"[:600])
+        r.row(kind="peer_failed", peer=peer, error=repr(e)[:500], **case)
+        return None
+    res["effective_tflops"] = flops / res["eager_us"] / 1e6
+    r.row(kind="peer", **{**case, **res})
+    r.log(f"{label} {peer:30s} {res['eager_us'] / 1e3:8.3f} ms {res['effective_tflops']:6.1f} TFLOP/s "
+          f"rel_l2={res['rel_l2']:.4f} ({res['peer_kernel']} {res['peer_version']})")
+    return res
+
+
+def peers(r, cases, chunk):
+    """FlashInfer fa3 paged prefill and FlashAttention-4 dense on every case's tokens (the
+    same seed as the case: the same tokens our kernels saw); returns {(shape, prefix): {peer: us}}."""
+    out = {}
+    for shape_name, prefix, _ in cases:
+        if r.late(f"peers {shape_name} prefix {prefix}"):
+            break
+        hq, hkv, d = SHAPES[shape_name]
+        raw = build_batch((hq, hkv, d), prefix, chunk, "bf16", r.device)
+        L = prefix + chunk
+        case = {"shape": shape_name, "num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d, "q_len": chunk,
+                "prefix": prefix, "block_size": BLOCK_SIZE}
+        flops = unmasked_flops(hq, d, chunk, prefix)
+        calls = {"flashinfer": lambda: P.flashinfer_prefill(r, raw.query, raw.key, raw.value, [L], [chunk]),
+                 "fa4": lambda: P.fa4_prefill(r, raw.query[None], raw.key[None], raw.value[None])}
+        for peer, call in calls.items():
+            res = run_peer(r, peer, call, flops, case, f"{shape_name} prefix={prefix:5d}")
+            if res:
+                out.setdefault((shape_name, prefix), {})[peer] = res["eager_us"]
+        del raw
+    return out
 
 
 # --------------------------------------------------------------------------- summary
-def write_summary(path, summary, mixed, log):
+def write_summary(r, summary, mixed, batch, peer_times):
+    fmt = lambda x, f: (f.format(x) if x is not None else "-")  # noqa: E731
     lines = ["| shape | prefix | cache | PV | best variant | ms | TFLOP/s | default ms | vs own BF16 | vs SDPA BF16 "
-             "| SDPA ms (backend) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in summary:
-        fmt = lambda x, f: (f.format(x) if x is not None else "-")  # noqa: E731
-        lines.append(f"| {r['shape']} | {r['prefix']} | {r['kv_dtype']} | {r['pv_mode']} | {r['best_variant']} "
-                     f"| {r['time_us'] / 1e3:.3f} | {r['effective_tflops']:.0f} "
-                     f"| {fmt(r['library_default_time_us'] and r['library_default_time_us'] / 1e3, '{:.3f}')} "
-                     f"| {fmt(r['ratio_vs_own_bf16_cache'], '{:.2f}')} | {fmt(r['ratio_vs_sdpa_bf16'], '{:.2f}')} "
-                     f"| {fmt(r['sdpa_time_us'] and r['sdpa_time_us'] / 1e3, '{:.3f}')} ({r['sdpa_best']}) |")
+             "| SDPA ms (backend) | FA4 ms | FlashInfer fa3 ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in summary:
+        pt = peer_times.get((s["shape"], s["prefix"]), {})
+        lines.append(f"| {s['shape']} | {s['prefix']} | {s['kv_dtype']} | {s['pv_mode']} | {s['best_variant']} "
+                     f"| {s['time_us'] / 1e3:.3f} | {s['effective_tflops']:.0f} "
+                     f"| {fmt(s['library_default_time_us'] and s['library_default_time_us'] / 1e3, '{:.3f}')} "
+                     f"| {fmt(s['ratio_vs_own_bf16_cache'], '{:.2f}')} | {fmt(s['ratio_vs_sdpa_bf16'], '{:.2f}')} "
+                     f"| {fmt(s['sdpa_time_us'] and s['sdpa_time_us'] / 1e3, '{:.3f}')} ({s['sdpa_best']}) "
+                     f"| {fmt(pt.get('fa4') and pt['fa4'] / 1e3, '{:.3f}')} "
+                     f"| {fmt(pt.get('flashinfer') and pt['flashinfer'] / 1e3, '{:.3f}')} |")
+    if batch:
+        lines += ["", f"Causal batch {batch['num_seqs']} x {batch['q_len']} ({batch['shape']}), ms: "
+                  + ", ".join(f"{k[:-3]} {v / 1e3:.3f}" for k, v in batch.items() if k.endswith("_us"))]
     if mixed:
         lines += ["", "Mixed batch (attention(), int8 cache): "
                   + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in mixed.items()
                               if k not in ("kind",))]
     text = "\n".join(lines) + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-    log("==== summary ====\n" + text)
+    r.write("prefill_summary.md", text)
+    r.log("==== summary ====\n" + text)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU interpreter")
+    ap.add_argument("--smoke", action="store_true", help="tiny version of every section and peer (CPU: interpreter)")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--rep-ms", type=float, default=30)
     ap.add_argument("--budget-s", type=float, default=150, help="start no new section after this many seconds")
     ap.add_argument("--cases", default="", help="subset of case indices into CASES, e.g. 0,2")
     ap.add_argument("--extras", action="store_true", help="also time quantize_query and the fused producer")
     ap.add_argument("--only", default="", help="regex: keep only matching variants (+ defaults), in every case")
+    ap.add_argument("--no-peers", action="store_true", help="skip FlashInfer / FlashAttention-4 even if installed")
     args = ap.parse_args()
-    t_start = time.time()
-    os.makedirs(args.out, exist_ok=True)
-    smoke = args.smoke
-    if smoke:
-        os.environ["TRITON_INTERPRET"] = "1"
-    from int8attn.bench import time_eager
-
-    log = Log(args.out)
-    dev = "cpu" if smoke else "cuda"
-    chunk = 40 if smoke else CHUNK
+    r = H.Run("prefill", args.out, deadline_s=args.budget_s, interpret=INTERPRET)
+    chunk = 40 if INTERPRET else (256 if SMOKE else CHUNK)
     cases = [CASES[int(i)] for i in args.cases.split(",")] if args.cases else list(CASES)
-    if smoke:
+    if INTERPRET:
         cases = [("smoke", 33, True), ("smoke", 0, False)]
         SHAPES["smoke"] = (4, 2, 64)
-    variants = {name: (smoke_sweep if smoke else sweep)(SHAPES[name][2]) for name in {c[0] for c in cases}}
-    if args.only:
-        variants = {name: [v for v in vs if v["default"] or re.search(args.only, v["name"])]
-                    for name, vs in variants.items()}
-    log("env", json.dumps(log.env))
+    elif SMOKE:
+        cases = [("32q8kv_d128", 512, True), ("24q4kv_d256", 0, False)]
+    def variants_of(name):
+        d = SHAPES[name][2]
+        vs = smoke_sweep(d) if INTERPRET else _mark_defaults([], d) if SMOKE else sweep(d)
+        return [v for v in vs if v["default"] or not args.only or re.search(args.only, v["name"])]
 
-    def timeit(fn):
-        if smoke:
-            t = time.time()
-            fn()
-            return 1e6 * (time.time() - t)
-        return time_eager(fn, warmup_ms=10, rep_ms=args.rep_ms)
-
-    def over_budget(what):
-        spent = time.time() - t_start
-        if spent > args.budget_s:
-            log(f"SKIPPED {what}: {spent:.0f}s spent of the {args.budget_s:.0f}s budget")
-            log.row(kind="skipped", section=what, elapsed_s=spent)
-            return True
-        return False
+    variants = {name: variants_of(name) for name in {c[0] for c in cases}}
+    run_batch = not args.only and not args.cases
+    batch_shape = "smoke" if INTERPRET else "24q4kv_d256"
+    batch_variants = [v for v in variants.get(batch_shape) or variants_of(batch_shape) if v["default"]]
+    r.log("env", json.dumps(r.env))
 
     # ---- 1. parallel compile
-    if not smoke:
-        try:
-            import multiprocessing as mp
-
-            jobs = ([] if args.only else [(None, "mixed")]) + [(SHAPES[name], v) for name in variants
-                                                               for v in variants[name]]
-            t = time.time()
-            with mp.get_context("spawn").Pool(min(args.workers, len(jobs))) as pool:
-                for name, secs, err in pool.imap_unordered(_warm_worker, jobs):
-                    log(f"compiled {name} in {secs}s" + (f" ERROR {err}" if err else ""))
-            log(f"parallel compile: {len(jobs)} jobs in {time.time() - t:.1f}s")
-        except Exception as e:
-            log(f"parallel compile failed {e!r} (kernels compile on first use)")
+    jobs = ([] if args.only else [(None, "mixed")]) + [(SHAPES[name], v) for name in variants for v in variants[name]]
+    if run_batch and batch_shape not in variants:
+        jobs += [(SHAPES[batch_shape], v) for v in batch_variants]
+    H.precompile(r, _warm_worker, jobs, workers=args.workers)
 
     # ---- 2./3. cases; the mixed batch right after the headline
-    summary, mixed, best = [], None, {}
+    summary, mixed, batch, best = [], None, None, {}
     for i, (shape_name, prefix, do_sweep) in enumerate(cases):
-        if over_budget(f"case {shape_name} prefix {prefix}"):
+        if r.late(f"case {shape_name} prefix {prefix}"):
             continue
         try:
             t = time.time()
-            summary += run_case(log, args, shape_name, prefix, do_sweep or bool(args.only), variants[shape_name],
-                                best.setdefault(shape_name, {}), smoke, timeit, chunk, dev)
-            log(f"case {shape_name} prefix {prefix}: {time.time() - t:.1f}s")
+            summary += run_case(r, args, shape_name, prefix, do_sweep or bool(args.only), variants[shape_name],
+                                best.setdefault(shape_name, {}), chunk)
+            r.log(f"case {shape_name} prefix {prefix}: {time.time() - t:.1f}s")
         except Exception as e:
-            log(f"case {shape_name} prefix {prefix} failed {e!r}"[:600])
-            traceback.print_exc()
-        if not smoke:
+            r.log(f"case {shape_name} prefix {prefix} failed {e!r}"[:600])
+            r.row(kind="section_failed", section=f"case {shape_name} prefix {prefix}", error=repr(e)[:500])
+        if not INTERPRET:
             torch.cuda.empty_cache()
-        if i == 0 and not args.only and not over_budget("mixed batch"):
+        if i == 0 and not args.only and not r.late("mixed batch"):
             try:
                 t = time.time()
-                mixed = mixed_batch_check(log, smoke, timeit)
-                log(f"mixed batch: {time.time() - t:.1f}s")
+                mixed = mixed_batch_check(r)
+                r.log(f"mixed batch: {time.time() - t:.1f}s")
             except Exception as e:
-                log(f"mixed batch check failed {e!r}"[:600])
-                traceback.print_exc()
+                r.log(f"mixed batch check failed {e!r}"[:600])
+                r.row(kind="section_failed", section="mixed batch", error=repr(e)[:500])
 
-    # ---- 5. extras
-    if args.extras and not smoke and not over_budget("extras"):
+    # ---- 4. the causal batch; 5. peers (after our rows: their JIT never costs ours)
+    if run_batch and not r.late("causal batch"):
         try:
-            extras(log, timeit)
+            batch = causal_batch(r, args, batch_variants, chunk)
         except Exception as e:
-            log(f"extras failed {e!r}"[:400])
+            r.log(f"causal batch failed {e!r}"[:600])
+            r.row(kind="section_failed", section="causal batch", error=repr(e)[:500])
+    peer_times = {}
+    if not args.no_peers:
+        try:
+            peer_times = peers(r, cases, chunk)
+        except Exception as e:
+            r.log(f"peers failed {e!r}"[:600])
+            r.row(kind="section_failed", section="peers", error=repr(e)[:500])
+
+    # ---- 6. extras
+    if args.extras and not INTERPRET and not r.late("extras"):
+        try:
+            extras(r)
+        except Exception as e:
+            r.log(f"extras failed {e!r}"[:400])
 
     try:
-        write_summary(os.path.join(args.out, "prefill_summary.md"), summary, mixed, log)
+        write_summary(r, summary, mixed, batch, peer_times)
     except Exception as e:
-        log(f"summary failed {e!r}")
-    log(f"total {time.time() - t_start:.0f}s")
+        r.log(f"summary failed {e!r}")
+    r.log(f"total {r.elapsed():.0f}s")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Every GPU measurement of the project in as few device calls as possible, from the repo root:
 #
+#   OUT=/some/dir bash benchmarks/gpu_all.sh smoke     # decode + prefill at toy sizes, every peer (~2 min)
 #   OUT=/some/dir bash benchmarks/gpu_all.sh kernels   # decode, producer, prefill, gate (~10 min)
 #   OUT=/some/dir bash benchmarks/gpu_all.sh tests     # the kernel test files on the GPU
 #   OUT=/some/dir bash benchmarks/gpu_all.sh serve     # transformers e2e + 2-GPU tensor parallel
 #   STEPS="decode producer" OUT=... bash benchmarks/gpu_all.sh kernels   # only these steps
 #
 # Each step runs under its own timeout; a failing step is reported and the next one runs.
+# Peers (FlashInfer, FlashAttention-4) are timed when importable (put them on PYTHONPATH);
+# their first calls JIT-compile, so give a run with peers more time, e.g.
+# BENCH_DEADLINE_S=300 DECODE_LIMIT=400 PREFILL_ARGS="--budget-s 300" PREFILL_LIMIT=480.
 # Everything lands in $OUT/<part>.tgz (the device tool returns at most 8 files), plus a log.
 set -u
 part=${1:-kernels}
@@ -34,6 +38,10 @@ step() {  # step NAME TIMEOUT_S CMD...
 }
 
 case "$part" in
+  smoke)
+    step decode "${DECODE_LIMIT:-240}" python3 benchmarks/bench_decode.py --smoke --out "$work/decode"
+    step prefill "${PREFILL_LIMIT:-300}" python3 benchmarks/bench_prefill.py --smoke --out "$work/prefill"
+    ;;
   kernels)
     step decode "${DECODE_LIMIT:-230}" python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} --out "$work/decode"
     # the write paths of an older commit (default: the last one with row-major 8-bit V

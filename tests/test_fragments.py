@@ -1,16 +1,16 @@
-"""CPU model of INT8 MMA register fragments (int8attn.fragments)."""
+"""CPU model of INT8 MMA register fragments (int8attn.gate.fragments)."""
 
 import math
 
 import pytest
 import torch
 
-from int8attn import fragments as F
+from int8attn.gate import fragments as F
 from int8attn.reference import quantize_rows
 from int8attn.testing import make_keys, make_normal
 
-LAYOUTS = [F.NVIDIA_MMA_M16N8K32_S8, F.GFX936_MMAC_I32_16X16X32_I8]
-IDS = [layout.name for layout in LAYOUTS]
+LAYOUTS = [pytest.param(layout, id=layout.name)
+           for layout in (F.NVIDIA_MMA_M16N8K32_S8, F.GFX936_MMAC_I32_16X16X32_I8)]
 
 
 def _rand_int8(shape, gen):
@@ -19,7 +19,7 @@ def _rand_int8(shape, gen):
     return torch.randint(-128, 128, shape, generator=gen, dtype=torch.int64).to(torch.int8)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_operand_map_covers_its_matrix_once(layout):
     F.check_layout(layout)
 
@@ -30,7 +30,7 @@ def test_check_layout_catches_a_broken_map():
         F.check_layout(broken)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_rebuilding_the_tile_from_lane_fragments_equals_the_product(layout):
     gen = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -64,7 +64,7 @@ def test_gfx936_lane_holds_interleaved_columns():
     assert naive[17].tolist() == [[4, 4], [4, 5], [4, 6], [4, 7]]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_tail_mask_uses_the_true_token_of_each_register(layout):
     valid = layout.n - 3  # the last three key tokens of the tile are past seq_len
     table = F.lane_token_map(layout)
@@ -78,8 +78,8 @@ def test_tail_mask_uses_the_true_token_of_each_register(layout):
     assert lanes_touched >= layout.m
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
-@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("head_dim", [pytest.param(64, id="d64"), pytest.param(256, id="d256")])
 def test_qk_tile_with_per_token_scales_and_tail_matches_float64(layout, head_dim):
     gen = torch.Generator().manual_seed(head_dim + layout.n)
     q = make_normal((layout.m, head_dim), generator=gen, dtype=torch.float32)
@@ -96,7 +96,7 @@ def test_qk_tile_with_per_token_scales_and_tail_matches_float64(layout, head_dim
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_naive_consecutive_reading_gives_wrong_scores(layout):
     gen = torch.Generator().manual_seed(7)
     head_dim = 128

@@ -16,7 +16,11 @@ def _rows(n_rows, n_cols, gen, device):
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("n_rows,n_cols", [(17, 97), (123, 256), (5, 2500)])
+@pytest.mark.parametrize("n_rows,n_cols", [
+    pytest.param(17, 97, id="17x97"),
+    pytest.param(123, 256, id="123x256"),
+    pytest.param(5, 2500, id="5x2500-wide"),
+])
 def test_quantize_rows_matches_reference_bit_for_bit(kind, n_rows, n_cols, gen, device):
     x = _rows(n_rows, n_cols, gen, device)
     x[0] = 0  # an all-zero row gets scale 1
@@ -74,10 +78,10 @@ def _qk_reference(q, k, scale):
 
 
 @pytest.mark.parametrize("hq,hkv,d,m,t", [
-    (4, 1, 64, 17, 97),   # GQA 4, odd rows and tokens
-    (6, 1, 256, 33, 123),  # the Qwen ratio, head_dim 256
-    (8, 1, 128, 16, 40),   # GQA 8
-    (2, 2, 128, 9, 64),    # MHA
+    pytest.param(4, 1, 64, 17, 97, id="gqa4-d64-m17-t97"),     # odd rows and tokens
+    pytest.param(6, 1, 256, 33, 123, id="gqa6-d256-m33-t123"),  # the Qwen ratio, head_dim 256
+    pytest.param(8, 1, 128, 16, 40, id="gqa8-d128-m16-t40"),
+    pytest.param(2, 2, 128, 9, 64, id="mha-d128-m9-t64"),
 ])
 def test_qk_routes_match_float64(hq, hkv, d, m, t, gen, device):
     q = make_normal((hq, m, d), generator=gen).to(device)

@@ -18,7 +18,7 @@ def test_every_stored_sample_has_expectations_and_vice_versa():
     assert files == set(EXPECTED), f"unlisted: {files - set(EXPECTED)}, missing: {set(EXPECTED) - files}"
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
+@pytest.mark.parametrize("name", [pytest.param(n, id=n.removesuffix(".txt")) for n in sorted(EXPECTED)])
 def test_stored_sample_classifies_as_expected(name):
     want = EXPECTED[name]
     text = (DATA / name).read_text()
@@ -61,24 +61,53 @@ def test_parser_reads_predicates_modifiers_and_skips_encoding_lines():
 
 
 @pytest.mark.parametrize("opcode,cls", [
-    ("IGMMA.64x128x32.S8.S8", "INT8"), ("IMMA.16832.S8.S8.SAT", "INT8"), ("IMMA.8832.S4.S4", "INT4"),
-    ("QGMMA.64x64x32.F32.E4M3.E4M3", "FP8"), ("HGMMA.64x64x16.F32.BF16", "BF16"),
-    ("HGMMA.64x64x16.F32", "FP16"), ("HMMA.16816.F32.BF16", "BF16"), ("HMMA.1684.F32.TF32", "TF32"),
-    ("DMMA.884", "FP64"), ("FFMA", None), ("LDSM.16.M88.4", None),
+    pytest.param(op, cls, id=op)
+    for op, cls in [
+        ("IGMMA.64x128x32.S8.S8", "INT8"), ("IMMA.16832.S8.S8.SAT", "INT8"), ("IMMA.8832.S4.S4", "INT4"),
+        ("QGMMA.64x64x32.F32.E4M3.E4M3", "FP8"), ("HGMMA.64x64x16.F32.BF16", "BF16"),
+        ("HGMMA.64x64x16.F32", "FP16"), ("HMMA.16816.F32.BF16", "BF16"), ("HMMA.1684.F32.TF32", "TF32"),
+        ("DMMA.884", "FP64"), ("FFMA", None), ("LDSM.16.M88.4", None),
+    ]
 ])
 def test_mma_class(opcode, cls):
     assert sass.mma_class(opcode) == cls
 
 
 @pytest.mark.parametrize("name,cls", [
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "BF16"),
-    ("sm90_xmma_gemm_s8s8_s32_tn_n_tilesize128x128x128", "INT8"),
-    ("sm80_xmma_gemm_i8i8_i32i32_i32_tn_n", "INT8"),
-    ("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n", "FP8"),
-    ("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT", None),
+    pytest.param("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1", "BF16",
+                 id="sm90-gemm-bf16"),
+    pytest.param("sm90_xmma_gemm_s8s8_s32_tn_n_tilesize128x128x128", "INT8", id="sm90-gemm-s8s8"),
+    pytest.param("sm80_xmma_gemm_i8i8_i32i32_i32_tn_n", "INT8", id="sm80-gemm-i8i8"),
+    pytest.param("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n", "FP8", id="sm90-gemm-e4m3"),
+    pytest.param("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NNT", None, id="nvjet-unnamed-type"),
 ])
 def test_library_kernel_class_from_name(name, cls):
     assert sass.infer_class_from_name(name) == cls
+
+
+LOOPS_SASS = """
+        Function : _outer_kernel
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IMAD.MOV.U32 R2, RZ, RZ, RZ ;
+        /*0020*/                   IGMMA.64x64x32.S8.S8 R24, gdesc[UR4], RZ, !UPT ;
+        /*0030*/                   FMUL R3, R3, R4 ;
+        /*0040*/              @P0 BRA 0x20 ;
+        /*0050*/                   LDG.E R5, desc[UR6][R2.64] ;
+        /*0060*/              @!P1 BRA 0x50 ;
+        /*0070*/                   BRA 0x80 ;
+        /*0080*/                   EXIT ;
+        Function : _second_kernel
+        /*0000*/                   FADD R1, R2, R3 ;
+        /*0010*/                   BRA 0x0 ;
+"""
+
+
+def test_loops_are_backward_branches_in_program_order():
+    bodies = sass.loops(LOOPS_SASS)
+    assert bodies == [["IGMMA.64x64x32.S8.S8", "FMUL", "BRA"], ["LDG.E", "BRA"], ["FADD", "BRA"]]
+    assert sass.loops(LOOPS_SASS, "_second_kernel") == [["FADD", "BRA"]]
+    ins = sass.instructions(LOOPS_SASS)["_outer_kernel"]
+    assert ins[4] == (0x40, "BRA", " 0x20 ")  # the predicate is not part of the opcode
 
 
 def test_excerpt_keeps_every_matrix_instruction_and_stays_parseable():

@@ -58,6 +58,43 @@ def parse_sass(text: str) -> dict[str, Counter]:
     return functions
 
 
+_OPERANDS = re.compile(r"^\s*/\*([0-9a-fA-F]+)\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)([^;]*)")
+_TARGET = re.compile(r"0x([0-9a-fA-F]+)")
+
+
+def instructions(text: str) -> dict[str, list[tuple[int, str, str]]]:
+    """Per function, ``(address, full opcode, operands)`` of every instruction in file order."""
+    functions: dict[str, list[tuple[int, str, str]]] = {}
+    current = None
+    for line in text.splitlines():
+        fm = _FUNCTION.match(line)
+        if fm:
+            current = functions.setdefault(fm.group(1), [])
+            continue
+        im = _OPERANDS.match(line)
+        if im and current is not None:
+            current.append((int(im.group(1), 16), im.group(2), im.group(3)))
+    return functions
+
+
+def loops(text: str, function: str | None = None) -> list[list[str]]:
+    """Opcodes of every loop body -- the instructions from a backward branch's target up to
+    the branch itself -- ordered by where the loop starts (per function, in file order;
+    ``function`` keeps one). Nested loops appear once each, the outer one containing the inner."""
+    found = []
+    per_function = instructions(text)
+    for name, ins in per_function.items():
+        if function is not None and name != function:
+            continue
+        for addr, op, rest in ins:
+            target = _TARGET.search(rest) if op.split(".")[0] == "BRA" else None
+            if target and int(target.group(1), 16) < addr:
+                lo = int(target.group(1), 16)
+                found.append((name, lo, [o for a, o, _ in ins if lo <= a <= addr]))
+    order = {name: i for i, name in enumerate(per_function)}
+    return [body for _, _, body in sorted(found, key=lambda x: (order[x[0]], x[1]))]
+
+
 def mma_class(opcode: str) -> str | None:
     """Operand class of a matrix opcode (see module table), None for anything else."""
     base, _, mods = opcode.partition(".")
