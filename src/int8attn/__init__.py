@@ -3,6 +3,7 @@ tensor-core dots, and a gate that measures whether a low-precision path pays off
 
 from . import reference
 from .cache import BlockAllocator, PagedKVCache
+from .errors import DeviceMetadataError, check_errors
 from .ops.attention import AttentionPlan, attention, plan_attention
 from .ops.producer import quantize_query, rope_quantize_and_write
 from .ops.write import write_kv
@@ -15,6 +16,8 @@ __all__ = [
     "attention",
     "plan_attention",
     "BlockAllocator",
+    "check_errors",
+    "DeviceMetadataError",
     "PagedKVCache",
     "quantize_query",
     "reference",

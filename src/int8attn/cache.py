@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import errors as _errors
+
 KV_DTYPES = {
     "int8": torch.int8,
     "fp8": torch.float8_e4m3fn,
@@ -120,6 +122,8 @@ class PagedKVCache:
         self.kv_dtype = kv_dtype
         self.key_smoothing = key_smoothing
         self.device = torch.device(device)
+        # the device's error-flag buffer exists before any kernel (or graph capture) needs it
+        _errors.error_flags(self.device)
         storage_dtype = KV_DTYPES[kv_dtype]
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         self.key = torch.zeros(shape, dtype=storage_dtype, device=self.device)
