@@ -198,17 +198,6 @@ def _check(b, pv, *, rows_per_seq=48, config=None):
 
 
 @pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16")])
-@pytest.mark.parametrize("hq,hkv,d", [pytest.param(24, 4, 256, id="24q4kv-d256"),
-                                      pytest.param(32, 8, 128, id="32q8kv-d128")])
-@pytest.mark.parametrize("prefix", [0, 28672])
-@pytest.mark.gpu
-@needs_sm90
-def test_gpu_chunk_4096(prefix, hq, hkv, d, kv, pv):
-    b = _batch([prefix + 4096], [4096], hq=hq, hkv=hkv, d=d, kv=kv, seed=prefix + d, device="cuda")
-    _check(b, pv)
-
-
-@pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16")])
 @pytest.mark.parametrize("q_len", [17, 97, 123])
 @pytest.mark.parametrize("hq,hkv,d,bs", [pytest.param(24, 4, 256, 16, id="g6-d256-bs16"),
                                          pytest.param(32, 8, 128, 16, id="g4-d128-bs16"),
@@ -259,3 +248,14 @@ def test_gpu_stale_slots_never_leak(kv, pv):
     b = testing.make_paged_batch([37, 150, 9], [20, 99, 9], num_q_heads=8, num_kv_heads=2, head_dim=128,
                                  kv_dtype=kv, seed=17, device="cuda", writer=poison_then_write)
     _check(b, pv, rows_per_seq=99)
+
+
+@pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16")])
+@pytest.mark.parametrize("hq,hkv,d", [pytest.param(24, 4, 256, id="24q4kv-d256"),
+                                      pytest.param(32, 8, 128, id="32q8kv-d128")])
+@pytest.mark.parametrize("prefix", [0, 28672])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_chunk_4096(prefix, hq, hkv, d, kv, pv):
+    b = _batch([prefix + 4096], [4096], hq=hq, hkv=hkv, d=d, kv=kv, seed=prefix + d, device="cuda")
+    _check(b, pv)

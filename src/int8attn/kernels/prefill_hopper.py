@@ -108,8 +108,9 @@ def kernel_layouts(block_m: int, block_n: int, head_dim: int, dv: int, kv_kind: 
 @gluon.jit
 def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: gl.constexpr):
     """Largest ``s`` with ``qsl[s] // BLOCK_Q + s <= tile`` (binary search)."""
-    lo = num_seqs * 0
-    hi = num_seqs
+    # tensors from the start (num_seqs == 1 arrives as a constexpr on a launch)
+    lo = tile * 0
+    hi = lo + num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first = gl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid

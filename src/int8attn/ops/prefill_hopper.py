@@ -84,6 +84,8 @@ def unsupported_reason(cache, num_q_heads: int, pv_mode: str | None) -> str | No
         return f"head_dim {cache.head_dim} (Hopper kernel: 64, 128, 256)"
     if cache.block_size < 16:
         return f"block_size {cache.block_size} < 16"
+    if cache.key.data_ptr() % 16 or cache.value.data_ptr() % 16:
+        return "cache K/V storage not 16-byte aligned (16-byte cp.async)"
     group = num_q_heads // cache.num_kv_heads
     if group > 64:
         return f"GQA group {group} > 64"
