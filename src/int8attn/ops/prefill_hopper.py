@@ -1,0 +1,242 @@
+"""Chunked prefill on Hopper: the launcher of the Gluon kernel
+:func:`int8attn.kernels.prefill_hopper._prefill_hopper_kernel`, and the routing between it
+and the portable Triton kernel (:mod:`int8attn.ops.prefill`).
+
+Same contract as :func:`int8attn.ops.prefill.prefill_attention` (inputs, validation,
+``out=``, ``min_query_len`` / ``max_query_len``, grid from host-known sizes only, no host
+sync). Supported: sm_90 CUDA devices, an "int8" or "fp8" cache, head_dim 64 / 128 / 256,
+block_size >= 16 (16-byte copy runs of a transposed V page), PV "int8" | "fp8" (8-bit)
+or "bf16" (fp16 P and V). The query is quantized once by
+:func:`int8attn.ops.producer.quantize_query` unless the caller passes its codes.
+
+:func:`prefill` routes: ``kernel="hopper"`` forces this kernel (a clear error where it
+does not apply), ``"portable"`` the Triton kernel, ``"auto"`` this kernel wherever
+:func:`unsupported_reason` returns None. ``last_kernel`` names the kernel of the latest
+launch ("hopper" | "portable") for traces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from .. import _checks
+from ..testing import interpret_mode
+from . import prefill as _portable
+from .write import device_guard
+
+KERNELS = ("auto", "hopper", "portable")
+_KV_KIND = {"int8": 0, "fp8": 1}
+_PV_KIND = {"int8": 0, "fp8": 1, "bf16": 2}
+
+#: Which kernel ran the latest prefill launch of :func:`prefill`: "hopper" or "portable".
+last_kernel: str | None = None
+#: The compiled Hopper kernel of the latest launch (benchmarks read its SASS).
+last_compiled_kernel = None
+
+
+@dataclass(frozen=True)
+class HopperPrefillConfig:
+    """Tiling: block_m query rows per program (64 or 128: one or two warpgroups, block_m //
+    16 warps), block_n keys per KV tile, dv output columns per PV MMA (None: the default for
+    the PV precision), stages of the shared-memory K/V ring (>= 2)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    dv: int | None = None
+    stages: int = 2
+
+
+def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillConfig:
+    """int8 PV takes a fresh s32 tile per MMA, so at head_dim 256 it runs in 64-column
+    chunks (live registers); fp8 and fp16 PV accumulate inside the MMA (one chunk)."""
+    # head_dim 256 with 64-key tiles: the 8-bit P operand's layout conversion, the int32 PV
+    # tiles and the 128-register accumulator spill (sm_90 AOT compile, Triton 3.6: ~220
+    # LDL/STL for int8 PV); 32-key tiles keep the int8 routes in registers.
+    block_n = 32 if head_dim > 128 and kv_dtype == "int8" else 64
+    if pv_mode == "int8":
+        return HopperPrefillConfig(block_n=block_n, dv=min(head_dim, 64 if head_dim > 128 else 128))
+    return HopperPrefillConfig(block_n=block_n, dv=head_dim)
+
+
+def _gluon_available() -> bool:
+    try:
+        import triton.experimental.gluon  # noqa: F401
+        from ..kernels import prefill_hopper  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means: no Gluon here
+        return False
+    return True
+
+
+def unsupported_reason(cache, num_q_heads: int, pv_mode: str | None) -> str | None:
+    """Why the Hopper kernel cannot run this call (None: it can)."""
+    if interpret_mode():
+        return "the CPU interpreter runs the portable kernel"
+    if cache.device.type != "cuda" or torch.version.hip is not None:
+        return "not a CUDA device"
+    if torch.cuda.get_device_capability(cache.device) != (9, 0):
+        return f"sm_{''.join(map(str, torch.cuda.get_device_capability(cache.device)))} is not sm_90"
+    if cache.kv_dtype not in _KV_KIND:
+        return f"kv_dtype {cache.kv_dtype!r} (Hopper kernel: int8, fp8)"
+    if cache.head_dim not in (64, 128, 256):
+        return f"head_dim {cache.head_dim} (Hopper kernel: 64, 128, 256)"
+    if cache.block_size < 16:
+        return f"block_size {cache.block_size} < 16"
+    if cache.key.data_ptr() % 16 or cache.value.data_ptr() % 16:
+        return "cache K/V storage not 16-byte aligned (16-byte cp.async)"
+    group = num_q_heads // cache.num_kv_heads
+    if group > 64:
+        return f"GQA group {group} > 64"
+    if pv_mode is not None and pv_mode not in _portable.PV_MODES[cache.kv_dtype]:
+        return None  # resolve_pv_mode raises the clear error
+    if not _gluon_available():
+        return "triton.experimental.gluon is not importable"
+    return None
+
+
+def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) -> HopperPrefillConfig:
+    d = cache.head_dim
+    dv = config.dv or default_config(cache.kv_dtype, d, pv_mode).dv
+    if config.block_m not in (64, 128):
+        raise ValueError(f"block_m={config.block_m} must be 64 or 128")
+    if config.block_n not in (32, 64, 128):
+        raise ValueError(f"block_n={config.block_n} must be 32, 64 or 128")
+    if group > config.block_m:
+        raise ValueError(f"GQA group {group} > block_m={config.block_m}")
+    if d % dv or d // dv not in (1, 2, 4) or dv < 16:
+        raise ValueError(f"dv={dv} must split head_dim={d} into 1, 2 or 4 chunks")
+    if pv_mode == "int8" and dv > 224:
+        raise ValueError(f"dv={dv}: s8 warpgroup MMAs take at most 224 columns")
+    if not isinstance(config.stages, int) or not 2 <= config.stages <= 4:
+        raise ValueError(f"stages={config.stages!r} must be 2, 3 or 4")
+    _checks.check_pv_tile_keys(config.block_n, pv_mode)
+    return replace(config, dv=dv)
+
+
+def constexprs(config: HopperPrefillConfig, cache, group: int, pv_mode: str) -> dict:
+    """Every constexpr of the kernel for a checked config (launch and AOT compile alike)."""
+    from ..kernels.prefill_hopper import kernel_layouts
+
+    kv, pv = _KV_KIND[cache.kv_dtype], _PV_KIND[pv_mode]
+    return dict(GROUP=group, HEAD_DIM=cache.head_dim, PAGE=cache.block_size, BLOCK_M=config.block_m,
+                BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n, DV=config.dv, KV_KIND=kv, PV_KIND=pv,
+                STAGES=config.stages,
+                **kernel_layouts(config.block_m, config.block_n, cache.head_dim, config.dv, kv, pv))
+
+
+def prefill_attention_hopper(query, cache, block_table, seq_lens, query_start_loc, *, softmax_scale=None, out=None,
+                             q_quant=None, q_scale=None, pv_mode=None, min_query_len=0, max_query_len=None,
+                             config: HopperPrefillConfig | None = None) -> torch.Tensor:
+    """:func:`int8attn.ops.prefill.prefill_attention` on the Hopper kernel (same arguments;
+    ``config`` a :class:`HopperPrefillConfig`). Raises ValueError where it does not apply."""
+    _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
+                                   q_quant=q_quant, q_scale=q_scale)
+    _portable._check_prefill_options(cache, softmax_scale, min_query_len, max_query_len)
+    pv_mode = _portable.resolve_pv_mode(cache.kv_dtype, pv_mode)
+    reason = unsupported_reason(cache, query.shape[1], pv_mode)
+    if reason is not None:
+        raise ValueError(f"the Hopper prefill kernel does not apply: {reason}")
+    if config is None:
+        config = default_config(cache.kv_dtype, cache.head_dim, pv_mode)
+    elif not isinstance(config, HopperPrefillConfig):
+        raise TypeError(f"config must be a HopperPrefillConfig, got {type(config).__name__}")
+    group = query.shape[1] // cache.num_kv_heads
+    config = _check_config(config, cache, group, pv_mode)
+    return _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
+                q_quant, q_scale, min_query_len, max_query_len)
+
+
+def _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant,
+         q_scale, min_query_len, max_query_len) -> torch.Tensor:
+    """Launch with a checked config (no validation)."""
+    from ..kernels.prefill_hopper import _prefill_hopper_kernel
+    from .producer import quantize_query
+
+    global last_kernel, last_compiled_kernel
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = block_table.shape[0]
+    if out is None:
+        out = torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
+    last_kernel = "hopper"
+    if num_tokens == 0 or num_seqs == 0 or (max_query_len is not None and max_query_len <= min_query_len):
+        return out
+    group = num_q_heads // cache.num_kv_heads
+    block_q = config.block_m // group
+    num_tiles = num_tokens // block_q + num_seqs
+    if q_quant is None:
+        q_quant, q_scale = quantize_query(query, cache.kv_dtype)
+    key, value = cache.key, cache.value
+    q_in = q_quant.view(torch.uint8) if cache.kv_dtype == "fp8" else q_quant
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5
+    qk_scale = float(softmax_scale) * math.log2(math.e)
+    with device_guard(cache.device):
+        last_compiled_kernel = _prefill_hopper_kernel[(num_tiles, cache.num_kv_heads)](
+            q_in, q_scale, out, key, value, cache.key_scale, cache.value_scale,
+            block_table, seq_lens, query_start_loc,
+            qk_scale, num_seqs, min_query_len, num_tiles,
+            q_in.stride(0), q_in.stride(1), q_scale.stride(0), q_scale.stride(1),
+            out.stride(0), out.stride(1),
+            key.stride(0), key.stride(1), cache.key_scale.stride(0), cache.key_scale.stride(1),
+            block_table.stride(0),
+            **constexprs(config, cache, group, pv_mode), num_warps=config.block_m // 16,
+        )
+    return out
+
+
+def prefill(query, cache, block_table, seq_lens, query_start_loc, *, kernel: str = "auto", config=None,
+            **kwargs) -> torch.Tensor:
+    """Prefill on the kernel ``kernel`` names ("auto": Hopper wherever it applies, else
+    portable); ``config`` must match the kernel that runs. Sets :data:`last_kernel`."""
+    global last_kernel
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "auto":
+        use_hopper = not isinstance(config, _portable.PrefillConfig) and \
+            unsupported_reason(cache, query.shape[1], kwargs.get("pv_mode")) is None
+        kernel = "hopper" if use_hopper else "portable"
+    if kernel == "hopper":
+        return prefill_attention_hopper(query, cache, block_table, seq_lens, query_start_loc, config=config,
+                                        **kwargs)
+    out = _portable.prefill_attention(query, cache, block_table, seq_lens, query_start_loc, config=config, **kwargs)
+    last_kernel = "portable"
+    return out
+
+
+#: Pointer arguments of the kernel and their Triton types per cache dtype (AOT compile).
+def _pointer_types(kv_dtype: str) -> dict:
+    elem = {"int8": "*i8", "fp8": "*fp8e4nv"}[kv_dtype]
+    return dict(q_ptr={"int8": "*i8", "fp8": "*u8"}[kv_dtype], k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32",
+                k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32", seq_lens_ptr="*i32",
+                query_start_loc_ptr="*i32", out_ptr="*bf16")
+
+
+def compile_for_sm90(kv_dtype: str, pv_mode: str, head_dim: int, block_size: int = 16, group: int = 4,
+                     config: HopperPrefillConfig | None = None):
+    """Compile the kernel ahead of time for sm_90 (no GPU needed: ptxas ships with Triton);
+    returns Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``). Pointers and the
+    strides of a contiguous cache are assumed 16-byte aligned, as on a real launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ..kernels.prefill_hopper import _prefill_hopper_kernel
+
+    class _Shape:  # the cache facts the constexprs read
+        pass
+
+    cache = _Shape()
+    cache.kv_dtype, cache.head_dim, cache.block_size = kv_dtype, head_dim, block_size
+    config = config or default_config(kv_dtype, head_dim, pv_mode)
+    config = replace(config, dv=config.dv or default_config(kv_dtype, head_dim, pv_mode).dv)
+    const = constexprs(config, cache, group, pv_mode)
+    ptrs = _pointer_types(kv_dtype)
+    names = _prefill_hopper_kernel.arg_names
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
+    aligned = [i for i, n in enumerate(names) if n in ptrs or n in (
+        "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_ch", "stride_sb", "stride_sh")]
+    src = GluonASTSource(fn=_prefill_hopper_kernel, signature=sig, constexprs=const,
+                         attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.block_m // 16})

@@ -1,0 +1,261 @@
+"""The Hopper (Gluon) prefill kernel, :mod:`int8attn.ops.prefill_hopper`.
+
+CPU (CI): every kernel variant compiles ahead of time for sm_90 with the Triton that is
+installed, and its PTX and SASS carry the warpgroup MMAs of its precisions (s8 -> IGMMA,
+e4m3 -> QGMMA, f16 -> HGMMA) within a local-memory (spill) budget; routing and validation.
+GPU (sm_90): against the float64 reference and the portable kernel at real shapes, outputs
+poisoned first.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from int8attn import reference, testing
+from int8attn.ops import prefill_hopper as hop
+from int8attn.ops.prefill import prefill_attention
+
+#: (kv_dtype, pv_mode, head_dim, block_size, group, config overrides)
+VARIANTS = [
+    pytest.param("int8", "int8", 128, 16, 4, {}, id="int8-pv8-d128"),
+    pytest.param("int8", "int8", 256, 16, 6, {}, id="int8-pv8-d256"),
+    pytest.param("int8", "bf16", 128, 16, 4, {}, id="int8-pv16-d128"),
+    pytest.param("int8", "bf16", 256, 16, 6, {}, id="int8-pv16-d256"),
+    pytest.param("fp8", "fp8", 128, 16, 4, {}, id="fp8-pv8-d128"),
+    pytest.param("fp8", "fp8", 256, 16, 6, {}, id="fp8-pv8-d256"),
+    pytest.param("fp8", "bf16", 128, 16, 4, {}, id="fp8-pv16-d128"),
+    pytest.param("fp8", "bf16", 256, 16, 6, {}, id="fp8-pv16-d256"),
+    pytest.param("int8", "int8", 64, 64, 8, {"block_m": 64, "stages": 3}, id="int8-pv8-d64-bs64-m64-s3"),
+    pytest.param("int8", "bf16", 64, 128, 4, {"block_n": 128}, id="int8-pv16-d64-bs128-n128"),
+    pytest.param("fp8", "fp8", 256, 64, 8, {"block_n": 32, "block_m": 64}, id="fp8-pv8-d256-bs64-n32-m64"),
+]
+#: PTX type suffix of the QK and PV warpgroup MMAs, and the SASS class each must show.
+PTX_TYPES = {"int8": "s32.s8.s8", "fp8": "f32.e4m3.e4m3", "bf16": "f32.f16.f16"}
+SASS_CLASS = {"int8": "INT8", "fp8": "FP8", "bf16": "FP16"}
+#: Local-memory instructions (LDL/STL) allowed in a variant's SASS: none, except int8 PV at
+#: head_dim 256 (128-register accumulator + int32 PV tiles; 10 with Triton 3.6, 12 with 3.9,
+#: against ~220 with 64-key tiles): a regression guard, not a correctness property.
+SPILL_BUDGET = {"int8-pv8-d256": 16}
+
+_COMPILE_ALL = r"""
+import json, re, sys
+from dataclasses import replace
+import triton
+from int8attn.ops import prefill_hopper as hop
+from int8attn.gate import sass
+out = {"triton": triton.__version__, "variants": {}}
+for key, (kv, pv, d, bs, group, over) in json.loads(sys.argv[1]).items():
+    try:
+        cfg = replace(hop.default_config(kv, d, pv), **over)
+        c = hop.compile_for_sm90(kv, pv, d, bs, group, cfg)
+    except Exception as e:  # reported per variant: the test fails with the message
+        out["variants"][key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        continue
+    ptx = c.asm["ptx"]
+    text = sass.dump_sass(c.asm["cubin"])
+    out["variants"][key] = {
+        "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.(\w+\.\w+\.\w+)", ptx))),
+        "cp_async_sizes": re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.\w+)*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(\w+)",
+                                     ptx),
+        "sass_classes": sass.summarize(text)["classes"],
+        "local_memory": len(re.findall(r"\b(?:LDL|STL)\b", text)),
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_variants():
+    """Compile every variant in one subprocess (this session may run Triton's interpreter)."""
+    pytest.importorskip("triton.experimental.gluon")
+    spec = {p.id: list(p.values) for p in VARIANTS}
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_ALL, json.dumps(spec)], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"Hopper prefill variants compiled with Triton {result['triton']} for sm_90")
+    return result
+
+
+@pytest.mark.parametrize("kv,pv,d,bs,group,over", VARIANTS)
+def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, pv, d, bs, group, over):
+    """Each variant compiles for sm_90 under the installed Triton (3.6 on the H200, CI's
+    own elsewhere); QK runs on the cache's 8-bit wgmma, PV on the PV mode's; K and V move
+    with 16-byte cp.async only; local memory within SPILL_BUDGET."""
+    got = compiled_variants["variants"][request.node.callspec.id]
+    assert "error" not in got, f"Triton {compiled_variants['triton']}: {got.get('error')}"
+    want = {PTX_TYPES[kv], PTX_TYPES[pv]}
+    assert set(got["wgmma"]) == want, got
+    for prec in (kv, pv):
+        assert got["sass_classes"].get(SASS_CLASS[prec], 0) > 0, got
+    sizes = got.pop("cp_async_sizes")
+    assert len(sizes) >= 2 and set(sizes) <= {"0x10", "16"}, (sizes, got)
+    assert got["local_memory"] <= SPILL_BUDGET.get(request.node.callspec.id, 0), got
+
+
+# --------------------------------------------------------------------------- routing (CPU)
+def _batch(seq_lens, q_lens, *, hq, hkv, d, bs=16, kv="int8", seed=0, device="cpu"):
+    return testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                    block_size=bs, kv_dtype=kv, seed=seed, device=device)
+
+
+def _args(b):
+    return b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc
+
+
+def test_auto_routes_to_portable_where_hopper_does_not_apply(device):
+    b = _batch([20], [20], hq=4, hkv=2, d=64, device=device)
+    if device == "cpu":
+        assert hop.unsupported_reason(b.cache, 4, None) is not None
+    out = hop.prefill(*_args(b), kernel="auto")
+    want = prefill_attention(*_args(b))
+    assert hop.last_kernel == ("hopper" if hop.unsupported_reason(b.cache, 4, None) is None else "portable")
+    if hop.last_kernel == "portable":
+        assert torch.equal(out, want)
+
+
+def test_forcing_hopper_where_it_does_not_apply_raises_before_launch():
+    b = _batch([20], [20], hq=4, hkv=2, d=64, kv="bf16")
+    before = b.cache.key.clone()
+    with pytest.raises(ValueError, match="Hopper prefill kernel does not apply"):
+        hop.prefill(*_args(b), kernel="hopper")
+    assert torch.equal(b.cache.key, before)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        hop.prefill(*_args(b), kernel="fast")
+
+
+@pytest.mark.parametrize("config,match", [
+    pytest.param(hop.HopperPrefillConfig(block_m=32), "block_m", id="block_m"),
+    pytest.param(hop.HopperPrefillConfig(block_n=48), "block_n", id="block_n"),
+    pytest.param(hop.HopperPrefillConfig(dv=256), "224", id="dv_int8_256"),
+    pytest.param(hop.HopperPrefillConfig(dv=96), "dv", id="dv_split"),
+    pytest.param(hop.HopperPrefillConfig(stages=1), "stages", id="stages"),
+])
+def test_bad_config_raises(config, match):
+    class _C:
+        kv_dtype, head_dim, block_size = "int8", 256, 16
+
+    with pytest.raises(ValueError, match=match):
+        hop._check_config(config, _C(), 6, "int8")
+
+
+# --------------------------------------------------------------------------- GPU (sm_90)
+def _is_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 GPU")
+
+#: Bounds vs the quantized-query float64 reference and the float64 reference (as the
+#: portable kernel's tests), and between the two kernels (each within its own bound).
+TOL_QUANTIZED = {("int8", "int8"): 0.012, ("int8", "bf16"): 0.006, ("fp8", "fp8"): 0.03, ("fp8", "bf16"): 0.006}
+TOL_REFERENCE = {("int8", "int8"): 0.016, ("int8", "bf16"): 0.012, ("fp8", "fp8"): 0.05, ("fp8", "bf16"): 0.045}
+
+
+def _reference_rows(b, rows_per_seq: int):
+    """float64 references (quantized query, and plain) for the first and last
+    ``rows_per_seq`` query tokens of every sequence: full-size chunks over long prefixes
+    would not fit a whole float64 reference in memory. Returns (index, refq, ref)."""
+    cpu = reference._CpuView(b.cache)
+    q = b.query.detach().cpu()
+    qq, qs = reference.quantize_rows(q, b.cache.kv_dtype)
+    q_deq = reference.dequantize_rows(qq, qs)
+    qsl, lens = b.query_start_loc.cpu().tolist(), b.seq_lens.cpu().tolist()
+    scale = b.cache.head_dim ** -0.5
+    index, refq, ref = [], [], []
+    for s, seq_len in enumerate(lens):
+        start, end = qsl[s], qsl[s + 1]
+        k, v = reference.gather_kv(cpu, b.block_table[s].cpu(), seq_len, add_key_mean=True)
+        spans = sorted({(start, min(end, start + rows_per_seq)), (max(start, end - rows_per_seq), end)})
+        for a, e in spans:
+            first = seq_len - (end - start) + (a - start)
+            index.append(torch.arange(a, e))
+            refq.append(reference.attend(q_deq[a:e], k, v, first, scale))
+            ref.append(reference.attend(q[a:e].double(), k, v, first, scale))
+    return torch.cat(index), torch.cat(refq), torch.cat(ref)
+
+
+def _check(b, pv, *, rows_per_seq=48, config=None):
+    kv = b.cache.kv_dtype
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+    hop.prefill(*_args(b), kernel="hopper", out=out, pv_mode=pv, config=config)
+    torch.cuda.synchronize()
+    assert hop.last_kernel == "hopper"
+    assert torch.isfinite(out.float()).all(), "rows left unwritten (NaN poison) or non-finite output"
+    portable = prefill_attention(*_args(b), pv_mode=pv)
+    testing.assert_close_verbose(out, portable, rel_l2=2 * TOL_QUANTIZED[(kv, pv)], name="hopper vs portable")
+    idx, refq, ref = _reference_rows(b, rows_per_seq)
+    got = out.cpu()[idx]
+    testing.assert_close_verbose(got, refq, rel_l2=TOL_QUANTIZED[(kv, pv)], name="hopper vs quantized-query ref")
+    testing.assert_close_verbose(got, ref, rel_l2=TOL_REFERENCE[(kv, pv)], name="hopper vs float64 ref")
+
+
+@pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16")])
+@pytest.mark.parametrize("q_len", [17, 97, 123])
+@pytest.mark.parametrize("hq,hkv,d,bs", [pytest.param(24, 4, 256, 16, id="g6-d256-bs16"),
+                                         pytest.param(32, 8, 128, 16, id="g4-d128-bs16"),
+                                         pytest.param(8, 2, 64, 64, id="g4-d64-bs64")])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_odd_lengths(hq, hkv, d, bs, q_len, kv, pv):
+    b = _batch([q_len + 2 * q_len + 5], [q_len], hq=hq, hkv=hkv, d=d, bs=bs, kv=kv, seed=q_len, device="cuda")
+    _check(b, pv, rows_per_seq=q_len)
+
+
+@pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8")])
+@pytest.mark.parametrize("config", [pytest.param(None, id="default"),
+                                    pytest.param(hop.HopperPrefillConfig(block_m=64, stages=3), id="m64-s3"),
+                                    pytest.param(hop.HopperPrefillConfig(block_n=128), id="n128")])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_varlen_batch(config, kv, pv):
+    """Sequences of different prefixes and chunk lengths in one launch, a decode-length
+    one and a skipped (min_query_len) check included."""
+    b = _batch([1, 300, 2000, 517, 4096, 97], [1, 300, 333, 17, 1000, 97], hq=32, hkv=8, d=128, kv=kv, seed=5,
+               device="cuda")
+    _check(b, pv, rows_per_seq=40, config=config)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_min_query_len_leaves_rows_untouched():
+    b = _batch([40, 90], [4, 60], hq=8, hkv=2, d=128, seed=3, device="cuda")
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+    hop.prefill(*_args(b), kernel="hopper", out=out, min_query_len=8)
+    assert torch.isnan(out[:4].float()).all()
+    assert torch.isfinite(out[4:].float()).all()
+
+
+@pytest.mark.parametrize("kv,pv", [("fp8", "fp8"), ("fp8", "bf16"), ("int8", "int8")])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_stale_slots_never_leak(kv, pv):
+    """Stale bytes past each sequence's end (e4m3 NaN, int8 -128, NaN scales) reach no output."""
+    def poison_then_write(c, k, v, s):
+        for t in (c.key, c.value):
+            t.view(torch.uint8).fill_(0x7F) if kv == "fp8" else t.fill_(-128)
+        c.key_scale.fill_(float("nan"))
+        c.value_scale.fill_(float("nan"))
+        reference.write_kv_reference(c, k, v, s)
+
+    b = testing.make_paged_batch([37, 150, 9], [20, 99, 9], num_q_heads=8, num_kv_heads=2, head_dim=128,
+                                 kv_dtype=kv, seed=17, device="cuda", writer=poison_then_write)
+    _check(b, pv, rows_per_seq=99)
+
+
+@pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16")])
+@pytest.mark.parametrize("hq,hkv,d", [pytest.param(24, 4, 256, id="24q4kv-d256"),
+                                      pytest.param(32, 8, 128, id="32q8kv-d128")])
+@pytest.mark.parametrize("prefix", [0, 28672])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_chunk_4096(prefix, hq, hkv, d, kv, pv):
+    b = _batch([prefix + 4096], [4096], hq=hq, hkv=hkv, d=d, kv=kv, seed=prefix + d, device="cuda")
+    _check(b, pv)
