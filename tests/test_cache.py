@@ -112,3 +112,10 @@ def test_allocator_errors_and_slot_mapping():
     assert sm.dtype == torch.int64 and sm.tolist() == [0, 1, 2]
     assert alloc.allocate(0, 0) == []
     assert BlockAllocator.for_cache(PagedKVCache(3, 16, 1, 64, device="cpu")).num_free_blocks == 3
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present")
+def test_default_cuda_device_without_a_gpu_says_what_to_do():
+    with pytest.raises(ValueError, match="no CUDA GPU is available") as err:
+        PagedKVCache(num_blocks=4, block_size=16, num_kv_heads=2, head_dim=64)
+    assert "device='cpu'" in str(err.value) and "TRITON_INTERPRET=1" in str(err.value)

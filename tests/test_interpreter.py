@@ -90,3 +90,38 @@ def test_write_kv_then_cold_compile_in_one_process(device, gen, tmp_path, monkey
         pytest.skip(f"no usable ptxas: {exc}")
     assert "mma" in compiled.asm["ttgir"]
     assert len(compiled.asm["cubin"]) > 0
+
+
+def test_kernels_interpreted_matches_how_the_kernels_were_defined():
+    assert _interpreter.kernels_interpreted() == interpret_mode()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present")
+def test_cpu_process_without_the_interpreter_gets_the_clear_error(tmp_path):
+    """A fresh process on a machine without a GPU and without TRITON_INTERPRET: int8attn's error,
+    raised before any launch, instead of Triton's "0 active drivers"."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import torch, int8attn\n"
+        "from int8attn import _interpreter\n"
+        "assert not _interpreter.kernels_interpreted()\n"
+        "cache = int8attn.PagedKVCache(4, 16, 2, 64, device='cpu')\n"
+        "k = torch.randn(3, 2, 64)\n"
+        "try:\n"
+        "    int8attn.write_kv(cache, k, k, torch.arange(3))\n"
+        "except ValueError as e:\n"
+        "    print('REFUSED', e)\n"
+        "print('UNTOUCHED', bool((cache.key == 0).all()))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(int8attn.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "REFUSED int8attn kernels need a CUDA GPU or Triton's interpreter" in run.stdout, run.stdout
+    assert "set TRITON_INTERPRET=1 before importing int8attn" in run.stdout
+    assert "UNTOUCHED True" in run.stdout

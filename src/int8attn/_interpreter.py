@@ -77,3 +77,14 @@ def install() -> bool:
     __call__._int8attn_restores_language = True
     executor.__call__ = __call__
     return True
+
+
+def kernels_interpreted() -> bool:
+    """True when int8attn's kernels run in Triton's CPU interpreter. Triton picks interpreter or
+    compiler when a ``@triton.jit`` function is defined (``TRITON_INTERPRET`` at import of
+    int8attn), so this asks the kernels themselves rather than today's environment."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from .kernels import quantize
+
+    return any(isinstance(v, InterpretedFunction) for v in vars(quantize).values())
