@@ -129,3 +129,10 @@ def test_from_tensors_wraps_storage_like_init(kv_dtype):
         mean = torch.zeros(3, 64)
         smoothed = PagedKVCache.from_tensors(made.key, made.value, made.key_scale, made.value_scale, mean)
         assert smoothed.key_smoothing == "first_write" and smoothed.key_mean is mean
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present")
+def test_default_cuda_device_without_a_gpu_says_what_to_do():
+    with pytest.raises(ValueError, match="no CUDA GPU is available") as err:
+        PagedKVCache(num_blocks=4, block_size=16, num_kv_heads=2, head_dim=64)
+    assert "device='cpu'" in str(err.value) and "TRITON_INTERPRET=1" in str(err.value)

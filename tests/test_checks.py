@@ -226,3 +226,59 @@ def test_cache_storage_layout_is_checked_before_any_launch(kv_dtype, device):
             attention(**args)
         cache.value_scale = good_scale
     _checks.check_cache(cache)
+
+
+def _compiled_kernels(monkeypatch):
+    """Make the launchers see compiled kernels, as a process started without TRITON_INTERPRET does."""
+    from int8attn import _interpreter
+
+    monkeypatch.setattr(_interpreter, "kernels_interpreted", lambda: False)
+
+
+@pytest.mark.parametrize("interpret_env", [pytest.param(None, id="env-unset"), pytest.param("1", id="env-set-too-late")])
+def test_cpu_tensors_with_compiled_kernels_get_a_clear_error_before_any_launch(interpret_env, monkeypatch):
+    """CPU tensors and compiled kernels (no TRITON_INTERPRET=1 when int8attn was imported): every
+    entry point says what to do instead of Triton's "0 active drivers", and the cache is untouched."""
+    from int8attn import attention, quantize_query, write_kv
+
+    args = attention_args("cpu")
+    cache = args["cache"]
+    before = [t.clone() for t in (cache.key, cache.value, cache.key_scale, cache.value_scale)]
+    _compiled_kernels(monkeypatch)
+    if interpret_env is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        want = "set TRITON_INTERPRET=1 before importing int8attn"
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", interpret_env)
+        want = "must be set before int8attn is imported"
+    key = torch.randn(2, 2, 64)
+    calls = {
+        "write_kv": lambda: write_kv(cache, key, key, torch.tensor([0, 1])),
+        "attention": lambda: attention(**args),
+        "quantize_query": lambda: quantize_query(args["query"], "int8"),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="need a CUDA GPU or Triton's interpreter") as err:
+            call()
+        assert want in str(err.value), f"{name}: {err.value}"
+        assert "device='cuda'" in str(err.value)
+    for t, b in zip((cache.key, cache.value, cache.key_scale, cache.value_scale), before):
+        assert torch.equal(t, b)
+    # bf16 quantize_query launches nothing and stays allowed
+    assert quantize_query(args["query"], "bf16")[0] is not None
+
+
+def test_a_device_the_kernels_never_run_on_is_refused_by_name():
+    with pytest.raises(ValueError, match="need a CUDA GPU, but the cache is on meta"):
+        _checks.check_cache(PagedKVCache(4, 8, 1, 64, device="meta"))
+    with pytest.raises(ValueError, match="need a CUDA GPU, but query is on meta"):
+        _checks.check_quantize_query_inputs(torch.empty(3, 2, 64, device="meta", dtype=torch.bfloat16), "int8")
+
+
+def test_cpu_tensors_pass_when_the_kernels_are_interpreted(device):
+    from int8attn import _interpreter
+
+    if not _interpreter.kernels_interpreted():
+        pytest.skip("kernels compiled in this process")
+    _checks.check_kernel_device("cpu")
+    _checks.check_cache(attention_args("cpu")["cache"])

@@ -83,6 +83,30 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return True
 
 
+def check_kernel_device(device, name: str = "the cache") -> None:
+    """Raise before any launch when the kernels cannot run on ``device``: CUDA tensors run
+    compiled kernels; CPU tensors run only in Triton's interpreter (``TRITON_INTERPRET=1``
+    set before int8attn is imported), where Triton itself would fail with "0 active drivers"."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return
+    from ._interpreter import kernels_interpreted
+    from .testing import interpret_mode
+
+    if device.type == "cpu" and kernels_interpreted():
+        return
+    fix = ("Put the cache and the tensors on a CUDA GPU (PagedKVCache(..., device='cuda')); on a machine "
+           "without one, ")
+    if device.type == "cpu" and interpret_mode():
+        fix += ("TRITON_INTERPRET=1 must be set before int8attn is imported (Triton picks interpreter or compiler "
+                "when the kernels are defined): set it in the environment of the process")
+    else:
+        fix += ("set TRITON_INTERPRET=1 before importing int8attn and keep everything on the CPU (device='cpu'): "
+                "the kernels then run in Triton's CPU interpreter (slow: for testing)")
+    where = "CUDA GPU" if device.type != "cpu" else "CUDA GPU or Triton's interpreter"
+    raise ValueError(f"int8attn kernels need a {where}, but {name} is on {device}. {fix}.")
+
+
 def _dtype_names(dtypes) -> str:
     return " / ".join(str(d).replace("torch.", "") for d in dtypes)
 
@@ -130,6 +154,7 @@ def cache_state_is(cache, state: tuple) -> bool:
 
 
 def _check_cache_storage(cache) -> None:
+    check_kernel_device(cache.key.device if isinstance(cache.key, torch.Tensor) else cache.device)
     rows = (cache.num_blocks, cache.num_kv_heads, cache.block_size, cache.head_dim)
     value_shape = value_storage_shape(cache.kv_dtype, *rows)
     for name, t, shape in (("key", cache.key, rows), ("value", cache.value, value_shape)):
@@ -420,6 +445,7 @@ def check_quantize_query_inputs(query, kv_dtype: str, out=None, out_scale=None) 
         if out is not None or out_scale is not None:
             raise ValueError("out/out_scale are not used for kv_dtype 'bf16' (the query is returned as bf16)")
         return
+    check_kernel_device(query.device, "query")
     T, H, D = query.shape
     if T * H > MAX_QUERY_ROWS:
         raise ValueError(f"query has {T} x {H} = {T * H} (token, head) rows; at most {MAX_QUERY_ROWS} are supported")

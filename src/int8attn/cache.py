@@ -78,7 +78,8 @@ class PagedKVCache:
         num_kv_heads: KV heads stored.
         head_dim: any multiple of 16 from 16 to 256.
         kv_dtype: "int8" (default), "fp8" (e4m3) or "bf16".
-        device: where the storage lives.
+        device: where the storage lives: a CUDA GPU (default), or the CPU when the kernels run in
+            Triton's interpreter (``TRITON_INTERPRET=1`` set before int8attn is imported).
         key_smoothing: "auto" (default: "first_write" for int8/fp8, "none" for bf16),
             "none" or "first_write" (INT8/FP8 caches only). With
             "first_write", the per-(KV head, channel) mean of the keys of the first
@@ -118,6 +119,13 @@ class PagedKVCache:
         if key_smoothing != "none" and kv_dtype == "bf16":
             raise ValueError("key smoothing applies to quantized caches only (kv_dtype int8 or fp8)")
         device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+            raise ValueError(
+                f"PagedKVCache(device={str(device)!r}): no CUDA GPU is available (torch {torch.__version__}, {build}). "
+                "On a machine without a GPU, pass device='cpu' and set TRITON_INTERPRET=1 before importing int8attn: "
+                "the kernels then run in Triton's CPU interpreter (slow: for testing)."
+            )
         storage_dtype = KV_DTYPES[kv_dtype]
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         key = torch.zeros(shape, dtype=storage_dtype, device=device)
