@@ -10,7 +10,7 @@ import triton.language as tl
 
 import int8attn
 from int8attn import _interpreter
-from int8attn.testing import interpret_mode
+from int8attn.runtime import interpret_mode
 
 needs_interpreter = pytest.mark.skipif(not interpret_mode(), reason="kernels run compiled here, not interpreted")
 

@@ -91,7 +91,7 @@ def check_kernel_device(device, name: str = "the cache") -> None:
     if device.type == "cuda":
         return
     from ._interpreter import kernels_interpreted
-    from .testing import interpret_mode
+    from .runtime import interpret_mode
 
     if device.type == "cpu" and kernels_interpreted():
         return

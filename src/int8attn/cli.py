@@ -68,7 +68,7 @@ def _gate(args) -> int:
 def _run_gate(args, gate, registry) -> int:
     import torch
 
-    from .testing import interpret_mode
+    from .runtime import interpret_mode
 
     if args.list:
         for key in registry.keys():

@@ -50,12 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                                 warpgroup_mma)
 
 from . import _gluon_compat as _gc
-
-KIND_INT8 = gl.constexpr(0)
-KIND_FP8 = gl.constexpr(1)
-PV_INT8 = gl.constexpr(0)
-PV_FP8 = gl.constexpr(1)
-PV_BF16 = gl.constexpr(2)
+from .codes import KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
 
 MAGIC_F = gl.constexpr(12582912.0)
 MAGIC_I = gl.constexpr(0x4B400000)
@@ -87,11 +82,11 @@ def kernel_layouts(block_m: int, block_n: int, head_dim: int, dv: int, kv_kind: 
     num_warps = block_m // 16
     qk_k = 32  # 8-bit operands: k = 256 / 8
     qk = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                   instr_shape=[16, _instr_n(block_n, kv_kind == 0), qk_k])
-    pv_bits = 16 if pv_kind == 2 else 8
+                                   instr_shape=[16, _instr_n(block_n, kv_kind == KIND_INT8.value), qk_k])
+    pv_bits = 16 if pv_kind == PV_BF16.value else 8
     pv = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                   instr_shape=[16, _instr_n(dv, pv_kind == 0), 256 // pv_bits])
-    elem8 = gl.int8 if kv_kind == 0 else gl.float8e4nv
+                                   instr_shape=[16, _instr_n(dv, pv_kind == PV_INT8.value), 256 // pv_bits])
+    elem8 = gl.int8 if kv_kind == KIND_INT8.value else gl.float8e4nv
     return dict(
         QK_LAYOUT=qk, PV_LAYOUT=pv,
         P_LAYOUT=gl.DotOperandLayout(operand_index=0, parent=pv, k_width=32 // pv_bits),

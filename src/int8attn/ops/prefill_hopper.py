@@ -23,18 +23,16 @@ from dataclasses import dataclass, replace
 import torch
 
 from .. import _checks
-from ..testing import interpret_mode
+from .. import launches
+from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
+from ..runtime import device_guard, interpret_mode
 from . import prefill as _portable
-from .write import device_guard
 
 KERNELS = ("auto", "hopper", "portable")
-_KV_KIND = {"int8": 0, "fp8": 1}
-_PV_KIND = {"int8": 0, "fp8": 1, "bf16": 2}
+_KV_KIND = {k: KV_KIND[k] for k in ("int8", "fp8")}  # the cache dtypes the Hopper kernel takes
 
 #: Which kernel ran the latest prefill launch of :func:`prefill`: "hopper" or "portable".
 last_kernel: str | None = None
-#: The compiled Hopper kernel of the latest launch (benchmarks read its SASS).
-last_compiled_kernel = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +87,7 @@ def unsupported_reason(cache, num_q_heads: int, pv_mode: str | None) -> str | No
     group = num_q_heads // cache.num_kv_heads
     if group > 64:
         return f"GQA group {group} > 64"
-    if pv_mode is not None and pv_mode not in _portable.PV_MODES[cache.kv_dtype]:
+    if pv_mode is not None and pv_mode not in PV_MODES[cache.kv_dtype]:
         return None  # resolve_pv_mode raises the clear error
     if not _gluon_available():
         return "triton.experimental.gluon is not importable"
@@ -119,7 +117,7 @@ def constexprs(config: HopperPrefillConfig, cache, group: int, pv_mode: str) -> 
     """Every constexpr of the kernel for a checked config (launch and AOT compile alike)."""
     from ..kernels.prefill_hopper import kernel_layouts
 
-    kv, pv = _KV_KIND[cache.kv_dtype], _PV_KIND[pv_mode]
+    kv, pv = KV_KIND[cache.kv_dtype], PV_KIND[pv_mode]
     return dict(GROUP=group, HEAD_DIM=cache.head_dim, PAGE=cache.block_size, BLOCK_M=config.block_m,
                 BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n, DV=config.dv, KV_KIND=kv, PV_KIND=pv,
                 STAGES=config.stages,
@@ -133,7 +131,7 @@ def prefill_attention_hopper(query, cache, block_table, seq_lens, query_start_lo
     ``config`` a :class:`HopperPrefillConfig`). Raises ValueError where it does not apply."""
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                    q_quant=q_quant, q_scale=q_scale)
-    _portable._check_prefill_options(cache, softmax_scale, min_query_len, max_query_len)
+    _portable.check_prefill_options(cache, softmax_scale, min_query_len, max_query_len)
     pv_mode = _portable.resolve_pv_mode(cache.kv_dtype, pv_mode)
     reason = unsupported_reason(cache, query.shape[1], pv_mode)
     if reason is not None:
@@ -154,7 +152,7 @@ def _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, 
     from ..kernels.prefill_hopper import _prefill_hopper_kernel
     from .producer import quantize_query
 
-    global last_kernel, last_compiled_kernel
+    global last_kernel
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = block_table.shape[0]
     if out is None:
@@ -173,7 +171,7 @@ def _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, 
         softmax_scale = head_dim ** -0.5
     qk_scale = float(softmax_scale) * math.log2(math.e)
     with device_guard(cache.device):
-        last_compiled_kernel = _prefill_hopper_kernel[(num_tiles, cache.num_kv_heads)](
+        compiled = _prefill_hopper_kernel[(num_tiles, cache.num_kv_heads)](
             q_in, q_scale, out, key, value, cache.key_scale, cache.value_scale,
             block_table, seq_lens, query_start_loc,
             qk_scale, num_seqs, min_query_len, num_tiles,
@@ -183,6 +181,7 @@ def _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, 
             block_table.stride(0),
             **constexprs(config, cache, group, pv_mode), num_warps=config.block_m // 16,
         )
+    launches.record("_prefill_hopper_kernel", compiled)
     return out
 
 
