@@ -37,6 +37,7 @@ import torch
 
 from .. import _checks
 from ..cache import PagedKVCache
+from ..errors import check_errors
 from ..testing import interpret_mode
 from . import decode as _decode
 from . import prefill as _prefill
@@ -235,7 +236,7 @@ class AttentionPlan:
         if memo is not None and memo[0] is softmax_scale or (
                 type(softmax_scale) is float and memo is not None and softmax_scale == memo[0]):
             return memo[1]
-        _checks.check_kernel_options(cache, softmax_scale, "attention")
+        _checks.check_kernel_options(cache, softmax_scale, "attention", any_multiple_of_16=True)
         qk_scale = _decode.qk_scale_of(softmax_scale, self.head_dim)
         self._scale_memo = (softmax_scale, qk_scale)
         return qk_scale
@@ -261,7 +262,7 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
             or num_q_heads % cache.num_kv_heads:
         raise ValueError(f"num_q_heads must be a positive multiple of the cache's {cache.num_kv_heads} KV heads, "
                          f"got {num_q_heads!r}")
-    _checks.check_kernel_options(cache, None, "attention")
+    _checks.check_kernel_options(cache, None, "attention", any_multiple_of_16=True)
     dev = cache.device
     _checks.check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
     num_seqs = block_table.shape[0]
@@ -274,10 +275,13 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
             raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
     given = (num_tokens, max_query_len, has_decode, has_prefill)
     values_checked = False
+    # Planning checks values on every device (device=None: only INT8ATTN_CHECK_VALUES=0 or
+    # a CUDA-graph capture turn it off): one sync per batch, shared by every layer's run.
     if num_seqs and _checks.value_checks_enabled():
         seen = _checks.check_attention_values(num_tokens, cache, block_table, seq_lens, query_start_loc,
                                               decode_limit=MAX_DECODE_QUERY_LEN)  # the one sync
         values_checked = True
+        check_errors(dev)  # flags raised by earlier kernels (the device is idle now: no extra wait)
     elif None in given:
         seen = _read_facts(query_start_loc, num_seqs)
     else:
@@ -389,5 +393,6 @@ def _check_common(query, cache, block_table, seq_lens, query_start_loc, softmax_
     """Everything both kernels need, checked once before any launch."""
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                    q_quant=q_quant, q_scale=q_scale)
-    _prefill._check_prefill_options(cache, softmax_scale, 0, None)
+    if query.shape[0] > MAX_DECODE_QUERY_LEN:  # the prefill kernel may run (see attention())
+        _prefill._check_prefill_options(cache, softmax_scale, 0, None)
     _decode._check_decode_options(cache, softmax_scale, None)

@@ -32,14 +32,20 @@ from ..kernels.quantize import _quantize_query_kernel
 from ..testing import interpret_mode
 from ._launch import CachedLaunch
 from .producer import quantize_query_args, quantize_query_launch
-from .write import KV_KIND, device_guard
+from ..errors import error_flags
+from .write import KV_KIND
 
 #: Longest query (new tokens of one sequence) the decode kernel handles; sequences with
 #: more are skipped here and left to the prefill kernel.
 MAX_DECODE_QUERY_LEN = 8
-#: Output columns per merge program (attention head_dims are powers of two, so this
-#: divides any head_dim >= 64).
+#: Output columns per program of the separate merge kernel (the last block is masked
+#: when head_dim is not a multiple).
 MERGE_BLOCK_D = 64
+#: Splits per first-level group of the fused merge (kernels.decode._arrive_and_merge):
+#: the last split of a group to finish merges the group, the last group merger the groups.
+FUSED_MERGE_GROUP = 8
+#: fp32 elements of the [chunk, rows, D] partial tile a fused-merge step loads at once.
+FUSED_MERGE_TILE = 8192
 #: Most split partials a merge program loads at once (more are folded in further chunks).
 MERGE_MAX_CHUNK = 64
 #: Upper bound of ``num_splits`` (split-K segments per sequence and KV head).
@@ -83,6 +89,10 @@ class DecodeConfig:
     #: 4-warp programs whatever the shared memory allows; 168 makes room for a third
     #: (65536 / (128 x 168) = 3), 128 for a fourth, at the cost of a few spills.
     maxnreg: int | None = None
+    #: Merge the split partials inside the split kernel (the last split of a (sequence, KV
+    #: head) to finish combines them; one launch per call) instead of in the separate merge
+    #: kernel (two launches; kept as an option for measurement).
+    fused_merge: bool = True
 
 
 #: Bytes of one K+V tile the default configs aim at, and the shared memory they may
@@ -208,7 +218,9 @@ class DecodeWorkspace:
 
     Sized from host-known bounds: ``max_tokens`` query tokens, ``num_q_heads`` heads,
     ``head_dim``, up to ``max_splits`` splits. Holds ``partial_out`` [capacity] fp32 (viewed
-    as [T, Hq, S, D]) and ``partial_ml`` (viewed as [T, Hq, S, 2]: running max, sum).
+    as [T, Hq, S, D]), ``partial_ml`` (viewed as [T, Hq, S, 2]: running max, sum) and the
+    fused merge's arrival counters ``counters`` int32 (viewed as [T, Hq, S]; zero between
+    launches: every launch leaves them as it found them).
     """
 
     def __init__(self, max_tokens: int, num_q_heads: int, head_dim: int, max_splits: int = MAX_NUM_SPLITS,
@@ -222,6 +234,7 @@ class DecodeWorkspace:
         rows = max_tokens * num_q_heads * max_splits
         self.partial_out = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
         self.partial_ml = torch.empty(rows * 2, dtype=torch.float32, device=self.device)
+        self.counters = torch.zeros(rows, dtype=torch.int32, device=self.device)
 
     def views(self, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int):
         """[T, Hq, S, D] and [T, Hq, S, 2] views for one call (ValueError if too small)."""
@@ -239,6 +252,10 @@ class DecodeWorkspace:
         acc = self.partial_out[: n * head_dim].view(num_tokens, num_q_heads, num_splits, head_dim)
         ml = self.partial_ml[: n * 2].view(num_tokens, num_q_heads, num_splits, 2)
         return acc, ml
+
+    def counter_view(self, num_tokens: int, num_q_heads: int, num_splits: int) -> torch.Tensor:
+        """[T, Hq, S] int32 view of the arrival counters (shapes checked by :meth:`views`)."""
+        return self.counters[: num_tokens * num_q_heads * num_splits].view(num_tokens, num_q_heads, num_splits)
 
 
 @dataclass(frozen=True)
@@ -361,7 +378,7 @@ def decode_attention(query, cache, block_table, seq_lens, query_start_loc, *, so
 
 
 def _check_decode_options(cache, softmax_scale, workspace) -> None:
-    _checks.check_kernel_options(cache, softmax_scale, "decode_attention")
+    _checks.check_kernel_options(cache, softmax_scale, "decode_attention", any_multiple_of_16=True)
     if workspace is not None:
         if not isinstance(workspace, DecodeWorkspace):
             raise TypeError(f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
@@ -410,28 +427,33 @@ _PLACEHOLDERS: dict = {}
 
 
 def _placeholder_partials(device, num_q_heads: int, head_dim: int):
-    """[1, Hq, 1, D] and [1, Hq, 1, 2] fp32 stand-ins for the partials of a one-split
+    """[1, Hq, 1, D] and [1, Hq, 1, 2] fp32 (and [1, Hq, 1] int32 counter) stand-ins for the partials of a one-split
     launch, which writes ``out`` directly and never touches them; shaped like real views
     so the kernel is specialized the same way as with a workspace. Shared by every such
     launch (nothing reads or writes them), made once per device and shape."""
     key = (device, num_q_heads, head_dim)
     if key not in _PLACEHOLDERS:
         _PLACEHOLDERS[key] = (torch.empty((1, num_q_heads, 1, head_dim), dtype=torch.float32, device=device),
-                              torch.empty((1, num_q_heads, 1, 2), dtype=torch.float32, device=device))
+                              torch.empty((1, num_q_heads, 1, 2), dtype=torch.float32, device=device),
+                              torch.zeros((1, num_q_heads, 1), dtype=torch.int32, device=device))
     return _PLACEHOLDERS[key]
 
 
 class DecodeLaunch:
     """The kernel launches of one :class:`DecodePlan` for fixed shapes and strides.
 
-    Everything except the tensors is worked out once, here: grids, stride arguments,
-    constexprs, the split partials (views of ``workspace``, or of a new one, when the plan
-    has more than one split; shared, never-touched placeholders otherwise) and, with
-    ``quantize``, the query-quantization launch and its outputs (q codes [T, Hq, D] of the
-    cache's storage dtype, q scales [T, Hq] fp32, owned by this object and overwritten by
-    every call). Calling it launches, in stream order: the query quantization (with
-    ``quantize``), the split kernel, the merge kernel (more than one split). No
-    validation, no host sync, no allocation: capturable in a CUDA graph.
+    Everything except the tensors is worked out once, here: grids, stride and size
+    arguments, constexprs, the split partials and arrival counters (views of
+    ``workspace``, or of a new one, when the plan has more than one split; shared,
+    never-touched placeholders otherwise), the device error flags and, with ``quantize``,
+    the query-quantization launch and its outputs (q codes [T, Hq, D] of the cache's
+    storage dtype, q scales [T, Hq] fp32, owned by this object and overwritten by every
+    call). Calling it launches, in stream order: the query quantization (with
+    ``quantize``; once per call, never per split), the split kernel, and the separate
+    merge kernel only when the config does not fuse the merge (``fused_merge=False``) and
+    there is more than one split. With the producer's ``q_quant`` and the default config a
+    call is one launch. No validation, no host sync, no allocation: capturable in a CUDA
+    graph.
 
     :func:`decode_attention` builds one per call; an :class:`~int8attn.ops.attention.AttentionPlan`
     keeps one per input layout and reuses it for every layer and step.
@@ -444,19 +466,27 @@ class DecodeLaunch:
         q_strides: (token, head) strides of the query the kernel reads (``q_quant`` when
             given, else the query; ignored with ``quantize``); q_scale_strides: of
             ``q_scale`` (8-bit caches with a given ``q_quant``), else None;
-        out_strides: (token, head) strides of ``out``; block_table_stride: its row stride.
+        out_strides: (token, head) strides of ``out``; block_table_stride: its row stride;
+        max_blocks: the block table's columns (the kernels clamp ``seq_lens`` to
+            ``max_blocks * block_size``).
     """
 
-    __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_part_acc", "_part_ml",
-                 "_split_grid", "_split_args", "_split_constexprs", "_merge_grid", "_merge_args",
-                 "_merge_constexprs", "_quantize_kernel", "_split_kernel", "_merge_kernel")
+    __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_guard", "_part_acc",
+                 "_part_ml", "_counters", "_flags", "_split_grid", "_split_args", "_split_constexprs", "_merge_grid",
+                 "_merge_args", "_merge_constexprs", "_quantize_kernel", "_split_kernel", "_merge_kernel",
+                 "_quantize_args", "_quantize_key", "_record")
 
     def __init__(self, plan: DecodePlan, cache: PagedKVCache, num_tokens: int, num_q_heads: int, num_seqs: int, *,
-                 device, q_strides, q_scale_strides, out_strides, block_table_stride: int,
+                 device, q_strides, q_scale_strides, out_strides, block_table_stride: int, max_blocks: int,
                  workspace: DecodeWorkspace | None = None, quantize: bool = False):
         head_dim = cache.head_dim
+        block_d = triton.next_power_of_2(head_dim)
         splits = plan.num_splits
-        self.plan, self.quantize, self._device = plan, quantize, device
+        cfg = plan.config
+        self.plan, self.quantize, self._device = plan, quantize, torch.device(device)
+        # a device context per call only where there is more than one device to choose from
+        self._guard = self._device.type == "cuda" and self._device.index is not None \
+            and torch.cuda.device_count() > 1
         self._query_launch = self._q_codes = self._q_scales = None
         interpret = interpret_mode()
         if quantize:
@@ -468,59 +498,69 @@ class DecodeLaunch:
             if workspace is None:
                 workspace = DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=device)
             part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, splits)
+            counters = workspace.counter_view(num_tokens, num_q_heads, splits)
         else:
-            part_acc, part_ml = _placeholder_partials(device, num_q_heads, head_dim)
-        self._part_acc, self._part_ml = part_acc, part_ml
+            part_acc, part_ml, counters = _placeholder_partials(device, num_q_heads, head_dim)
+        self._part_acc, self._part_ml, self._counters = part_acc, part_ml, counters
+        self._flags = error_flags(device)
         if cache.quantized:
             scale_strides = cache.key_scale.stride()
         else:
             q_scale_strides, scale_strides = (0, 0), (0, 0, 0)
-        cfg = plan.config
         block_n = max(cfg.block_n, cache.block_size)
         part_strides = (*part_acc.stride()[:3], *part_ml.stride()[:3])
         key_strides = cache.key.stride()
+        group = num_q_heads // cache.num_kv_heads
         self._split_grid = (splits, cache.num_kv_heads, num_seqs)
         # the split kernel's arguments after qk_scale, in its signature's order
         self._split_args = (
-            splits,
+            splits, num_tokens, cache.num_blocks, max_blocks,
             q_strides[0], q_strides[1], q_scale_strides[0], q_scale_strides[1],
             key_strides[0], key_strides[1],
             scale_strides[0], scale_strides[1],
             block_table_stride,
             out_strides[0], out_strides[1],
             *part_strides,
+            counters.stride(0), counters.stride(1),
         )
+        fused = cfg.fused_merge and splits > 1
+        merge_m = max(2, triton.next_power_of_2(group * plan.tokens_per_pass))
         self._split_constexprs = dict(
-            GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, PAGE=cache.block_size,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=cache.block_size,
             BLOCK_N=block_n, BLOCK_M=plan.block_m, TOKENS_PER_PASS=plan.tokens_per_pass,
             MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=_PV_KIND[plan.pv_mode],
-            INTERPRET=interpret, SWAP_AB=cfg.swap_ab,
+            INTERPRET=interpret, SWAP_AB=cfg.swap_ab, FUSED_MERGE=fused, MERGE_GROUP=FUSED_MERGE_GROUP,
+            MERGE_M=merge_m, MERGE_CHUNK=max(1, min(FUSED_MERGE_GROUP, FUSED_MERGE_TILE // (merge_m * block_d))),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
         )
         # launched through CachedLaunch: Triton binds the arguments on the first call only
-        self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs)
+        self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs,
+                                          fixed_args=self._split_args)
         self._quantize_kernel = self._merge_kernel = None
+        self._quantize_args = self._quantize_key = None
         if quantize:
             self._quantize_kernel = CachedLaunch(_quantize_query_kernel, *self._query_launch)
         self._merge_grid = None
-        if splits > 1:
-            merge_cols = min(head_dim, MERGE_BLOCK_D)
+        if splits > 1 and not fused:
+            merge_cols = min(block_d, MERGE_BLOCK_D)
             # The tile of partials a program loads is [chunk, merge_cols]: sized to the split
             # count, not to the largest one, so a few splits take few registers and warps and
             # every merge program of a large batch is resident in one wave (a fixed 64-split
             # tile at bs16 x 4 splits ran the merge in 3 waves: 7.3 us against 73 us of split
             # kernel on the H200).
             chunk = min(MERGE_MAX_CHUNK, triton.next_power_of_2(splits))
-            self._merge_grid = (num_q_heads, num_seqs, head_dim // merge_cols)
+            self._merge_grid = (num_q_heads, num_seqs, triton.cdiv(head_dim, merge_cols))
             # the merge kernel's arguments after query_start_loc
-            self._merge_args = (splits, out_strides[0], out_strides[1], *part_strides)
+            self._merge_args = (splits, num_tokens, max_blocks, out_strides[0], out_strides[1], *part_strides)
             self._merge_constexprs = dict(
                 HEAD_DIM=head_dim, BLOCK_N=block_n, MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN,
-                SPLIT_CHUNK=chunk, BLOCK_D=merge_cols,
+                SPLIT_CHUNK=chunk, BLOCK_D=merge_cols, PAGE=cache.block_size,
                 num_warps=max(1, min(4, chunk * merge_cols // 256)),
             )
-            self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs)
+            self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs,
+                                              fixed_args=self._merge_args)
+        self._record = None
 
     @classmethod
     def for_tensors(cls, plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table, out_strides,
@@ -533,26 +573,43 @@ class DecodeLaunch:
         q_in = q_quant if q_quant is not None else query
         return cls(plan, cache, num_tokens, num_q_heads, block_table.shape[0], device=cache.device,
                    q_strides=q_in.stride(), q_scale_strides=None if q_scale is None else q_scale.stride(),
-                   out_strides=out_strides, block_table_stride=block_table.stride(0), workspace=workspace,
+                   out_strides=out_strides, block_table_stride=block_table.stride(0),
+                   max_blocks=block_table.shape[1], workspace=workspace,
                    quantize=cache.quantized and q_quant is None)
 
     def __call__(self, query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out,
                  qk_scale: float) -> None:
-        """Launch for these tensors (their layouts as at construction; not checked)."""
-        part_acc, part_ml = self._part_acc, self._part_ml
-        with device_guard(self._device):
-            if self.quantize:
-                q_quant, q_scale = self._q_codes, self._q_scales
-                self._quantize_kernel(*quantize_query_args(query, q_quant, q_scale))
-            if cache.quantized:
-                q_in, q_scale_in, k_scale, v_scale = q_quant, q_scale, cache.key_scale, cache.value_scale
-            else:
-                q_in = q_quant if q_quant is not None else query
-                q_scale_in, k_scale, v_scale = q_in, cache.key, cache.value
-            split_kernel = self._split_kernel(q_in, q_scale_in, cache.key, cache.value, k_scale, v_scale,
-                                              block_table, seq_lens, query_start_loc, out, part_acc, part_ml,
-                                              qk_scale, *self._split_args)
-            merge = None
-            if self._merge_kernel is not None:
-                merge = self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc, *self._merge_args)
-        LAST_LAUNCH.update(split_kernel=split_kernel, merge_kernel=merge, plan=self.plan, grid=self._split_grid)
+        """Launch for these tensors (their layouts as at construction; not checked).
+
+        Per-call host work is constant in the batch size: a few attribute reads, one tuple
+        of the tensor arguments, and the cached launch (see ops._launch.CachedLaunch)."""
+        if self._guard:
+            with torch.cuda.device(self._device):
+                self._launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
+        else:
+            self._launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
+
+    def _launch(self, query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale):
+        if self.quantize:
+            q_quant, q_scale = self._q_codes, self._q_scales
+            if self._quantize_key is not query:  # the argument tuple of the last query, reused
+                self._quantize_args = quantize_query_args(query, q_quant, q_scale)
+                self._quantize_key = query
+            self._quantize_kernel(*self._quantize_args)
+        if cache.quantized:
+            split = self._split_kernel(q_quant, q_scale, cache.key, cache.value, cache.key_scale, cache.value_scale,
+                                       block_table, seq_lens, query_start_loc, out, self._part_acc, self._part_ml,
+                                       self._counters, self._flags, qk_scale)
+        else:
+            q_in = q_quant if q_quant is not None else query
+            split = self._split_kernel(q_in, q_in, cache.key, cache.value, cache.key, cache.value,
+                                       block_table, seq_lens, query_start_loc, out, self._part_acc, self._part_ml,
+                                       self._counters, self._flags, qk_scale)
+        merge = None
+        if self._merge_kernel is not None:
+            merge = self._merge_kernel(out, self._part_acc, self._part_ml, seq_lens, query_start_loc)
+        record = self._record
+        if record is None or record[0] is not split or record[1] is not merge:
+            record = self._record = (split, merge, {"split_kernel": split, "merge_kernel": merge, "plan": self.plan,
+                                                    "grid": self._split_grid})
+        LAST_LAUNCH.update(record[2])
