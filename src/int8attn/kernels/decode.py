@@ -58,20 +58,10 @@ The merge kernel folds a sequence's split partials online, a chunk of splits per
 import triton
 import triton.language as tl
 
+from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8, PV_INT8_SIGNED
 from . import _errors
-from . import quantize as _quantize
 from ._errors import _raise_error
 from .quantize import _round_to_e4m3_grid
-
-# Cache kinds (the same codes as the quantize kernels) and PV precisions; constexpr
-# globals so the jitted code may read them.
-KIND_INT8 = tl.constexpr(_quantize.KIND_INT8)
-KIND_FP8 = tl.constexpr(_quantize.KIND_FP8)
-KIND_BF16 = tl.constexpr(_quantize.KIND_BF16)
-PV_INT8 = tl.constexpr(0)
-PV_INT8_SIGNED = tl.constexpr(1)
-PV_FP8 = tl.constexpr(2)
-PV_BF16 = tl.constexpr(3)
 
 # Device error bits (int8attn.errors) as constexpr globals for the jitted code.
 ERR_BLOCK_ID = tl.constexpr(_errors.ERR_BLOCK_ID)
