@@ -265,10 +265,10 @@ def _poison_rows(out_ptr, q_start, q_len, num_tokens, kv_head, stride_ot, stride
     nan = tl.full([BLOCK_D], float("nan"), tl.float32).to(out_ptr.dtype.element_ty)
     for t in range(0, q_len):
         tok = q_start + t
-        in_range = (tok >= 0) & (tok < num_tokens)
-        for h in range(0, GROUP):
-            row = out_ptr + tok.to(tl.int64) * stride_ot + (kv_head * GROUP + h).to(tl.int64) * stride_oh
-            tl.store(row + offs_d, nan, mask=(offs_d < HEAD_DIM) & in_range)
+        if (tok >= 0) & (tok < num_tokens):
+            for h in range(0, GROUP):
+                row = out_ptr + tok.to(tl.int64) * stride_ot + (kv_head * GROUP + h).to(tl.int64) * stride_oh
+                tl.store(row + offs_d, nan, mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
