@@ -149,9 +149,51 @@ def test_default_orientation_per_pv_mode():
     for mode in ROW_MAJOR_PV["int8"]:
         cfg = default_config("int8", 256, 16, 16, mode)
         assert not cfg.swap_ab and cfg.block_n == 64 and cfg.num_warps == 4
-    assert not default_config("int8", 256, 32, 16, "int8").swap_ab  # 32 packed rows spill when swapped
+    # 32 packed rows (GQA 6 x 4 tokens): swapped with 8 warps (4 warps spill)
+    wide = default_config("int8", 256, 32, 16, "int8")
+    assert wide.swap_ab and wide.num_warps == 8
+    assert not default_config("int8", 256, 32, 16, "bf16").swap_ab
     assert not default_config("bf16", 256, 16, 16, "bf16").swap_ab
 
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_multi_token_default_tile(device, kv):
+    """GQA 6 x 4 query tokens = 24 rows: the default is the 32-row operand-swapped tile, one
+    pass over the KV range (K/V read once for all four tokens)."""
+    import int8attn.ops.decode as dec
+
+    batch = testing.make_paged_batch([123, 97, 40], [4, 4, 4], num_q_heads=12, num_kv_heads=2, head_dim=256,
+                                     kv_dtype=kv, seed=41, device=device)
+    _run_and_check(batch, num_splits=2)
+    plan = dec.LAST_LAUNCH["plan"]
+    assert plan.tokens_per_pass == 4 and plan.block_m == 32 and plan.config.swap_ab
+
+
+# head_dims real models use that are not powers of two: the tile is padded to the next
+# power of two (masked loads and stores)
+PADDED_DIMS = [80, 96, 112, 160, 192]
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("d", PADDED_DIMS, ids=[f"D{d}" for d in PADDED_DIMS])
+def test_padded_head_dims(device, kv, d):
+    bs = 16 if d % 32 else 32
+    batch = testing.make_paged_batch([17, 97, 123], [1, 2, 3], num_q_heads=12, num_kv_heads=2, head_dim=d,
+                                     block_size=bs, kv_dtype=kv, seed=d + len(kv), device=device)
+    _run_and_check(batch, num_splits=2)
+
+
+@pytest.mark.parametrize("d,swap", [pytest.param(96, True, id="D96-swapped"), pytest.param(160, False, id="D160-merge-kernel")])
+def test_padded_head_dims_other_paths(device, monkeypatch, d, swap):
+    """The operand-swapped tile and the separate merge kernel with a padded head_dim."""
+    import int8attn.ops.decode as dec
+
+    config = DecodeConfig(block_n=64, num_warps=4, num_stages=3, swap_ab=swap, fused_merge=swap)
+    monkeypatch.setattr(dec, "default_config", lambda *args: config)
+    batch = testing.make_paged_batch([33, 123], [1, 4], num_q_heads=6, num_kv_heads=1, head_dim=d, kv_dtype="int8",
+                                     seed=d, device=device)
+    _run_and_check(batch, num_splits=3)
 
 
 def test_register_cap_validated_and_counted(small_batch):

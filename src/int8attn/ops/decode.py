@@ -108,6 +108,19 @@ MEASURED_BEST = {
 }
 
 
+#: 32 packed rows (multi-token decode: GQA 6 x 4 tokens = 24 rows) on 8-bit caches at
+#: head_dim 128 / 256: the operand-swapped tile with 8 warps. The rule below gives a
+#: row-major 8-warp tile there, whose 32-row products run on mma.sync (the warpgroup MMA
+#: needs 64 rows row-major) -- the tile q_len 4 took when it cost 2x q_len 1 at bs16 L32k.
+#: Swapped, the 32 rows are the MMA's N (allowed: N = 32) and the keys / head_dim its M, as
+#: at q_len 1; 8 warps keep O^T [D, 32] at 32 fp32 registers per thread (4 warps spill).
+#: Not yet measured: benchmarks/decode_gpu.sh times it against the rule (``mt`` rows).
+MULTI_TOKEN_DEFAULT = {
+    (kv, d, 32): DecodeConfig(block_n=64, num_warps=8, num_stages=6, swap_ab=True)
+    for kv in ("int8", "fp8") for d in (128, 256)
+}
+
+
 #: PV modes that run the row-major tile even where MEASURED_BEST swaps the operands:
 #: an int8 cache with bf16 PV (V converted to bf16 for the warpgroup MMA: 309 us at bs16
 #: L32k against 282 row-major in the 10:15 run) and the signed-P variant (row-major only).
@@ -121,12 +134,13 @@ def default_config(kv_dtype: str, head_dim: int, block_m: int, block_size: int,
     ``ROW_MAJOR_PV``), else a K+V tile of ~TILE_BYTES (64 keys at D=256 int8, 32 at D=256
     bf16), as many buffered tiles as fit in BUFFER_BUDGET (at most 4), 8 warps for
     D >= 128. ``block_n`` is raised to the page size if smaller."""
-    best = MEASURED_BEST.get((kv_dtype, head_dim, block_m))
+    best = MEASURED_BEST.get((kv_dtype, head_dim, block_m)) or MULTI_TOKEN_DEFAULT.get((kv_dtype, head_dim, block_m))
     if best is not None and best.block_n >= block_size:
         if best.swap_ab and pv_mode in ROW_MAJOR_PV.get(kv_dtype, ()):
             best = dataclasses.replace(best, swap_ab=False)
         return best
     elem = 1 if kv_dtype in ("int8", "fp8") else 2
+    head_dim = triton.next_power_of_2(head_dim)  # the padded tile's channels (a head_dim of 80 loads 128)
     block_n = max(_checks.MIN_8BIT_PV_KEYS if elem == 1 else 16, min(128, TILE_BYTES // (2 * head_dim * elem)),
                   block_size)
     buffers = max(1, min(4, BUFFER_BUDGET // (2 * block_n * head_dim * elem)))
@@ -400,6 +414,29 @@ def _query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dtype: str,
     return quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype)
 
 
+_WORKSPACES: dict = {}
+_MAX_WORKSPACES = 64
+
+
+def _stream_workspace(num_tokens: int, num_q_heads: int, head_dim: int, splits: int, device: torch.device):
+    """A workspace for calls that bring none (``decode_attention`` / ``attention()`` without
+    a plan): one per (device, current stream, shape), reused by later calls on that stream
+    -- stream order keeps them from overlapping, and every launch leaves the counters at
+    zero -- so an eager call neither allocates nor zero-fills (no extra launch). During a
+    CUDA-graph capture a fresh one is made for the graph instead."""
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if capturing:
+        return DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, num_tokens, num_q_heads, head_dim, splits)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        if len(_WORKSPACES) >= _MAX_WORKSPACES:
+            _WORKSPACES.clear()
+        ws = _WORKSPACES[key] = DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=device)
+    return ws
+
+
 _PLACEHOLDERS: dict = {}
 
 
@@ -473,7 +510,7 @@ class DecodeLaunch:
             q_strides, q_scale_strides = self._q_codes.stride(), self._q_scales.stride()
         if splits > 1:
             if workspace is None:
-                workspace = DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=device)
+                workspace = _stream_workspace(num_tokens, num_q_heads, head_dim, splits, torch.device(device))
             part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, splits)
             counters = workspace.counter_view(num_tokens, num_q_heads, splits)
         else:
