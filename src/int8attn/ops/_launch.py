@@ -21,6 +21,8 @@ import operator
 
 import torch
 
+from .. import launches
+
 
 def _signature(args) -> tuple:
     """What the compiled kernel was specialized on: dtype and 16-byte alignment of each
@@ -32,17 +34,20 @@ class CachedLaunch:
     """Launch ``kernel`` over ``grid`` with fixed ``constexprs`` (launch options such as
     ``num_warps`` included); positional arguments are passed per call, in the kernel's
     parameter order, followed by ``fixed_args`` (the same every call: strides, sizes), and
-    must precede every constexpr parameter.
+    must precede every constexpr parameter. Every launch is recorded in
+    :mod:`int8attn.launches` with ``facts`` (``grid`` added).
 
     Per call, on the cached path: an identity comparison of the per-call arguments with
     the previous call's (the same tensor objects as last time: nothing else to check; new
-    ones: their dtype / alignment signature), the current stream, and the compiled
-    kernel's launcher bound to the grid once. Nothing grows with the batch."""
+    ones: their dtype / alignment signature), the compiled kernel's launcher bound to the
+    grid once, and the launch record (one tuple). Nothing grows with the batch."""
 
     __slots__ = ("kernel", "grid", "constexprs", "fixed_args", "_tail", "_compiled", "_signature", "_runner",
-                 "_last")
+                 "_last", "_name", "_facts")
 
-    def __init__(self, kernel, grid, constexprs: dict, fixed_args: tuple = ()):
+    def __init__(self, kernel, grid, constexprs: dict, facts: dict | None = None, fixed_args: tuple = ()):
+        self._name = launches.kernel_name(kernel)
+        self._facts = {**(facts or {}), "grid": tuple(grid)}
         # the compiled kernel's launcher takes all three grid dimensions
         self.kernel, self.grid, self.constexprs = kernel, tuple(grid) + (1,) * (3 - len(grid)), dict(constexprs)
         self.fixed_args = tuple(fixed_args)
@@ -61,6 +66,7 @@ class CachedLaunch:
                     or _signature(args) == self._signature:
                 self._last = args
                 self._runner(*args, *self._tail)
+                launches.record(self._name, compiled, self._facts)
                 return compiled
         full = args + self.fixed_args
         compiled = self.kernel[self.grid](*full, **self.constexprs)
@@ -74,4 +80,5 @@ class CachedLaunch:
                 self._tail = self.fixed_args + tuple(self.constexprs[n] for n in names)
                 self._compiled, self._signature, self._last = compiled, _signature(args), args
                 self._runner = compiled[self.grid]
+        launches.record(self._name, compiled, self._facts)
         return compiled
