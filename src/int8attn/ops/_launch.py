@@ -17,7 +17,7 @@ interpreter launches always take the ordinary path.
 
 from __future__ import annotations
 
-import operator
+import weakref
 
 import torch
 
@@ -30,6 +30,17 @@ def _signature(args) -> tuple:
     return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args)
 
 
+def _identities(args) -> tuple:
+    """What identifies these arguments for the next call without keeping them alive:
+    a weak reference to each tensor (a cache's storage must be freed when its cache is),
+    the value of everything else."""
+    return tuple(weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _is_same(ident, arg) -> bool:
+    return ident() is arg if isinstance(ident, weakref.ref) else ident is arg
+
+
 class CachedLaunch:
     """Launch ``kernel`` over ``grid`` with fixed ``constexprs`` (launch options such as
     ``num_warps`` included); positional arguments are passed per call, in the kernel's
@@ -38,8 +49,8 @@ class CachedLaunch:
     :mod:`int8attn.launches` with ``facts`` (``grid`` added).
 
     Per call, on the cached path: an identity comparison of the per-call arguments with
-    the previous call's (the same tensor objects as last time: nothing else to check; new
-    ones: their dtype / alignment signature), the compiled kernel's launcher bound to the
+    the previous call's (held weakly; the same tensor objects as last time: nothing else
+    to check; new ones: their dtype / alignment signature), the compiled kernel's launcher bound to the
     grid once, and the launch record (one tuple). Nothing grows with the batch."""
 
     __slots__ = ("kernel", "grid", "constexprs", "fixed_args", "_tail", "_compiled", "_signature", "_runner",
@@ -62,9 +73,12 @@ class CachedLaunch:
         compiled = self._compiled
         if compiled is not None:
             last = self._last
-            if (last is not None and len(last) == len(args) and all(map(operator.is_, args, last))) \
-                    or _signature(args) == self._signature:
-                self._last = args
+            if last is not None and len(last) == len(args) and all(map(_is_same, last, args)):
+                self._runner(*args, *self._tail)
+                launches.record(self._name, compiled, self._facts)
+                return compiled
+            if _signature(args) == self._signature:
+                self._last = _identities(args)
                 self._runner(*args, *self._tail)
                 launches.record(self._name, compiled, self._facts)
                 return compiled
@@ -78,7 +92,7 @@ class CachedLaunch:
             names = arg_names[len(full):]
             if all(n in self.constexprs for n in names):
                 self._tail = self.fixed_args + tuple(self.constexprs[n] for n in names)
-                self._compiled, self._signature, self._last = compiled, _signature(args), args
+                self._compiled, self._signature, self._last = compiled, _signature(args), _identities(args)
                 self._runner = compiled[self.grid]
         launches.record(self._name, compiled, self._facts)
         return compiled

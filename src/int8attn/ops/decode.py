@@ -383,10 +383,37 @@ def run_decode(plan: DecodePlan, query, cache, block_table, seq_lens, query_star
     if num_tokens == 0 or num_seqs == 0:
         return out
     check_num_seqs(num_seqs)
-    launch = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace)
+    launch = _call_launch(plan, cache, query, q_quant, q_scale, block_table, out, workspace)
     qk_scale = qk_scale_of(softmax_scale, head_dim)
     launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
     return out
+
+
+_CALL_LAUNCHES: dict = {}
+
+
+def _call_launch(plan: DecodePlan, cache, query, q_quant, q_scale, block_table, out, workspace) -> "DecodeLaunch":
+    """The DecodeLaunch of an unplanned call, made once per (plan, input layouts, cache
+    geometry and strides, device, current stream) and reused: an eager call without a plan
+    then costs its checks plus a cached launch, like a planned run. Per stream, because the
+    launch owns its query-code buffers and its workspace is the stream's (see
+    _stream_workspace); not kept from inside a CUDA-graph capture."""
+    dev = cache.device
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    q_in = q_quant if q_quant is not None else query
+    key = (plan, query.dtype, query.shape, q_in.dtype, q_in.stride(), None if q_scale is None else q_scale.stride(),
+           out.stride(), block_table.shape, block_table.stride(), cache.kv_dtype, cache.num_blocks,
+           cache.num_kv_heads, cache.block_size, cache.head_dim, cache.key.stride(),
+           cache.key_scale.stride() if cache.quantized else None, dev,
+           torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0, interpret_mode(), workspace)
+    launch = None if capturing else _CALL_LAUNCHES.get(key)
+    if launch is None:
+        launch = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace)
+        if not capturing:
+            if len(_CALL_LAUNCHES) >= _MAX_WORKSPACES:
+                _CALL_LAUNCHES.clear()
+            _CALL_LAUNCHES[key] = launch
+    return launch
 
 
 def check_num_seqs(num_seqs: int) -> None:
@@ -396,6 +423,7 @@ def check_num_seqs(num_seqs: int) -> None:
                          f"got {num_seqs}")
 
 
+@functools.lru_cache(maxsize=256)  # one float object per scale: cached launches compare arguments by identity
 def qk_scale_of(softmax_scale, head_dim: int) -> float:
     """The kernels' score multiplier: softmax_scale (default head_dim ** -0.5) * log2(e)."""
     if softmax_scale is None:
