@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from _ids import cases
+import int8attn.ops.decode as dec
 from int8attn import launches, reference, testing
 from int8attn.ops.decode import (
     MAX_DECODE_QUERY_LEN,

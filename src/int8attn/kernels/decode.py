@@ -38,9 +38,20 @@ Splits: a sequence of ``num_tiles = cdiv(seq_len, BLOCK_N)`` tiles is cut into
 at most one; programs with ``split >= n_active`` exit at once. The sizes come from
 ``seq_len`` on the device, so the host never reads lengths. A sequence with one active
 split writes its output directly; otherwise each split writes (running max, sum,
-unnormalized output) per row to the workspace and :func:`_decode_merge_kernel` combines
-them. Sequences with ``q_len == 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows
-are not written).
+unnormalized output) per row to the workspace and the splits merge them themselves
+(``FUSED_MERGE``, :func:`_arrive_and_merge`: the last split of a group to arrive at an
+atomic counter combines the group, the last group merger the groups; one launch per call)
+or :func:`_decode_merge_kernel` does, in a second launch. Sequences with ``q_len == 0`` or
+``q_len > MAX_QUERY_LEN`` are skipped (their rows are not written).
+
+Metadata is never trusted: block ids are clamped into [0, num_blocks) before they form an
+address (one min per page) and a running max of the raw ids tells whether one was out of
+range; ``seq_len`` outside [0, max_blocks * PAGE] and query bounds outside [0, num_tokens)
+or longer than ``seq_len`` stop the sequence before any cache address is formed. The rows
+of such a sequence are NaN and a device error flag names it (:mod:`int8attn.errors`).
+
+head_dim: any multiple of 16 up to 256; tiles are ``BLOCK_D = next_power_of_2(HEAD_DIM)``
+channels wide, the extra channels loaded as 0 and never stored.
 
 Tensor layouts (strides passed explicitly, last dims unit stride):
 

@@ -249,7 +249,9 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     """Plan a batch once: which kernels it needs, its longest query, decode splits,
     workspace and query-code buffers.
 
-    Reads the metadata back to the host once (one sync): it checks the values (block ids
+    Reads the metadata back to the host once (one sync, whatever the device: the kernels
+    do not need it, but a plan is the one place per batch where the read-back is cheap),
+    calls :func:`int8attn.check_errors` for flags earlier kernels raised, and checks the values (block ids
     in range, ``q_len <= seq_len <= capacity``, ``query_start_loc`` from 0 to
     ``num_tokens``, non-decreasing) and takes the facts not given (``num_tokens``,
     ``max_query_len``, ``has_decode``, ``has_prefill``), or checks the given ones against
@@ -360,6 +362,19 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     Query token j of sequence s sits at position ``seq_lens[s] - q_len_s + j`` and attends
     to every cached key at a position <= its own. Returns ``out`` [T, Hq, D] bf16; rows of
     sequences with q_len 0 do not exist, every other row is written.
+
+    Checks: types, shapes, strides and devices always, before any launch. Value checks
+    (block ids, lengths, ``query_start_loc``; a device read-back) run without a plan only
+    when :func:`int8attn._checks.value_checks_enabled` says so for the cache's device: on
+    a GPU only with ``INT8ATTN_CHECK_VALUES=1``, so by default an unplanned call never
+    synchronises; :func:`plan_attention` always checks them (one sync per batch). Bad
+    metadata that reaches the kernels unchecked never moves an address outside the cache,
+    workspace or output: the affected sequences' rows are NaN and a device error flag is
+    raised, which :func:`int8attn.check_errors` (and every checked call) turns into
+    :class:`int8attn.DeviceMetadataError` naming the sequence. A decode-only batch
+    (``T <= MAX_DECODE_QUERY_LEN``, or a plan without prefill) takes any head_dim that is
+    a multiple of 16 up to 256; a launch that may reach the prefill kernel needs a power
+    of two.
     """
     if plan is not None:
         if not isinstance(plan, AttentionPlan):
