@@ -38,13 +38,13 @@ step() {  # step NAME TIMEOUT_S CMD...
   tail -n 30 "$work/$name.log"
 }
 
-step tests 150 python3 -m pytest -q -p no:cacheprovider -rs -x tests/test_decode_safety.py tests/test_decode.py \
+step tests 130 python3 -m pytest -q -p no:cacheprovider -rs -x tests/test_decode_safety.py tests/test_decode.py \
   tests/test_attention.py -k "not pipelined"
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-step memcheck 120 "${SAN:-compute-sanitizer}" --tool memcheck --target-processes all --error-exitcode 9 \
+step memcheck 110 "${SAN:-compute-sanitizer}" --tool memcheck --target-processes all --error-exitcode 9 \
   python3 -m pytest -q -p no:cacheprovider -x tests/test_decode_safety.py
 grep -h "ERROR SUMMARY" "$work/memcheck.log" | tail -3
-step goals 170 python3 benchmarks/bench_decode_goals.py --out "$work"
-step host 90 python3 benchmarks/bench_host_overhead.py --mode real --batches 1,16 --out "$work" --deadline 60
+step goals 160 python3 benchmarks/bench_decode_goals.py --out "$work"
+step host 70 python3 benchmarks/bench_host_overhead.py --mode real --batches 1,16 --out "$work" --deadline 45
 tar czf "$OUT/decode_gpu.tgz" -C "$OUT" decode_gpu
 ls -la "$OUT"
