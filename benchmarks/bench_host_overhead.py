@@ -65,11 +65,17 @@ PLANNED = ("plan.run", "attention(plan=)")
 LAYERS = 16
 
 
-class _StubKernel:
-    """Stands in for a @triton.jit kernel: ``kernel[grid](...)`` records the grid, runs nothing."""
+class _StubCompiled:
+    """Stands in for Triton's CompiledKernel: ``compiled[grid](*args)`` records the grid."""
+
+    asm: dict = {}
+    function = None
 
     def __init__(self, name: str, grids: list):
         self.name, self.grids = name, grids
+
+    def run(self, *args):  # the attribute CachedLaunch checks for
+        raise AssertionError("not called")
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
@@ -77,8 +83,28 @@ class _StubKernel:
         return launch
 
 
+class _StubKernel:
+    """Stands in for a @triton.jit kernel: ``kernel[grid](...)`` records the grid, runs
+    nothing and returns a :class:`_StubCompiled`, so ops._launch.CachedLaunch takes its
+    cached path from the second call on, as it does on a GPU (the interpreter never
+    caches): the stub times the Python of the real launch path minus Triton's launcher."""
+
+    def __init__(self, name: str, grids: list, real=None):
+        self.name, self.grids = name, grids
+        self.arg_names = getattr(real, "arg_names", None)
+        self.fn = getattr(real, "fn", None)
+        self._compiled = _StubCompiled(name, grids)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.grids.append((self.name, grid))
+            return self._compiled
+        return launch
+
+
 #: The module attributes every attention launch goes through.
-_KERNELS = ((dec, "_decode_split_kernel"), (dec, "_decode_merge_kernel"), (prod, "_quantize_query_kernel"),
+_KERNELS = ((dec, "_decode_split_kernel"), (dec, "_decode_merge_kernel"), (dec, "_quantize_query_kernel"),
+            (prod, "_quantize_query_kernel"),
             (pre, "_prefill_kernel"))
 
 
@@ -90,7 +116,7 @@ def stubbed_launches():
     saved = [(mod, name, getattr(mod, name)) for mod, name in _KERNELS]
     try:
         for mod, name in _KERNELS:
-            setattr(mod, name, _StubKernel(name, grids))
+            setattr(mod, name, _StubKernel(name, grids, getattr(mod, name)))
         yield grids
     finally:
         for mod, name, kernel in saved:

@@ -29,6 +29,7 @@ import weakref
 import torch
 
 from .cache import KV_DTYPES, PagedKVCache, value_storage_shape
+from .errors import check_errors
 
 #: Query / new K / V dtypes the launchers accept; bf16 is the contract, fp16 and fp32 are
 #: loaded and converted in-kernel.
@@ -290,8 +291,9 @@ def check_attention_inputs(
         out_dtypes = (torch.bfloat16,) if query.dtype == torch.bfloat16 else (torch.bfloat16, query.dtype)
         check_tensor("out", out, dtypes=out_dtypes, shape=tuple(query.shape), device=dev)
     check_quantized_query(q_quant, q_scale, tuple(query.shape), cache)
-    if check_values and num_seqs > 0 and value_checks_enabled():
+    if check_values and num_seqs > 0 and value_checks_enabled(dev):
         check_attention_values(query.shape[0], cache, block_table, seq_lens, query_start_loc)
+        check_errors(dev)  # what earlier kernels on this device found, now that we read back anyway
 
 
 def check_attention_values(num_tokens, cache, block_table, seq_lens, query_start_loc, *,
@@ -369,10 +371,15 @@ def check_pv_tile_keys(block_n: int, pv_mode: str) -> None:
                          f"needs block_n >= {MIN_8BIT_PV_KEYS}: 8-bit MMAs reduce over {MIN_8BIT_PV_KEYS} keys)")
 
 
-def check_kernel_options(cache, softmax_scale, op: str) -> None:
-    """What every attention kernel needs of the cache's head_dim and of softmax_scale."""
+def check_kernel_options(cache, softmax_scale, op: str, any_multiple_of_16: bool = False) -> None:
+    """What every attention kernel needs of the cache's head_dim and of softmax_scale
+    (``any_multiple_of_16``: a kernel that pads its tile to the next power of two, as
+    decode does, takes every multiple of 16 in [16, 256])."""
     d = cache.head_dim
-    if d & (d - 1) or not 16 <= d <= 256:
+    if any_multiple_of_16:
+        if d % 16 or not 16 <= d <= 256:
+            raise ValueError(f"{op} needs a head_dim that is a multiple of 16 in [16, 256], got {d}")
+    elif d & (d - 1) or not 16 <= d <= 256:
         raise ValueError(f"{op} needs a power-of-two head_dim in [16, 256], got {d}")
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):

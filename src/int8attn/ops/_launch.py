@@ -17,6 +17,8 @@ interpreter launches always take the ordinary path.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import launches
@@ -28,41 +30,69 @@ def _signature(args) -> tuple:
     return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args)
 
 
+def _identities(args) -> tuple:
+    """What identifies these arguments for the next call without keeping them alive:
+    a weak reference to each tensor (a cache's storage must be freed when its cache is),
+    the value of everything else."""
+    return tuple(weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _is_same(ident, arg) -> bool:
+    return ident() is arg if isinstance(ident, weakref.ref) else ident is arg
+
+
 class CachedLaunch:
     """Launch ``kernel`` over ``grid`` with fixed ``constexprs`` (launch options such as
     ``num_warps`` included); positional arguments are passed per call, in the kernel's
-    parameter order, and must precede every constexpr parameter. Every launch is
-    recorded in :mod:`int8attn.launches` with ``facts`` (``grid`` added)."""
+    parameter order, followed by ``fixed_args`` (the same every call: strides, sizes), and
+    must precede every constexpr parameter. Every launch is recorded in
+    :mod:`int8attn.launches` with ``facts`` (``grid`` added).
 
-    __slots__ = ("kernel", "grid", "constexprs", "_tail", "_compiled", "_signature", "_name", "_facts")
+    Per call, on the cached path: an identity comparison of the per-call arguments with
+    the previous call's (held weakly; the same tensor objects as last time: nothing else
+    to check; new ones: their dtype / alignment signature), the compiled kernel's launcher bound to the
+    grid once, and the launch record (one tuple). Nothing grows with the batch."""
 
-    def __init__(self, kernel, grid, constexprs: dict, facts: dict | None = None):
+    __slots__ = ("kernel", "grid", "constexprs", "fixed_args", "_tail", "_compiled", "_signature", "_runner",
+                 "_last", "_name", "_facts")
+
+    def __init__(self, kernel, grid, constexprs: dict, facts: dict | None = None, fixed_args: tuple = ()):
         self._name = launches.kernel_name(kernel)
         self._facts = {**(facts or {}), "grid": tuple(grid)}
         # the compiled kernel's launcher takes all three grid dimensions
         self.kernel, self.grid, self.constexprs = kernel, tuple(grid) + (1,) * (3 - len(grid)), dict(constexprs)
+        self.fixed_args = tuple(fixed_args)
         self._tail = None
         self._compiled = None
         self._signature = None
+        self._runner = None
+        self._last = None
 
     def __call__(self, *args):
         """Launch; returns the compiled kernel (None under the interpreter)."""
         compiled = self._compiled
         if compiled is not None:
-            sig = _signature(args)
-            if sig == self._signature:
-                compiled[self.grid](*args, *self._tail)
+            last = self._last
+            if last is not None and len(last) == len(args) and all(map(_is_same, last, args)):
+                self._runner(*args, *self._tail)
                 launches.record(self._name, compiled, self._facts)
                 return compiled
-        compiled = self.kernel[self.grid](*args, **self.constexprs)
+            if _signature(args) == self._signature:
+                self._last = _identities(args)
+                self._runner(*args, *self._tail)
+                launches.record(self._name, compiled, self._facts)
+                return compiled
+        full = args + self.fixed_args
+        compiled = self.kernel[self.grid](*full, **self.constexprs)
         arg_names = getattr(self.kernel, "arg_names", None)
         if compiled is not None and arg_names is not None and hasattr(compiled, "function") \
                 and hasattr(compiled, "run"):
             # constexpr parameters after the positional ones, in signature order, as
             # Triton's own launch passes them to the compiled kernel
-            names = arg_names[len(args):]
+            names = arg_names[len(full):]
             if all(n in self.constexprs for n in names):
-                self._tail = tuple(self.constexprs[n] for n in names)
-                self._compiled, self._signature = compiled, _signature(args)
+                self._tail = self.fixed_args + tuple(self.constexprs[n] for n in names)
+                self._compiled, self._signature, self._last = compiled, _signature(args), _identities(args)
+                self._runner = compiled[self.grid]
         launches.record(self._name, compiled, self._facts)
         return compiled

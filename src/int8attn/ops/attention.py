@@ -38,6 +38,7 @@ import torch
 
 from .. import _checks
 from ..cache import PagedKVCache
+from ..errors import check_errors
 from ..runtime import interpret_mode
 from . import decode as _decode
 from . import prefill as _prefill
@@ -235,7 +236,7 @@ class AttentionPlan:
         if memo is not None and memo[0] is softmax_scale or (
                 type(softmax_scale) is float and memo is not None and softmax_scale == memo[0]):
             return memo[1]
-        _checks.check_kernel_options(cache, softmax_scale, "attention")
+        _checks.check_kernel_options(cache, softmax_scale, "attention", any_multiple_of_16=True)
         qk_scale = _decode.qk_scale_of(softmax_scale, self.head_dim)
         self._scale_memo = (softmax_scale, qk_scale)
         return qk_scale
@@ -248,7 +249,9 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     """Plan a batch once: which kernels it needs, its longest query, decode splits,
     workspace and query-code buffers.
 
-    Reads the metadata back to the host once (one sync): it checks the values (block ids
+    Reads the metadata back to the host once (one sync, whatever the device: the kernels
+    do not need it, but a plan is the one place per batch where the read-back is cheap),
+    calls :func:`int8attn.check_errors` for flags earlier kernels raised, and checks the values (block ids
     in range, ``q_len <= seq_len <= capacity``, ``query_start_loc`` from 0 to
     ``num_tokens``, non-decreasing) and takes the facts not given (``num_tokens``,
     ``max_query_len``, ``has_decode``, ``has_prefill``), or checks the given ones against
@@ -260,7 +263,7 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     if not _checks.is_int(num_q_heads, 1) or num_q_heads % cache.num_kv_heads:
         raise ValueError(f"num_q_heads must be a positive multiple of the cache's {cache.num_kv_heads} KV heads, "
                          f"got {num_q_heads!r}")
-    _checks.check_kernel_options(cache, None, "attention")
+    _checks.check_kernel_options(cache, None, "attention", any_multiple_of_16=True)
     dev = cache.device
     _checks.check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
     num_seqs = block_table.shape[0]
@@ -273,10 +276,13 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
             raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
     given = (num_tokens, max_query_len, has_decode, has_prefill)
     values_checked = False
+    # Planning checks values on every device (device=None: only INT8ATTN_CHECK_VALUES=0 or
+    # a CUDA-graph capture turn it off): one sync per batch, shared by every layer's run.
     if num_seqs and _checks.value_checks_enabled():
         seen = _checks.check_attention_values(num_tokens, cache, block_table, seq_lens, query_start_loc,
                                               decode_limit=MAX_DECODE_QUERY_LEN)  # the one sync
         values_checked = True
+        check_errors(dev)  # flags raised by earlier kernels (the device is idle now: no extra wait)
     elif None in given:
         seen = _read_facts(query_start_loc, num_seqs)
     else:
@@ -356,6 +362,19 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     Query token j of sequence s sits at position ``seq_lens[s] - q_len_s + j`` and attends
     to every cached key at a position <= its own. Returns ``out`` [T, Hq, D] bf16; rows of
     sequences with q_len 0 do not exist, every other row is written.
+
+    Checks: types, shapes, strides and devices always, before any launch. Value checks
+    (block ids, lengths, ``query_start_loc``; a device read-back) run without a plan only
+    when :func:`int8attn._checks.value_checks_enabled` says so for the cache's device: on
+    a GPU only with ``INT8ATTN_CHECK_VALUES=1``, so by default an unplanned call never
+    synchronises; :func:`plan_attention` always checks them (one sync per batch). Bad
+    metadata that reaches the kernels unchecked never moves an address outside the cache,
+    workspace or output: the affected sequences' rows are NaN and a device error flag is
+    raised, which :func:`int8attn.check_errors` (and every checked call) turns into
+    :class:`int8attn.DeviceMetadataError` naming the sequence. A decode-only batch
+    (``T <= MAX_DECODE_QUERY_LEN``, or a plan without prefill) takes any head_dim that is
+    a multiple of 16 up to 256; a launch that may reach the prefill kernel needs a power
+    of two.
     """
     if plan is not None:
         if not isinstance(plan, AttentionPlan):
@@ -388,5 +407,6 @@ def _check_common(query, cache, block_table, seq_lens, query_start_loc, softmax_
     """Everything both kernels need, checked once before any launch."""
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                    q_quant=q_quant, q_scale=q_scale)
-    _prefill.check_prefill_options(cache, softmax_scale, 0, None)
+    if query.shape[0] > MAX_DECODE_QUERY_LEN:  # the prefill kernel may run (see attention())
+        _prefill.check_prefill_options(cache, softmax_scale, 0, None)
     _decode.check_decode_options(cache, softmax_scale, None)
