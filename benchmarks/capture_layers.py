@@ -55,15 +55,20 @@ def main(argv=None) -> int:
     ap.add_argument("--max-queries", type=int, default=None, help="score only the last N queries")
     ap.add_argument("--layers", default=None, help="comma-separated layer indices (default all)")
     ap.add_argument("--save-dir", default=None, help="write layer_NN.safetensors (q, k, v) here")
+    ap.add_argument("--from-dir", default=None, help="score layer_NN.safetensors saved by --save-dir (no model run)")
     ap.add_argument("--levers", action="store_true", help="score the accuracy-lever variants instead")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args(argv)
 
     torch.set_grad_enabled(False)
     t0 = time.time()
-    model, tok = pretrained.load_model(args.model)
-    ids = pretrained.text_tokens(tok, args.text, args.tokens)
-    layers, _ = capture.capture_qkv(model, ids)
+    if args.from_dir:
+        layers = [capture.load_layer(p) for p in sorted(Path(args.from_dir).glob("layer_*.safetensors"))]
+        args.tokens = layers[0].q.shape[0]
+    else:
+        model, tok = pretrained.load_model(args.model)
+        ids = pretrained.text_tokens(tok, args.text, args.tokens)
+        layers, _ = capture.capture_qkv(model, ids)
     print(f"# {args.model} / {args.text} / {args.tokens} tokens: {len(layers)} layers captured in "
           f"{time.time() - t0:.0f} s", flush=True)
     if args.layers:

@@ -99,6 +99,19 @@ def save_layer(layer: LayerQKV, path: str | os.PathLike) -> Path:
     return path
 
 
+def load_layer(path: str | os.PathLike) -> LayerQKV:
+    """A layer written by :func:`save_layer`."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        t = {name: f.get_tensor(name).float() for name in ("q", "k", "v")}
+    window = meta.get("sliding_window", "None")
+    return LayerQKV(layer=int(meta.get("layer", -1)), q=t["q"], k=t["k"], v=t["v"],
+                    scaling=float(meta.get("scaling", t["q"].shape[-1] ** -0.5)),
+                    sliding_window=None if window == "None" else int(window))
+
+
 def table_variants(block_n: dict | None = None) -> list[Variant]:
     """The variants of :func:`layer_table`, in column order.
 
