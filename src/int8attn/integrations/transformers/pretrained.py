@@ -137,7 +137,9 @@ def load_model(model: str, *, dtype=torch.float32, device="cpu", num_layers: int
     quantization record is dropped, so the model behaves as a plain dense one.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     path = gguf_path(model)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     kwargs = {}
