@@ -224,6 +224,74 @@ def test_stale_slots_never_leak(kv, pv, bs, config, device):
     assert torch.isfinite(out.float()).all()
 
 
+# --------------------------------------------------------------------------- non-finite input
+def _assert_nan_exactly(out, ref, want_nan, rel_l2, name):
+    """Rows (token, head) of ``want_nan`` are all NaN in ``out``; every other element is
+    finite and within ``rel_l2`` of ``ref``."""
+    got_nan = torch.isnan(out.float()).any(-1).cpu()
+    assert torch.equal(got_nan, want_nan), (
+        f"{name}: NaN rows {got_nan.nonzero().tolist()[:8]}, want {want_nan.nonzero().tolist()[:8]}")
+    assert torch.isnan(out.float()[want_nan.to(out.device)]).all(), f"{name}: a poisoned row is partly finite"
+    keep = ~want_nan
+    testing.assert_close_verbose(out.cpu()[keep], ref[keep], rel_l2=rel_l2, name=name)
+
+
+def _poisoning_writer(where, bad):
+    """write_kv_reference after putting ``bad`` at each (token, head, channel, tensor) of
+    ``where`` (indices into the batch's raw K / V)."""
+    def writer(c, k, v, s):
+        k, v = k.clone(), v.clone()
+        for tok, head, ch, tensor in where:
+            (k if tensor == "k" else v)[tok, head, ch] = bad
+        reference.write_kv_reference(c, k, v, s)
+    return writer
+
+
+@pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16"),
+                                   ("bf16", "bf16")])
+@pytest.mark.parametrize("tensor,bad", [("k", float("nan")), ("v", float("inf"))], ids=["k_nan", "v_inf"])
+def test_non_finite_kv_poisons_exactly_the_rows_that_read_it(kv, pv, tensor, bad, device):
+    """A K or V row with an inf / NaN (stored poisoned: key scale NaN, zero V) makes NaN
+    exactly the output rows whose query sees that token (positions at or after it, the
+    KV head's query heads, its sequence); earlier rows of the same tiles, other heads and
+    other sequences stay finite and correct."""
+    seq_lens, q_lens = [61, 40], [45, 40]
+    hq, hkv = 6, 2
+    # token 30 of sequence 0 (position 30: query rows 14.. of the 45-token chunk), KV head 1
+    b = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, kv_dtype=kv,
+                                 seed=23, device=device, writer=_poisoning_writer([(30, 1, 5, tensor)], bad))
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
+    prefill_attention(*args_of(b), out=out, pv_mode=pv, config=on_device(SMALL, pv, device))
+    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
+    ctx = seq_lens[0] - q_lens[0]
+    want[30 - ctx:q_lens[0], 3:6] = True
+    ref = reference.attention_reference_quantized(*args_of(b))
+    _assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, pv)], f"{kv}/{pv}")
+
+
+@pytest.mark.parametrize("kv,pre", [("int8", False), ("int8", True), ("fp8", False), ("fp8", True),
+                                    ("bf16", False)], ids=["int8", "int8_prequantized", "fp8", "fp8_prequantized",
+                                                           "bf16"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+def test_non_finite_query_gives_nan_rows_for_that_query_only(kv, pre, bad, device):
+    b = batch([40, 23], [30, 23], kv=kv, seed=3, device=device)
+    b.query[7, 1, 3] = bad
+    b.query[35, 2, 0] = bad
+    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
+    want[7, 1] = want[35, 2] = True
+    clean = b.query.clone()
+    clean[7, 1] = clean[35, 2] = 0
+    kw = {}
+    if pre:
+        q, s = quantize_query(b.query, kv)
+        assert torch.isnan(s[7, 1]) and torch.isnan(s[35, 2]) and torch.isfinite(s[~want.to(device)]).all()
+        kw = dict(q_quant=q, q_scale=s)
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
+    prefill_attention(*args_of(b), out=out, config=SMALL, **kw)
+    ref = reference.attention_reference_quantized(clean, *args_of(b)[1:])
+    _assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, DEFAULT_PV[kv])], kv)
+
+
 # --------------------------------------------------------------------------- bad input
 def _with_value(cache, value):
     """A shallow copy of ``cache`` whose V storage is ``value`` (data shared)."""

@@ -21,6 +21,16 @@ def bits(t):
     return t.detach().cpu().contiguous().view(torch.uint8)
 
 
+def same_bits(a, b) -> bool:
+    """Byte equality where any NaN equals any NaN (payloads differ between conversions)."""
+    if a.is_floating_point() and a.element_size() > 1:
+        a_nan, b_nan = torch.isnan(a.float()).cpu(), torch.isnan(b.float()).cpu()
+        if not torch.equal(a_nan, b_nan):
+            return False
+        a, b = a.cpu().masked_fill(a_nan, 0), b.cpu().masked_fill(b_nan, 0)
+    return torch.equal(bits(a), bits(b))
+
+
 # --------------------------------------------------------------------------- quantize_query
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 @pytest.mark.parametrize("shape", [(17, 24, 256), (97, 6, 64), (3, 5, 128)])
@@ -120,6 +130,24 @@ def test_quantize_query_matches_reference_property(t, h, d, log_scale, kv_dtype,
     ref_q, ref_s = reference.quantize_rows(x.cpu(), kv_dtype)
     assert torch.equal(bits(out), bits(ref_q))
     assert torch.equal(bits(scale), bits(ref_s))
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("d", [64, 80])
+def test_quantize_query_non_finite_rows_get_nan_scale(kv_dtype, d, gen, device):
+    """A row with an inf / NaN: scale NaN and codes 0 (so its attention output is NaN);
+    the other rows are untouched by it, bit for bit as the reference."""
+    q = make_normal((5, 3, d), generator=gen).to(device)
+    q[0, 1, 2] = float("inf")
+    q[3, 0, d - 1] = float("nan")
+    q[4, 2, 0] = float("-inf")
+    out, scale = quantize_query(q, kv_dtype)
+    ref_q, ref_s = reference.quantize_rows(q.cpu(), kv_dtype)
+    assert torch.equal(bits(out), bits(ref_q)) and torch.equal(bits(scale), bits(ref_s))
+    bad = torch.zeros(5, 3, dtype=torch.bool)
+    bad[0, 1] = bad[3, 0] = bad[4, 2] = True
+    assert torch.isnan(scale.cpu()[bad]).all() and torch.isfinite(scale.cpu()[~bad]).all()
+    assert (out.cpu()[bad].float() == 0).all()
 
 
 def test_quantize_query_out_and_views(gen, device):
@@ -330,6 +358,38 @@ def test_producer_all_padding_first_write_leaves_mean_unset(gen, device):
     cache, q, k, v, pos, cos_sin, slots = make_step(9, 4, 2, 64, 32, "fp8", gen, device)
     rope_quantize_and_write(q, k, v, pos, cos_sin, cache, torch.full_like(slots, -1))
     assert cache.key_mean is None
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
+def test_producer_non_finite_rows(kv_dtype, gen, device):
+    """Q rows with an inf / NaN come out NaN (scale NaN, codes 0; bf16 NaN), K / V rows
+    with one are stored poisoned as write_kv stores them, the first-write mean comes
+    from the finite rows, and every other row is as without them."""
+    n, hq, hkv, d, rot = 9, 4, 2, 64, 32
+    cache, q, k, v, pos, cos_sin, slots = make_step(n, hq, hkv, d, rot, kv_dtype, gen, device, fused_qkv=False)
+    q[1, 3, 0] = float("nan")
+    k[2, 0, 40] = float("inf")  # past the rotary part
+    v[6, 1, 3] = float("nan")
+    unfused = copy.deepcopy(cache)
+    out_q, out_s = rope_quantize_and_write(q, k, v, pos, cos_sin, cache, slots)
+    k_rope = apply_rope_torch(k, pos, cos_sin)
+    write_kv(unfused, k_rope, v, slots)
+    ref_q, ref_s = quantize_query(apply_rope_torch(q, pos, cos_sin), kv_dtype)
+    assert same_bits(out_q, ref_q)
+    for a, b in ((cache.key, unfused.key), (cache.value, unfused.value)):
+        assert same_bits(a, b)
+    if kv_dtype == "bf16":
+        # bf16 Q is RoPE'd as given: the NaN reaches its channel and the rotation partner
+        assert torch.isnan(out_q[1, 3].float()).sum() == 2 and torch.isnan(out_q.float()).sum() == 2
+        return
+    assert torch.equal(bits(out_s), bits(ref_s))
+    assert torch.isnan(out_s[1, 3]) and torch.isfinite(out_s).sum() == n * hq - 1
+    assert torch.equal(bits(cache.key_scale), bits(unfused.key_scale))
+    assert torch.equal(bits(cache.key_mean), bits(unfused.key_mean)) and torch.isfinite(cache.key_mean).all()
+    blk, off = slots.long() // cache.block_size, slots.long() % cache.block_size
+    for t, h in ((2, 0), (6, 1)):
+        if slots[t] >= 0:
+            assert torch.isnan(cache.key_scale[blk[t], h, off[t]])
 
 
 def test_producer_bad_inputs_leave_cache_unchanged(gen, device):

@@ -18,6 +18,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_same_bits(a, b, what):
+    """Byte equality, except that any NaN equals any NaN (payloads differ between the
+    kernels' conversions and PyTorch's, and between backends)."""
+    if a.is_floating_point() and a.element_size() > 1:
+        a_nan, b_nan = torch.isnan(a.float()).cpu(), torch.isnan(b.float()).cpu()
+        if not torch.equal(a_nan, b_nan):
+            raise AssertionError(f"{what}: NaN at {(a_nan != b_nan).nonzero()[:5].tolist()} differs")
+        a, b = a.cpu().masked_fill(a_nan, 0), b.cpu().masked_fill(b_nan, 0)
     if not torch.equal(bits(a), bits(b)):
         diff = (bits(a) != bits(b)).nonzero()[:5].tolist()
         raise AssertionError(f"{what} differs from the reference at byte indices {diff}")
@@ -271,6 +278,77 @@ def test_key_smoothing_reduces_int8_error_on_outlier_keys(device):
         out, _, exact = _attention_error("int8", smoothing, True, torch.Generator().manual_seed(7), device)
         errs[smoothing] = reference.error_stats(out, exact)["rel_l2"]
     assert errs["first_write"] < 0.6 * errs["none"], errs
+
+
+# --------------------------------------------------------------------------- non-finite input
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
+def test_non_finite_rows_are_stored_poisoned(kv_dtype, gen, device):
+    """A (token, head) with an inf / NaN in K or V: key scale NaN and key codes 0 (bf16: a
+    NaN key row), value codes 0 with scale 1 (bf16: zeros), bit for bit as the reference;
+    every other row is quantized as usual and untouched slots keep their bytes."""
+    cache, key, value, slots = make_case(17, 3, 80, kv_dtype, 8, gen, device, smoothing="none")
+    key[2, 1, 7] = float("nan")
+    value[5, 0, 79] = float("inf")
+    key[9, 2, 0] = float("-inf")
+    value[9, 2, 1] = float("nan")
+    before = copy.deepcopy(cache)
+    write_kv(cache, key, value, slots)
+    assert_caches_equal(cache, reference_write(before, key, value, slots))
+    blk, off = slots.long() // cache.block_size, slots.long() % cache.block_size
+    poisoned = [(2, 1), (5, 0), (9, 2)]
+    for t, h in poisoned:
+        if cache.quantized:
+            assert torch.isnan(cache.key_scale[blk[t], h, off[t]]) and cache.value_scale[blk[t], h, off[t]] == 1
+            assert (cache.key[blk[t], h, off[t]].float() == 0).all()
+        else:
+            assert torch.isnan(cache.key[blk[t], h, off[t]].float()).all()
+        assert (cache.value_rows[blk[t], h, off[t]].float() == 0).all()
+    if cache.quantized:
+        ks = cache.key_scale[blk, :, off].clone()
+        for t, h in poisoned:
+            ks[t, h] = 1.0
+        assert torch.isfinite(ks).all() and torch.isfinite(cache.value_scale).all()
+
+
+def test_first_write_mean_comes_from_finite_rows(gen, device):
+    """A NaN / inf in the first write does not reach cache.key_mean (the mean of that head
+    is taken over its finite rows), so a later clean sequence is quantized as well as
+    without the bad rows: its attention error against the float64 reference of its raw
+    keys is what it is when the first write is clean."""
+    n, m, hkv, d = 40, 37, 2, 128
+    keys = make_keys(n + m, hkv, d, generator=gen).to(device)  # one layer: shared outlier channels
+    values = make_normal((n + m, hkv, d), generator=gen).to(device)
+    query = make_normal((5, 4, d), generator=gen).to(device)
+    table = torch.tensor([[4, 5, 6]], dtype=torch.int32, device=device)
+    lens = torch.tensor([m], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    exact = reference.attend(query.cpu(), keys[n:].cpu(), values[n:].cpu(), m - 5, d ** -0.5)
+    errors = {}
+    for poisoned in (False, True):
+        cache = PagedKVCache(8, 16, hkv, d, kv_dtype="int8", device=device)
+        key, value = keys[:n].clone(), values[:n].clone()
+        if poisoned:
+            key[3, 0, 5] = float("nan")
+            value[4, 1, 0] = float("inf")  # a V-only problem poisons the token, not the K statistics
+            key[6, 1, 9] = float("inf")
+        write_kv(cache, key, value, torch.arange(n, device=device))
+        finite = torch.isfinite(key.float()).all(-1)
+        want = torch.stack([key[finite[:, h], h].float().mean(0) for h in range(hkv)])
+        torch.testing.assert_close(cache.key_mean, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(cache.key_mean.cpu(),
+                                   reference.key_mean_reference(key.cpu(), torch.arange(n)), rtol=0, atol=0)
+        write_kv(cache, keys[n:], values[n:], torch.arange(64, 64 + m, device=device))  # pages 4..6
+        out = reference.attention_reference(query, cache, table, lens, qsl)
+        errors[poisoned] = reference.error_stats(out, exact)["rel_l2"]
+    assert errors[True] < 0.03 and errors[True] < 1.2 * errors[False], errors
+
+
+def test_first_write_with_no_finite_row_leaves_the_mean_unset(gen, device):
+    cache, key, value, slots = make_case(5, 2, 64, "int8", 8, gen, device)
+    key[:, :, 0] = float("nan")
+    write_kv(cache, key, value, slots)
+    assert cache.key_mean is None
+    assert torch.isnan(cache.key_scale[slots.long() // 8, :, slots.long() % 8]).all()
 
 
 # --------------------------------------------------------------------------- rejected input

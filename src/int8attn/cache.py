@@ -29,6 +29,9 @@ head_dim]`` for every dtype.
 A token at ``slot = block_id * block_size + offset`` of KV head ``h`` sits at
 ``key[block_id, h, offset, :]``, ``value_rows[block_id, h, offset, :]`` and its scales at
 ``key_scale[block_id, h, offset]``, ``value_scale[block_id, h, offset]``.
+A token written with an inf / NaN in its K or V row has ``key_scale`` NaN and key codes 0
+(bf16: a NaN key row) and a zero V row (see :func:`int8attn.write_kv`): the attention
+outputs that read it are NaN, the others untouched.
 Dequantized key: ``key[...] * key_scale[...] + key_mean[h]`` (``key_mean`` only when key
 smoothing is active; see :func:`int8attn.write_kv`). Attention kernels never add
 ``key_mean`` back: ``q . mean`` is the same for every key of a query, so softmax is

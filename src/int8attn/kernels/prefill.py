@@ -45,6 +45,15 @@ Per KV tile:
   otherwise stays live across QK and softmax next to the 128-register accumulator and
   the compiler spills inside the loop.
 
+Non-finite input: a poisoned token (a K or V row with an inf / NaN, see
+:func:`int8attn.write_kv`) has key scale NaN (bf16: a NaN key row) and a zero V row, so
+its scores are NaN exactly in the rows that see it -- the causal mask turns the others
+into -inf, and V, which meets P = 0 there, carries no NaN. A query row with an inf / NaN
+has q_scale NaN (or, bf16, row_scale NaN). A NaN score never enters the running max (the
+rows of a program share the lazy-rescale test), its p is NaN, so l is NaN and the
+output row NaN; a row's P quantization, PV dot row and accumulator involve no other
+row, so no NaN crosses to another row.
+
 Tensor layouts (last dims unit stride, other strides passed explicitly):
 
 * q [T, Hq, D]: bf16/fp16/fp32 (quantized in-kernel when ``Q_QUANTIZED`` is False, bit
@@ -73,7 +82,7 @@ import triton
 import triton.language as tl
 
 from . import quantize as _q
-from .quantize import _amax_rows, _quantize, _round_to_e4m3_grid, _row_scale
+from .quantize import _finite_rows, _quantize_rows, _round_to_e4m3_grid
 
 # Cache kinds (values shared with the quantize kernels) and PV precisions, as constexprs.
 KIND_INT8 = tl.constexpr(getattr(_q.KIND_INT8, "value", _q.KIND_INT8))
@@ -305,7 +314,11 @@ def _attend_tile(
         t = tl.where(pos[None, :] <= row_limit[:, None], t, float("-inf"))
 
     # ---- online softmax (base 2)
-    m_new = tl.maximum(m_i, tl.max(t, 1) * row_scale)
+    # A NaN score (a poisoned key or query, see the module docstring) must not reach the
+    # running max: the rows share the lazy-rescale test below, and a GPU max skips NaN
+    # where the interpreter's keeps it. Its p is NaN either way.
+    tile_max = tl.max(t, 1) * row_scale
+    m_new = tl.maximum(m_i, tl.where(tile_max == tile_max, tile_max, NEG_BIG))
     if LAZY:
         # 16-bit PV: rescale the accumulator only when some row's running max grew by more
         # than LAZY_TAU (one scalar test per tile instead of an FMUL per accumulator
@@ -446,20 +459,21 @@ def _prefill_kernel(
 
     q = tl.load(q_ptr + q_row[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
                 mask=row_valid[:, None], other=0)
+    # A query row with an inf / NaN gets row_scale NaN (its q_scale is NaN), so every
+    # score of the row, and its output row, is NaN.
     if KV_KIND == KIND_BF16:
+        x = q.to(tl.float32)
+        row_scale = tl.where(_finite_rows(x), qk_scale, float("nan"))
         if INTERPRET:
-            q = q.to(tl.float32)
+            q = x
         else:
             q = q.to(tl.bfloat16)
-        row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
     elif Q_QUANTIZED:
         q = _as_storage(q, KV_KIND)
         q_scale = tl.load(q_scale_ptr + q_row * stride_qst + row_head * stride_qsh, mask=row_valid, other=1.0)
         row_scale = q_scale * qk_scale
     else:
-        x = q.to(tl.float32)
-        q_scale = _row_scale(_amax_rows(x), KV_KIND)
-        q = _quantize(x, q_scale, KV_KIND, INTERPRET)
+        q, q_scale = _quantize_rows(q.to(tl.float32), KV_KIND, INTERPRET)
         row_scale = q_scale * qk_scale
 
     # Keys [0, full_end) are visible to every row of the tile; [full_end, kv_end) is the
@@ -516,7 +530,8 @@ def _prefill_kernel(
             BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED, V_FLAT,
             CVT_ASM, LAZY, INTERPRET)
 
-    norm = tl.where(l_i > 0.0, r_i / l_i, 0.0)
+    # l_i is 0 only for rows that saw no key; NaN (a poisoned key or query) stays NaN
+    norm = tl.where(l_i == 0.0, 0.0, r_i / l_i)
     out_rows = q_row * stride_ot + row_head * stride_oh
     NUM_DV: tl.constexpr = HEAD_DIM // DV
     _store_chunk(out_ptr, out_rows, 0, offs_dv, acc0, norm, row_valid)

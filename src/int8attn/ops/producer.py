@@ -16,6 +16,7 @@ import triton
 
 from .. import _checks
 from ..cache import KV_DTYPES, PagedKVCache
+from ..errors import error_flags
 from ..kernels.quantize import _quantize_query_kernel, _rope_quantize_write_kernel
 from ..testing import interpret_mode
 from .write import KV_KIND, TILE_ELEMS, default_num_warps, device_guard, full_tiles, heads_per_program
@@ -163,10 +164,10 @@ def rope_quantize_and_write(
     grid = (rows, triton.cdiv(num_q_heads, launch["BLOCK_HQ"]) + 1)
     with device_guard(cache.device):
         _rope_quantize_write_kernel[grid](
-            query, key, value, positions, cos_sin_cache, slot_mapping,
+            query, key, value, positions, cos_sin_cache, slot_mapping, error_flags(cache.device),
             out_q, qscale,
             cache.key, cache.value, kscale, vscale, mean,
-            num_tokens, num_q_heads, cache.num_kv_heads,
+            num_tokens, cache.num_slots, cos_sin_cache.shape[0], num_q_heads, cache.num_kv_heads,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             out_q.stride(0), out_q.stride(1), qscale_strides[0], qscale_strides[1],
             cache.key.stride(0), cache.key.stride(1), cache.key.stride(2),
@@ -182,6 +183,11 @@ def rope_quantize_and_write(
 
 
 def _first_write_mean_after_rope(cache, key, positions, cos_sin_cache, slot_mapping) -> None:
+    """The first-write mean of the RoPE'd keys; a token whose position is outside the
+    cos/sin table (unchecked metadata) counts as a non-finite row, as the kernel stores it."""
     from .write import key_mean_of_first_write
 
-    key_mean_of_first_write(cache, apply_rope_torch(key, positions, cos_sin_cache), slot_mapping)
+    pos_ok = (positions >= 0) & (positions < cos_sin_cache.shape[0])
+    rope = apply_rope_torch(key, torch.where(pos_ok, positions, 0), cos_sin_cache)
+    rope = torch.where(pos_ok[:, None, None], rope, float("nan"))
+    key_mean_of_first_write(cache, rope, slot_mapping)
