@@ -52,7 +52,7 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from int8attn import bench, reference, testing  # noqa: E402
+from int8attn import bench, reference, runtime, testing  # noqa: E402
 from int8attn.cache import PagedKVCache  # noqa: E402
 from int8attn.ops import decode as dec  # noqa: E402
 from int8attn.ops.producer import quantize_query  # noqa: E402
@@ -218,7 +218,7 @@ class Decode:
         self._it = itertools.cycle(self.tables)
 
     def __call__(self):
-        return dec._run(self.plan, self.query, self.cache, next(self._it), self.seq_lens, self.qsl, None, self.out,
+        return dec.run_decode(self.plan, self.query, self.cache, next(self._it), self.seq_lens, self.qsl, None, self.out,
                         self.qq, self.qs, self.ws)
 
 
@@ -243,7 +243,7 @@ def _compile_worker(key):
         sl = torch.full((bs,), ctx, dtype=torch.int32, device=DEV)
         qsl = torch.arange(0, bs * tpp + 1, tpp, dtype=torch.int32, device=DEV)
         qq, qs = (None, None) if not cache.quantized else quantize_query(q, kv)
-        dec._run(plan, q, cache, bt, sl, qsl, None, None, qq, qs, None)
+        dec.run_decode(plan, q, cache, bt, sl, qsl, None, None, qq, qs, None)
         torch.cuda.synchronize()
         return key, None
     except Exception as e:  # reported, the main process compiles it again if needed
@@ -439,7 +439,7 @@ def time_sdpa(r: Run, shape, bs, ctx, tag="grid"):
 
 def setup(r: Run) -> None:
     r.copy_bw = 1.0 if SMOKE else bench.copy_bandwidth()
-    sms = dec.sm_count(torch.device(DEV))
+    sms = runtime.sm_count(torch.device(DEV))
     log(f"device {r.rec.env['gpu']} torch {r.rec.env['torch']} triton {r.rec.env['triton']} SMs {sms} "
         f"copy {r.copy_bw / 1e12:.3f} TB/s")
     r.rec.add(kind="copy_bandwidth", bytes_per_s=r.copy_bw)
@@ -498,7 +498,7 @@ def accuracy(r: Run) -> None:
                     plan = dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), pv_mode=pv,
                                            config=cfg)
                     out = testing.poisoned_like(b.query)
-                    dec._run(plan, *a, None, out, None, None, None)
+                    dec.run_decode(plan, *a, None, out, None, None, None)
                     st = reference.error_stats(out, ref)
                     row = dict(kind="accuracy", case=case, kv_dtype=kv, pv_mode=mode, seq_lens=lens, q_lens=qs,
                                num_splits=plan.num_splits, key_smoothing=b.cache.key_smoothing,

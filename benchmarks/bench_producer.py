@@ -54,8 +54,10 @@ from int8attn import bench, reference
 from int8attn.cache import PagedKVCache
 from int8attn.kernels import quantize as qk
 from int8attn.ops.producer import apply_rope_torch, quantize_query, rope_quantize_and_write
-from int8attn.ops.write import KV_KIND, heads_per_program, write_kv
-from int8attn.testing import interpret_mode, make_keys, make_normal
+from int8attn.kernels.codes import KV_KIND
+from int8attn.ops.write import write_kv
+from int8attn.runtime import heads_per_program, interpret_mode
+from int8attn.testing import make_keys, make_normal
 
 HQ, HKV, D, BLOCK = 24, 4, 256, 16
 SIZES = (1, 64, 4096)

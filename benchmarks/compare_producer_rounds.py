@@ -23,7 +23,7 @@ import triton
 import bench_producer as B
 import int8attn.ops.producer as P
 import int8attn.ops.write as W
-from int8attn import bench
+from int8attn import bench, runtime
 
 
 def _raw(t):
@@ -49,12 +49,12 @@ class _OneTokenLaunch:
             kw.pop("KV_TOKENS", None)
             kw.pop("BLOCK_HKV", None)
             names = self.kernel.arg_names
-            block_h = W.heads_per_program(B.HKV, B.D)
-            full = W.full_tiles(B.HKV, block_h, B.D, triton.next_power_of_2(B.D))
+            block_h = runtime.heads_per_program(B.HKV, B.D)
+            full = runtime.full_tiles(B.HKV, block_h, B.D, triton.next_power_of_2(B.D))
             if self.op == "write_kv":
                 num_tokens = args[names.index("num_tokens")]
                 kw.update(BLOCK_H=block_h, FULL=full, TOKENS_PER_PROGRAM=1,
-                          num_warps=W.default_num_warps(num_tokens))
+                          num_warps=runtime.default_num_warps(num_tokens))
                 return self.kernel[(num_tokens,)](*args, **kw)
             kw.update(BLOCK_HKV=block_h, FULL_KV=full)
             return self.kernel[grid](*args, **kw)

@@ -371,12 +371,13 @@ import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from int8attn.kernels.codes import KV_KIND, PV_KIND
 from int8attn.kernels.decode import _decode_split_kernel
 
 kv, pv, block_n, warps, stages, swap = json.loads(sys.argv[1])
 elem = {"int8": "*i8", "fp8": "*fp8e4nv", "bf16": "*bf16"}[kv]
 const = dict(GROUP=6, HEAD_DIM=256, PAGE=16, BLOCK_N=block_n, BLOCK_M=16, TOKENS_PER_PASS=1, MAX_QUERY_LEN=8,
-             KV_KIND={"int8": 0, "fp8": 1, "bf16": 2}[kv], PV_KIND=pv, INTERPRET=False, SWAP_AB=swap)
+             KV_KIND=KV_KIND[kv], PV_KIND=PV_KIND[pv], INTERPRET=False, SWAP_AB=swap)
 ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
             block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16",
             part_acc_ptr="*fp32", part_ml_ptr="*fp32", qk_scale="fp32")
@@ -393,7 +394,7 @@ sys.stdout.write(compiled.asm["ttgir"])
 """
 
 
-def _ttgir_for_sm90(kv_dtype: str, pv_kind: int, config: DecodeConfig) -> str:
+def _ttgir_for_sm90(kv_dtype: str, pv_mode: str, config: DecodeConfig) -> str:
     """TTGIR of the split kernel compiled ahead of time for sm_90 (no GPU needed), in a
     subprocess because this test session runs Triton in its interpreter."""
     import json
@@ -402,7 +403,7 @@ def _ttgir_for_sm90(kv_dtype: str, pv_kind: int, config: DecodeConfig) -> str:
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    args = json.dumps([kv_dtype, pv_kind, config.block_n, config.num_warps, config.num_stages, config.swap_ab])
+    args = json.dumps([kv_dtype, pv_mode, config.block_n, config.num_warps, config.num_stages, config.swap_ab])
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE, args], capture_output=True, text=True, env=env,
                           timeout=300)
     if proc.returncode != 0 or "scf.for" not in proc.stdout:
@@ -411,8 +412,12 @@ def _ttgir_for_sm90(kv_dtype: str, pv_kind: int, config: DecodeConfig) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("kv_dtype,pv_kind,swap", [("int8", 0, False), ("bf16", 3, False), ("fp8", 2, True)])
-def test_split_kernel_is_software_pipelined(kv_dtype, pv_kind, swap):
+@pytest.mark.parametrize("kv_dtype,pv_mode,swap", [
+    pytest.param("int8", "int8", False, id="int8-pv_int8"),
+    pytest.param("bf16", "bf16", False, id="bf16-pv_bf16"),
+    pytest.param("fp8", "fp8", True, id="fp8-pv_fp8-swap_ab"),
+])
+def test_split_kernel_is_software_pipelined(kv_dtype, pv_mode, swap):
     """Regression guard: the KV tile loop must keep tiles in flight. A loop shape that
     Triton cannot pipeline still compiles and runs correctly, but waits for every load in
     the iteration that issues it (measured on the H200: ~20% of copy bandwidth).
@@ -424,7 +429,7 @@ def test_split_kernel_is_software_pipelined(kv_dtype, pv_kind, swap):
         config = DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True)
     else:
         config = DecodeConfig(block_n=64 if kv_dtype == "int8" else 32, num_warps=8, num_stages=9)
-    ttgir = _ttgir_for_sm90(kv_dtype, pv_kind, config)
+    ttgir = _ttgir_for_sm90(kv_dtype, pv_mode, config)
     if swap:
         wgmma = re.findall(r"ttng\.warp_group_dot .*?-> tensor<(\d+)x(\d+)x", ttgir)
         assert ("64", "16") in wgmma and ("256", "16") in wgmma, f"QK / PV not on the warpgroup MMA: {wgmma}"

@@ -341,7 +341,7 @@ def test_bad_input_raises_before_launch(case, monkeypatch):
     def no_launch(*a, **k):
         raise AssertionError("kernel launched despite bad input")
 
-    monkeypatch.setattr(ops, "_run", no_launch)
+    monkeypatch.setattr(ops, "run_prefill", no_launch)
     kw = dict(zip(("query", "cache", "block_table", "seq_lens", "query_start_loc"), args_of(b)))
     out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16))
     kw.update(out=out, config=SMALL)
@@ -377,7 +377,7 @@ def test_gpu_8bit_pv_needs_32_key_tiles(kv, pv, monkeypatch):
     import int8attn.ops.prefill as ops
 
     b = batch([20], [10], kv=kv, device="cuda")
-    monkeypatch.setattr(ops, "_run", lambda *a, **k: pytest.fail("kernel launched despite bad input"))
+    monkeypatch.setattr(ops, "run_prefill", lambda *a, **k: pytest.fail("kernel launched despite bad input"))
     with pytest.raises(ValueError, match="block_n=16 must be >= 32"):
         prefill_attention(*args_of(b), pv_mode=pv, config=SMALL)
 

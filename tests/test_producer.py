@@ -14,7 +14,9 @@ from int8attn.cache import PagedKVCache
 from int8attn.kernels.quantize import _amax_rows, _quantize, _quantize_rows, _row_scale
 from int8attn.ops.producer import apply_rope_torch, quantize_query, rope_quantize_and_write
 from int8attn.ops.write import write_kv
-from int8attn.testing import interpret_mode, make_keys, make_normal, poisoned_like
+from int8attn.kernels.codes import KV_KIND
+from int8attn.runtime import interpret_mode
+from int8attn.testing import make_keys, make_normal, poisoned_like
 
 
 def bits(t):
@@ -101,7 +103,8 @@ def test_older_quantize_entry_point_matches(gen, device):
     """``_quantize(x, scale)`` (kept for kernels written against it) gives the codes of
     ``_quantize_rows``, the reference's."""
     x = (make_normal((4, 64), generator=gen, dtype=torch.float32) * 5).to(device)
-    for kind, kv_dtype in ((0, "int8"), (1, "fp8")):
+    for kv_dtype in ("int8", "fp8"):
+        kind = KV_KIND[kv_dtype]
         ref_q, _ = reference.quantize_rows(x.cpu(), kv_dtype)
         a = torch.empty(4, 64, dtype=ref_q.dtype, device=device)
         b = torch.empty_like(a)

@@ -64,7 +64,13 @@ def value_checks_enabled(device: torch.device | None = None) -> bool:
 
 
 # --------------------------------------------------------------------------- helpers
-def _same_device(a: torch.device, b: torch.device) -> bool:
+def is_int(value, lo: int = 0, hi: int | None = None) -> bool:
+    """True for an int (a bool is not one) with ``lo <= value`` (and ``value <= hi``)."""
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= lo
+            and (hi is None or value <= hi))
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
     """Device equality where "cuda" (no index) means the current CUDA device."""
     if a == b:  # same type and index (or both unindexed): the same device
         return True
@@ -87,7 +93,7 @@ def _dtype_names(dtypes) -> str:
 _CHECKED_CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _cache_state(cache) -> tuple:
+def cache_state(cache) -> tuple:
     """What :func:`check_cache` verifies, by identity (tensors) and value (geometry)."""
     return (cache.key, cache.value, cache.key_scale, cache.value_scale, cache.kv_dtype, cache.num_blocks,
             cache.num_kv_heads, cache.block_size, cache.head_dim)
@@ -110,13 +116,13 @@ def check_cache(cache) -> None:
         _check_cache_storage(cache)
         return
     seen = _CHECKED_CACHES.get(cache)
-    if seen is not None and _cache_state_is(cache, seen):
+    if seen is not None and cache_state_is(cache, seen):
         return
     _check_cache_storage(cache)
-    _CHECKED_CACHES[cache] = _cache_state(cache)
+    _CHECKED_CACHES[cache] = cache_state(cache)
 
 
-def _cache_state_is(cache, state: tuple) -> bool:
+def cache_state_is(cache, state: tuple) -> bool:
     """True when ``cache`` still holds the tensors and geometry of ``state``."""
     return (cache.key is state[0] and cache.value is state[1] and cache.key_scale is state[2]
             and cache.value_scale is state[3] and cache.kv_dtype == state[4] and cache.num_blocks == state[5]
@@ -179,7 +185,7 @@ def check_tensor(
                 raise ValueError(f"{name} must have shape {want_str}, got {tuple(got)}")
     if device is not None:
         here = t.device
-        if here != device and not _same_device(here, device):
+        if here != device and not same_device(here, device):
             raise ValueError(f"{name} is on {here} but the cache is on {device}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous, got strides {t.stride()} for shape {tuple(got)}")

@@ -41,7 +41,7 @@ def _gate_parser(sub) -> None:
 def _gate(args) -> int:
     import torch
 
-    from .testing import interpret_mode
+    from .runtime import interpret_mode
 
     if not torch.cuda.is_available() and not interpret_mode() and os.environ.get("_INT8ATTN_GATE_REEXEC") != "1":
         # Triton decides interpreter vs compiler when a kernel module is imported; start

@@ -6,24 +6,14 @@ inputs the same way.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from . import reference
+from . import reference, runtime
 from .cache import BlockAllocator, PagedKVCache
 
 POISON = float("nan")
-
-
-def interpret_mode() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() and not interpret_mode() else "cpu"
 
 
 def make_keys(
@@ -98,7 +88,7 @@ def make_paged_batch(
     plain-PyTorch :func:`int8attn.reference.write_kv_reference`, so attention tests do not
     depend on the write kernel.
     """
-    device = device or default_device()
+    device = device or runtime.default_device()
     seq_lens = [int(x) for x in seq_lens]
     q_lens = [int(x) for x in q_lens]
     if len(seq_lens) != len(q_lens) or any(q > s for q, s in zip(q_lens, seq_lens)):

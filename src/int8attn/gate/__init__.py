@@ -116,7 +116,7 @@ def run_gate(
     still leaves one.
     """
     from ..bench import Recorder, environment
-    from ..testing import interpret_mode
+    from ..runtime import interpret_mode
     from . import report as report_mod
     from . import verdict as verdict_mod
     from .runner import GateContext

@@ -13,13 +13,13 @@ import triton
 
 from ..kernels import gemm as _gemm
 from ..kernels import qk_tile as _qk
-from ..kernels import quantize as _quant
-from ..testing import interpret_mode
+from ..kernels.codes import KV_KIND
+from ..runtime import interpret_mode
 
 #: kernel name -> the CompiledKernel of its last launch (None under the interpreter)
 COMPILED: dict[str, object] = {}
 
-QUANT_KINDS = {"int8": (torch.int8, _quant.KIND_INT8), "fp8": (torch.float8_e4m3fn, _quant.KIND_FP8)}
+QUANT_KINDS = {"int8": (torch.int8, KV_KIND["int8"]), "fp8": (torch.float8_e4m3fn, KV_KIND["fp8"])}
 
 # Fixed configurations (no autotuning: the gate measures, it does not tune). On the GPU:
 # 128x256x128 int8 tiles (48 KB of shared memory per stage), 128x128x64 for the dynamic

@@ -58,18 +58,8 @@ The merge kernel folds a sequence's split partials online, a chunk of splits per
 import triton
 import triton.language as tl
 
-from . import quantize as _quantize
+from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8, PV_INT8_SIGNED
 from .quantize import _round_to_e4m3_grid
-
-# Cache kinds (the same codes as the quantize kernels) and PV precisions; constexpr
-# globals so the jitted code may read them.
-KIND_INT8 = tl.constexpr(_quantize.KIND_INT8)
-KIND_FP8 = tl.constexpr(_quantize.KIND_FP8)
-KIND_BF16 = tl.constexpr(_quantize.KIND_BF16)
-PV_INT8 = tl.constexpr(0)
-PV_INT8_SIGNED = tl.constexpr(1)
-PV_FP8 = tl.constexpr(2)
-PV_BF16 = tl.constexpr(3)
 
 #: Running-max start value: finite, so a row that sees no key in a tile keeps
 #: ``exp2(-inf - NEG_BIG) = 0`` instead of ``exp2(-inf + inf) = NaN``.

@@ -81,16 +81,8 @@ sequence start first. Programs whose tile holds no token, or whose sequence has
 import triton
 import triton.language as tl
 
-from . import quantize as _q
+from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
 from .quantize import _finite_rows, _quantize_rows, _round_to_e4m3_grid
-
-# Cache kinds (values shared with the quantize kernels) and PV precisions, as constexprs.
-KIND_INT8 = tl.constexpr(getattr(_q.KIND_INT8, "value", _q.KIND_INT8))
-KIND_FP8 = tl.constexpr(getattr(_q.KIND_FP8, "value", _q.KIND_FP8))
-KIND_BF16 = tl.constexpr(getattr(_q.KIND_BF16, "value", _q.KIND_BF16))
-PV_INT8 = tl.constexpr(0)
-PV_FP8 = tl.constexpr(1)
-PV_BF16 = tl.constexpr(2)
 
 #: 1.5 * 2**23 as fp32, and its bit pattern: x + MAGIC_F has the integer round(x) in its
 #: low mantissa bits for |x| < 2**22.

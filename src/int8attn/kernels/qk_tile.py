@@ -24,9 +24,7 @@ checks (a runtime flag, so the checked and the timed kernel are one binary).
 import triton
 import triton.language as tl
 
-ROUTE_BF16 = 0
-ROUTE_INT8_TO_BF16 = 1
-ROUTE_INT8_NATIVE = 2
+from .codes import ROUTE_BF16, ROUTE_INT8_NATIVE, ROUTE_INT8_TO_BF16
 
 
 @triton.jit
@@ -45,10 +43,10 @@ def _qk_body(
     row_ok = rows < M
     q_ptrs = q_ptr + q_head.to(tl.int64) * stride_qh + rows[:, None].to(tl.int64) * stride_qm + dims[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None], other=0)
-    if ROUTE == 2:
+    if ROUTE == ROUTE_INT8_NATIVE:
         row_scale = tl.load(q_scale_ptr + q_head * stride_sqh + rows, mask=row_ok, other=0.0) * softmax_scale
     if INTERPRET:
-        if ROUTE != 2:
+        if ROUTE != ROUTE_INT8_NATIVE:
             q = q.to(tl.float32)  # the interpreter's bf16 x bf16 dot is wrong
     k_base = k_ptr + kv_head.to(tl.int64) * stride_kh
     ks_base = k_scale_ptr + kv_head * stride_skh
@@ -57,11 +55,11 @@ def _qk_body(
         tokens = t0 + tl.arange(0, BLOCK_N)
         tok_ok = tokens < T
         k = tl.load(k_base + tokens[:, None].to(tl.int64) * stride_kt + dims[None, :], mask=tok_ok[:, None], other=0)
-        if ROUTE == 0:
+        if ROUTE == ROUTE_BF16:
             if INTERPRET:
                 k = k.to(tl.float32)
             s = tl.dot(q, tl.trans(k)) * softmax_scale
-        elif ROUTE == 1:
+        elif ROUTE == ROUTE_INT8_TO_BF16:
             k_scale = tl.load(ks_base + tokens, mask=tok_ok, other=0.0)
             k_deq = (k.to(tl.float32) * k_scale[:, None]).to(tl.bfloat16)
             if INTERPRET:
@@ -90,7 +88,7 @@ def _qk_bf16_kernel(
     _qk_body(q_ptr, q_scale_ptr, k_ptr, k_scale_ptr, row_max_ptr, scores_ptr,
              M, T, group, softmax_scale, store_scores,
              stride_qh, stride_qm, stride_kh, stride_kt, stride_sqh, stride_skh, stride_mh, stride_sh, stride_sm,
-             0, HEAD_DIM, BLOCK_M, BLOCK_N, INTERPRET)
+             ROUTE_BF16, HEAD_DIM, BLOCK_M, BLOCK_N, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["store_scores"])
@@ -103,7 +101,7 @@ def _qk_int8_to_bf16_kernel(
     _qk_body(q_ptr, q_scale_ptr, k_ptr, k_scale_ptr, row_max_ptr, scores_ptr,
              M, T, group, softmax_scale, store_scores,
              stride_qh, stride_qm, stride_kh, stride_kt, stride_sqh, stride_skh, stride_mh, stride_sh, stride_sm,
-             1, HEAD_DIM, BLOCK_M, BLOCK_N, INTERPRET)
+             ROUTE_INT8_TO_BF16, HEAD_DIM, BLOCK_M, BLOCK_N, INTERPRET)
 
 
 @triton.jit(do_not_specialize=["store_scores"])
@@ -116,4 +114,4 @@ def _qk_int8_native_kernel(
     _qk_body(q_ptr, q_scale_ptr, k_ptr, k_scale_ptr, row_max_ptr, scores_ptr,
              M, T, group, softmax_scale, store_scores,
              stride_qh, stride_qm, stride_kh, stride_kt, stride_sqh, stride_skh, stride_mh, stride_sh, stride_sm,
-             2, HEAD_DIM, BLOCK_M, BLOCK_N, INTERPRET)
+             ROUTE_INT8_NATIVE, HEAD_DIM, BLOCK_M, BLOCK_N, INTERPRET)

@@ -38,13 +38,8 @@ import triton
 import triton.language as tl
 
 from ._errors import ERR_POSITION, ERR_SLOT, NO_INDEX, _raise_error
+from .codes import KIND_BF16, KIND_INT8
 
-KIND_INT8 = 0
-KIND_FP8 = 1
-KIND_BF16 = 2
-# The same values as globals a @triton.jit body may read (only constexpr globals are).
-_INT8 = tl.constexpr(KIND_INT8)
-_BF16 = tl.constexpr(KIND_BF16)
 #: Smallest row maximum quantized as such, qmax * 2**-126: below it the scale would be
 #: subnormal (GPUs flush those in the division), so the row counts as all-zero.
 _MIN_AMAX_INT8 = tl.constexpr(127.0 * 2.0 ** -126)
@@ -87,7 +82,7 @@ def _round_to_bf16_grid(x):
 
 @triton.jit
 def _qmax(amax, KIND: tl.constexpr):
-    if KIND == _INT8:
+    if KIND == KIND_INT8:
         qmax = tl.full(amax.shape, 127.0, tl.float32)
     else:
         qmax = tl.full(amax.shape, 448.0, tl.float32)
@@ -97,7 +92,7 @@ def _qmax(amax, KIND: tl.constexpr):
 @triton.jit
 def _quantized_row(amax, KIND: tl.constexpr):
     """True for rows with ``amax >= qmax * 2**-126``; the others count as all-zero."""
-    if KIND == _INT8:
+    if KIND == KIND_INT8:
         big = amax >= _MIN_AMAX_INT8
     else:
         big = amax >= _MIN_AMAX_FP8
@@ -108,7 +103,7 @@ def _quantized_row(amax, KIND: tl.constexpr):
 def _row_scale(amax, KIND: tl.constexpr):
     """Stored fp32 scale per row, ``amax / qmax`` (1 for an all-zero row; 1 for bf16,
     which stores no scale)."""
-    if KIND == _BF16:
+    if KIND == KIND_BF16:
         scale = tl.full(amax.shape, 1.0, tl.float32)
     else:
         scale = tl.where(_quantized_row(amax, KIND), tl.math.div_rn(amax, _qmax(amax, KIND)), 1.0)
@@ -130,11 +125,11 @@ def _quantize_with_inv(x, inv, KIND: tl.constexpr, INTERPRET: tl.constexpr):
 
     (One return at the end: compiled Triton wants a single return type per function.)
     """
-    if KIND == _BF16:
+    if KIND == KIND_BF16:
         if INTERPRET:
             x = _round_to_bf16_grid(x)
         q = x.to(tl.bfloat16)
-    elif KIND == _INT8:
+    elif KIND == KIND_INT8:
         # round half away from zero as trunc(copysign(|x * inv| + 0.5, x)): four instructions
         # per element (FMUL, FADD, LOP3, F2I), no compare or select. |x * inv| <= 127 * (1 + 2**-23)
         # (inv is the rounded 127 / amax), so the truncation never exceeds 127: no clamp needed.
@@ -181,7 +176,7 @@ def _quantize_rows(x, KIND: tl.constexpr, INTERPRET: tl.constexpr):
 def _quantize_checked_rows(x, finite, KIND: tl.constexpr, INTERPRET: tl.constexpr):
     """:func:`_quantize_rows` with the finite rows ``finite`` [R] known: rows marked
     False get scale NaN and codes 0 (bf16: ``x`` stored as given)."""
-    if KIND == _BF16:
+    if KIND == KIND_BF16:
         scale = tl.full([x.shape[0]], 1.0, tl.float32)
         q = _quantize_with_inv(x, scale, KIND, INTERPRET)
     else:
@@ -268,7 +263,7 @@ def _store_rows_to_cache(
     row at ``d * BLOCK_SIZE + off``), otherwise [BLOCK_SIZE, head_dim] (row stride
     ``stride_co``)."""
     q, scale = _quantize_checked_rows(x, finite, KIND, INTERPRET)
-    if KIND != _BF16:
+    if KIND != KIND_BF16:
         scale_ptrs = scale_ptr + blk * stride_sb + heads * stride_sh + off * stride_so
         if FULL:
             tl.store(scale_ptrs, scale)
@@ -375,7 +370,7 @@ def _write_kv_tokens(
         cos_sin_rows = (cos_sin_ptr + tl.where(pos_ok, pos, 0) * ROTARY_DIM)[:, None]
     # A tile that is exactly one page of consecutive slots (prefill writes from a page
     # boundary) stores each channel's BLOCK_SIZE bytes as one aligned 16-byte run.
-    WHOLE_PAGE_PATH: tl.constexpr = (BLOCK_HKV == 1) and (BLOCK_T == BLOCK_SIZE) and (KIND != _BF16)
+    WHOLE_PAGE_PATH: tl.constexpr = (BLOCK_HKV == 1) and (BLOCK_T == BLOCK_SIZE) and (KIND != KIND_BF16)
     slot0 = tl.load(slot_ptr + tok0, mask=tok0 < num_tokens, other=-1).to(tl.int64)
     whole_page = (slot0 >= 0) & (slot0 % BLOCK_SIZE == 0) & (tl.sum((slot != slot0 + r).to(tl.int32), axis=0) == 0)
     all_rows = r >= 0
@@ -405,7 +400,7 @@ def _write_kv_tokens(
         else:
             _store_rows_to_cache(v, all_rows, heads, rows_ok, mask, d, blk, off, vcache_ptr, vscale_ptr,
                                  stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
-                                 BLOCK_SIZE, KIND != _BF16, False, KIND, INTERPRET)
+                                 BLOCK_SIZE, KIND != KIND_BF16, False, KIND, INTERPRET)
 
 
 @triton.jit
@@ -512,7 +507,7 @@ def _rope_quantize_write_kernel(
                 q, scale = _quantize_rows(y, KIND, INTERPRET)
                 out_row = tok * stride_ot + heads * stride_oh
                 _store_tile(q_out_ptr + out_row[:, None] + d[None, :], q, mask, FULL_Q)
-                if KIND != _BF16:
+                if KIND != KIND_BF16:
                     tl.store(q_scale_ptr + tok * stride_qst + heads * stride_qsh, scale, mask=heads < num_q_heads)
     else:
         tok0 = tl.program_id(0).to(tl.int64) * KV_TOKENS

@@ -37,7 +37,7 @@ import torch
 
 from .. import _checks
 from ..cache import PagedKVCache
-from ..testing import interpret_mode
+from ..runtime import interpret_mode
 from . import decode as _decode
 from . import prefill as _prefill
 from .decode import MAX_DECODE_QUERY_LEN
@@ -57,7 +57,7 @@ def _prefill_config(cache: PagedKVCache, pv_mode: str, group: int) -> _prefill.P
     key = (cache.kv_dtype, cache.head_dim, pv_mode, group, interpret_mode(), _prefill.default_config)
     config = _PREFILL_CONFIGS.get(key)
     if config is None:
-        config = _prefill._check_config(_prefill.default_config(cache.kv_dtype, cache.head_dim, pv_mode), cache, group)
+        config = _prefill.check_config(_prefill.default_config(cache.kv_dtype, cache.head_dim, pv_mode), cache, group)
         _PREFILL_CONFIGS[key] = config
     return config
 
@@ -130,7 +130,7 @@ class AttentionPlan:
         launch = _MISSING
         if self._is_plan_metadata(block_table, seq_lens, query_start_loc):
             seen = self._caches.get(id(cache))
-            if seen is None or seen[0] is not cache or not _checks._cache_state_is(cache, seen[1]):
+            if seen is None or seen[0] is not cache or not _checks.cache_state_is(cache, seen[1]):
                 seen = self._admit_cache(cache)  # another layer's cache: its storage and geometry
             try:
                 key = (_layout(query), _layout(out), _layout(q_quant), _layout(q_scale), seen[2])
@@ -146,7 +146,7 @@ class AttentionPlan:
         if launch is not None:
             launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
         if self.has_prefill:
-            _prefill._run(self.prefill_config, self.prefill_pv_mode, query, cache, block_table, seq_lens,
+            _prefill.run_prefill(self.prefill_config, self.prefill_pv_mode, query, cache, block_table, seq_lens,
                           query_start_loc, softmax_scale, out, q_quant, q_scale,
                           MAX_DECODE_QUERY_LEN if self.has_decode else 0, self.max_query_len)
         return out
@@ -192,7 +192,7 @@ class AttentionPlan:
         self._check_geometry(cache)
         if len(self._caches) >= _MAX_REMEMBERED:
             self._caches.clear()
-        seen = (cache, _checks._cache_state(cache), _scale_strides(cache))
+        seen = (cache, _checks.cache_state(cache), _scale_strides(cache))
         self._caches[id(cache)] = seen
         return seen
 
@@ -200,7 +200,7 @@ class AttentionPlan:
         geometry = _geometry(cache)
         if self._geometry is None:
             self._geometry = geometry
-        elif geometry[:5] != self._geometry[:5] or not _checks._same_device(geometry[5], self._geometry[5]):
+        elif geometry[:5] != self._geometry[:5] or not _checks.same_device(geometry[5], self._geometry[5]):
             raise ValueError(
                 "this AttentionPlan was made for a cache of (kv_dtype, num_blocks, num_kv_heads, block_size, "
                 f"head_dim, device) = {self._geometry}, got {geometry}: make a new plan for this cache"
@@ -257,8 +257,7 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     caller knows. Runs with these metadata tensors do not check their values again.
     """
     _checks.check_cache(cache)
-    if isinstance(num_q_heads, bool) or not isinstance(num_q_heads, int) or num_q_heads < 1 \
-            or num_q_heads % cache.num_kv_heads:
+    if not _checks.is_int(num_q_heads, 1) or num_q_heads % cache.num_kv_heads:
         raise ValueError(f"num_q_heads must be a positive multiple of the cache's {cache.num_kv_heads} KV heads, "
                          f"got {num_q_heads!r}")
     _checks.check_kernel_options(cache, None, "attention")
@@ -270,7 +269,7 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     _checks.check_tensor("query_start_loc", query_start_loc, dtypes=(torch.int32,), shape=(num_seqs + 1,),
                          device=dev, contiguous=True)
     for name, value in (("num_tokens", num_tokens), ("max_query_len", max_query_len)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        if value is not None and not _checks.is_int(value):
             raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
     given = (num_tokens, max_query_len, has_decode, has_prefill)
     values_checked = False
@@ -310,7 +309,7 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     prefill_config = prefill_pv = None
     if has_prefill:
         prefill_pv = _prefill.resolve_pv_mode(cache.kv_dtype, pv_mode)
-        _prefill._check_prefill_options(cache, None, 0, max_query_len)
+        _prefill.check_prefill_options(cache, None, 0, max_query_len)
         prefill_config = _prefill_config(cache, prefill_pv, num_q_heads // cache.num_kv_heads)
     launches = tuple(name for name, used in (("decode", has_decode), ("prefill", has_prefill)) if used)
     plan = AttentionPlan(num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=num_q_heads, head_dim=head_dim,
@@ -377,10 +376,10 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     prefill_config = None
     if num_tokens > MAX_DECODE_QUERY_LEN:
         prefill_config = _prefill_config(cache, prefill_pv, query.shape[1] // cache.num_kv_heads)
-    _decode._run(decode_plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
+    _decode.run_decode(decode_plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                  q_quant, q_scale, None)
     if prefill_config is not None:
-        _prefill._run(prefill_config, prefill_pv, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
+        _prefill.run_prefill(prefill_config, prefill_pv, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
                       out, q_quant, q_scale, MAX_DECODE_QUERY_LEN, None)
     return out
 
@@ -389,5 +388,5 @@ def _check_common(query, cache, block_table, seq_lens, query_start_loc, softmax_
     """Everything both kernels need, checked once before any launch."""
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                    q_quant=q_quant, q_scale=q_scale)
-    _prefill._check_prefill_options(cache, softmax_scale, 0, None)
-    _decode._check_decode_options(cache, softmax_scale, None)
+    _prefill.check_prefill_options(cache, softmax_scale, 0, None)
+    _decode.check_decode_options(cache, softmax_scale, None)

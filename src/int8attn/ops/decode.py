@@ -20,19 +20,12 @@ import triton
 
 from .. import _checks
 from ..cache import PagedKVCache
-from ..kernels.decode import (
-    PV_BF16,
-    PV_FP8,
-    PV_INT8,
-    PV_INT8_SIGNED,
-    _decode_merge_kernel,
-    _decode_split_kernel,
-)
+from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
+from ..kernels.decode import _decode_merge_kernel, _decode_split_kernel
 from ..kernels.quantize import _quantize_query_kernel
-from ..testing import interpret_mode
+from ..runtime import device_guard, interpret_mode, sm_count
 from ._launch import CachedLaunch
 from .producer import quantize_query_args, quantize_query_launch
-from .write import KV_KIND, device_guard
 
 #: Longest query (new tokens of one sequence) the decode kernel handles; sequences with
 #: more are skipped here and left to the prefill kernel.
@@ -51,13 +44,6 @@ MAX_DECODE_SEQS = 65535
 #: processed in further passes over the same KV range); a GQA group larger than this
 #: still gets all its heads in one program.
 MAX_BLOCK_M = 32
-
-#: PV precisions each cache dtype accepts; the first is the default. INT8 PV (shifted
-#: 0..255 P) is within the accuracy goal on the H200 (rel-L2 0.008 vs float64 on
-#: outlier keys) and was as fast or faster than BF16 PV in the H200 run of 08:37
-#: (284 vs 298 us at bs16 L32k; benchmarks/notes/decode.md).
-PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
-_PV_KIND = {"int8": PV_INT8.value, "int8_signed": PV_INT8_SIGNED.value, "fp8": PV_FP8.value, "bf16": PV_BF16.value}
 
 
 @dataclass(frozen=True)
@@ -143,18 +129,6 @@ def default_config(kv_dtype: str, head_dim: int, block_m: int, block_size: int,
 #: intended kernel is the one that ran.
 LAST_LAUNCH: dict = {}
 
-_SM_COUNT: dict = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (a fixed 8 on the CPU interpreter); cached, no sync."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return 8
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
 
 
 def _programs_per_sm(config: DecodeConfig, head_dim: int, elem_bytes: int) -> int:
@@ -294,6 +268,8 @@ def _plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode
     group = num_q_heads // cache.num_kv_heads
     allowed = PV_MODES[cache.kv_dtype]
     if pv_mode is None:
+        # the cache's own precision: INT8 PV (shifted 0..255 P) meets the accuracy goal and
+        # is not slower than BF16 PV on the H200 (benchmarks/notes/decode.md)
         pv_mode = allowed[0]
     elif pv_mode not in allowed and not (cache.kv_dtype == "int8" and pv_mode == "int8_signed"):
         raise ValueError(f"pv_mode for a {cache.kv_dtype!r} cache must be one of {allowed}, got {pv_mode!r}")
@@ -309,15 +285,14 @@ def _plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode
     if config.swap_ab and (cache.kv_dtype not in ("int8", "fp8") or pv_mode == "int8_signed"):
         raise ValueError("swap_ab needs an 8-bit (int8 / fp8) cache and pv_mode int8, fp8 or bf16, got a "
                          f"{cache.kv_dtype!r} cache with pv_mode {pv_mode!r}")
-    if config.maxnreg is not None and (isinstance(config.maxnreg, bool) or not isinstance(config.maxnreg, int)
-                                       or not 32 <= config.maxnreg <= 255):
+    if config.maxnreg is not None and not _checks.is_int(config.maxnreg, 32, 255):
         raise ValueError(f"maxnreg must be None or an int in [32, 255], got {config.maxnreg!r}")
     elem = cache.key.element_size()
     if num_splits is None:
         slots = sm_count(cache.device) * _programs_per_sm(config, head_dim, elem)
         num_splits = choose_num_splits(num_seqs, cache.num_kv_heads, max_blocks * cache.block_size, config.block_n,
                                        group * tokens, head_dim, elem, slots)
-    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_NUM_SPLITS:
+    elif not _checks.is_int(num_splits, 1, MAX_NUM_SPLITS):
         raise ValueError(f"num_splits must be an int in [1, {MAX_NUM_SPLITS}], got {num_splits!r}")
     return DecodePlan(num_splits=num_splits, tokens_per_pass=tokens, block_m=block_m, config=config, pv_mode=pv_mode)
 
@@ -354,24 +329,26 @@ def decode_attention(query, cache, block_table, seq_lens, query_start_loc, *, so
     """
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                    q_quant=q_quant, q_scale=q_scale)
-    _check_decode_options(cache, softmax_scale, workspace)
+    check_decode_options(cache, softmax_scale, workspace)
     plan = plan_decode(tuple(query.shape), cache, tuple(block_table.shape), pv_mode=pv_mode, num_splits=num_splits)
-    return _run(plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
+    return run_decode(plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
                 workspace)
 
 
-def _check_decode_options(cache, softmax_scale, workspace) -> None:
+def check_decode_options(cache, softmax_scale, workspace) -> None:
+    """The non-tensor arguments of a decode call (cache, softmax_scale, workspace)."""
     _checks.check_kernel_options(cache, softmax_scale, "decode_attention")
     if workspace is not None:
         if not isinstance(workspace, DecodeWorkspace):
             raise TypeError(f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
-        if not _checks._same_device(workspace.device, cache.device):
+        if not _checks.same_device(workspace.device, cache.device):
             raise ValueError(f"workspace is on {workspace.device} but the cache is on {cache.device}")
 
 
-def _run(plan: DecodePlan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant,
-         q_scale, workspace) -> torch.Tensor:
-    """Launch with a fixed plan (no validation; benchmarks call it with their own plans)."""
+def run_decode(plan: DecodePlan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant,
+               q_scale, workspace) -> torch.Tensor:
+    """Launch with a fixed plan, no validation: for callers that checked the inputs
+    themselves (``decode_attention``, ``attention``; benchmarks with their own plans)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = block_table.shape[0]
     if out is None:
@@ -493,7 +470,7 @@ class DecodeLaunch:
         self._split_constexprs = dict(
             GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, PAGE=cache.block_size,
             BLOCK_N=block_n, BLOCK_M=plan.block_m, TOKENS_PER_PASS=plan.tokens_per_pass,
-            MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=_PV_KIND[plan.pv_mode],
+            MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[plan.pv_mode],
             INTERPRET=interpret, SWAP_AB=cfg.swap_ab,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),

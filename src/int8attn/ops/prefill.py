@@ -20,20 +20,16 @@ import triton
 
 from .. import _checks
 from ..cache import PagedKVCache
-from ..kernels.prefill import PV_BF16, PV_FP8, PV_INT8, _prefill_kernel
-from ..testing import interpret_mode
-from .write import KV_KIND, device_guard
+from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
+from ..kernels.prefill import _prefill_kernel
+from ..runtime import device_guard, interpret_mode
 
-#: PV precisions each cache dtype accepts. "bf16" means a 16-bit float PV product (fp16
-#: for 8-bit caches: their V values are exact in it).
-PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
 #: Default PV precision per cache dtype. On the H200 (benchmarks/notes/prefill.md) the
 #: 16-bit PV was both faster and more accurate than 8-bit PV for 8-bit caches: INT8 cache
 #: 9.5 ms (fp16 PV) vs 14.4 ms (int8 PV) at 4096 tokens over 28672, end-to-end rel-L2
 #: 0.013 vs 0.018. Those runs predate the transposed V pages of 8-bit caches (V now
 #: arrives K-major, as 8-bit MMAs need, without a byte transpose in registers).
 DEFAULT_PV = {"int8": "bf16", "fp8": "bf16", "bf16": "bf16"}
-_PV_KIND = {"int8": PV_INT8.value, "fp8": PV_FP8.value, "bf16": PV_BF16.value}
 
 #: The compiled kernel of the latest launch (benchmarks read its SASS); None in the
 #: interpreter.
@@ -113,17 +109,18 @@ def resolve_pv_mode(kv_dtype: str, pv_mode: str | None) -> str:
     return pv_mode
 
 
-def _check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) -> None:
+def check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) -> None:
+    """The non-tensor arguments of a prefill call (cache, softmax_scale, query-length bounds)."""
     _checks.check_kernel_options(cache, softmax_scale, "prefill_attention")
-    if isinstance(min_query_len, bool) or not isinstance(min_query_len, int) or min_query_len < 0:
+    if not _checks.is_int(min_query_len):
         raise ValueError(f"min_query_len must be an int >= 0, got {min_query_len!r}")
-    if max_query_len is not None and (
-        isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 0
-    ):
+    if max_query_len is not None and not _checks.is_int(max_query_len):
         raise ValueError(f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
 
 
-def _check_config(config: PrefillConfig, cache: PagedKVCache, group: int, pv_mode: str | None = None) -> PrefillConfig:
+def check_config(config: PrefillConfig, cache: PagedKVCache, group: int, pv_mode: str | None = None) -> PrefillConfig:
+    """``config`` checked against the cache, GQA group and PV mode (ValueError /
+    TypeError), as the launch uses it."""
     d = cache.head_dim
     dv = config.dv or d
     for name in ("p_shift", "v_late", "lazy_rescale", "v_flat"):
@@ -178,15 +175,15 @@ def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, s
     """
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                    q_quant=q_quant, q_scale=q_scale)
-    _check_prefill_options(cache, softmax_scale, min_query_len, max_query_len)
+    check_prefill_options(cache, softmax_scale, min_query_len, max_query_len)
     pv_mode = resolve_pv_mode(cache.kv_dtype, pv_mode)
     if config is None:
         config = default_config(cache.kv_dtype, cache.head_dim, pv_mode)
     elif not isinstance(config, PrefillConfig):
         raise TypeError(f"config must be a PrefillConfig, got {type(config).__name__}")
     group = query.shape[1] // cache.num_kv_heads
-    config = _check_config(config, cache, group, pv_mode)
-    return _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
+    config = check_config(config, cache, group, pv_mode)
+    return run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                 q_quant, q_scale, min_query_len, max_query_len)
 
 
@@ -208,9 +205,10 @@ def _use_cvt_asm(config: PrefillConfig, cache: PagedKVCache) -> bool:
     return bool(config.cvt_asm) and native
 
 
-def _run(config: PrefillConfig, pv_mode: str, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
-         out, q_quant, q_scale, min_query_len, max_query_len) -> torch.Tensor:
-    """Launch with a checked config (no validation)."""
+def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, seq_lens, query_start_loc,
+                softmax_scale, out, q_quant, q_scale, min_query_len, max_query_len) -> torch.Tensor:
+    """Launch with a config from :func:`check_config`, no validation: for callers that
+    checked the inputs themselves (``prefill_attention``, ``attention``)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = block_table.shape[0]
     if out is None:
@@ -257,7 +255,7 @@ def _run(config: PrefillConfig, pv_mode: str, query, cache, block_table, seq_len
             block_table.stride(0),
             GROUP=group, HEAD_DIM=head_dim, DV=config.dv, PAGE=cache.block_size,
             BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
-            KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=_PV_KIND[pv_mode], P_SHIFT=bool(config.p_shift),
+            KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[pv_mode], P_SHIFT=bool(config.p_shift),
             Q_QUANTIZED=q_quantized or not cache.quantized, SEARCH=search, V_LATE=bool(config.v_late),
             V_TRANSPOSED=cache.value_transposed, V_FLAT=bool(config.v_flat), CVT_ASM=_use_cvt_asm(config, cache),
             LAZY_RESCALE=bool(config.lazy_rescale), INTERPRET=interpret_mode(),

@@ -17,9 +17,9 @@ import triton
 from .. import _checks
 from ..cache import KV_DTYPES, PagedKVCache
 from ..errors import error_flags
+from ..kernels.codes import KV_KIND
 from ..kernels.quantize import _quantize_query_kernel, _rope_quantize_write_kernel
-from ..testing import interpret_mode
-from .write import KV_KIND, TILE_ELEMS, default_num_warps, device_guard, full_tiles, heads_per_program
+from ..runtime import TILE_ELEMS, default_num_warps, device_guard, full_tiles, heads_per_program, interpret_mode
 
 
 def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tensor | None = None,

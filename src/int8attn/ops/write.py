@@ -2,39 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 
 from .. import _checks
 from ..cache import PagedKVCache
 from ..errors import error_flags
-from ..kernels.quantize import KIND_BF16, KIND_FP8, KIND_INT8, _write_kv_kernel
-from ..testing import interpret_mode
+from ..kernels.codes import KV_KIND
+from ..kernels.quantize import _write_kv_kernel
+from ..runtime import device_guard, heads_per_program, interpret_mode
 
-KV_KIND = {"int8": KIND_INT8, "fp8": KIND_FP8, "bf16": KIND_BF16}
-#: Elements per program tile; 2048 fp32 values = 16 per thread at 4 warps.
-TILE_ELEMS = 2048
-#: From this many new tokens on, programs run 2 warps instead of 4 (32 values per thread):
-#: fewer instructions per element where the grid fills the GPU many times over. Measured on
-#: an H200 at the headline shape (benchmarks/notes/producer.md, round 2): at 4096 tokens 2
-#: warps were 1-8% faster, at 1 token 4 warps were 5-15% faster; sizes in between unmeasured.
-LARGE_BATCH_TOKENS = 256
 #: Most elements of write_kv's [tokens, head_dim] program tile (16 tokens at head_dim 256).
 KV_TILE_ELEMS = 4096
-
-
-def default_num_warps(num_tokens: int) -> int:
-    return 2 if num_tokens >= LARGE_BATCH_TOKENS else 4
-
-
-def device_guard(device: torch.device):
-    """Make ``device`` current for the launch (Triton launches on the current device)."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is not None:
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
 
 
 def write_kv_tile(num_tokens: int, num_kv_heads: int, head_dim: int, block_size: int) -> dict:
@@ -55,17 +34,6 @@ def write_kv_tile(num_tokens: int, num_kv_heads: int, head_dim: int, block_size:
         # row-layout kernel 2.0 us)
         return {"KV_TOKENS": 1, "BLOCK_HKV": heads_per_program(num_kv_heads, head_dim)}
     return {"KV_TOKENS": tokens, "BLOCK_HKV": 1}
-
-
-def heads_per_program(num_heads: int, head_dim: int) -> int:
-    """Rows (heads) per program tile: all heads of a token up to TILE_ELEMS elements."""
-    block_d = triton.next_power_of_2(head_dim)
-    return max(1, min(triton.next_power_of_2(num_heads), TILE_ELEMS // block_d))
-
-
-def full_tiles(num_heads: int, block_h: int, head_dim: int, block_d: int) -> bool:
-    """True when [block_h, block_d] tiles cover the heads exactly (kernels drop the masks)."""
-    return num_heads % block_h == 0 and head_dim == block_d
 
 
 def finite_row_mean(key: torch.Tensor) -> torch.Tensor | None:

@@ -1,0 +1,36 @@
+"""Kernel mode codes: the one table of the integer codes kernels take as constexpr modes.
+
+Launchers and tests look codes up by name in the maps (plain ints, what a launch passes as a
+``tl.constexpr`` argument); ``@triton.jit`` bodies compare against the ``tl.constexpr``
+names below (a jitted body may only read constexpr globals). The values are compile-time
+constants with no meaning outside this table: change one here and every kernel, launcher
+and test follows.
+
+* ``KV_KIND`` -- storage of the KV cache (and of the quantize kernels' output): the
+  ``KIND`` argument of the quantize / producer kernels, ``KV_KIND`` of decode and prefill.
+* ``PV_KIND`` -- precision of the P·V product in decode and prefill (``PV_KIND``);
+  ``int8_signed`` (P on 0..127) is a decode-only measurement variant.
+* ``PV_MODES`` -- the PV modes a public call may ask for, per KV kind; the first is
+  decode's default (prefill's is ``ops.prefill.DEFAULT_PV``). "bf16" means a 16-bit float
+  PV product (fp16 for 8-bit caches: their V values are exact in it).
+* ``QK_ROUTE`` -- the route of the gate's QK-only kernel (kernels/qk_tile.py).
+"""
+
+import triton.language as tl
+
+KV_KIND = {"int8": 0, "fp8": 1, "bf16": 2}
+PV_KIND = {"int8": 0, "int8_signed": 1, "fp8": 2, "bf16": 3}
+PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
+QK_ROUTE = {"bf16": 0, "int8_to_bf16": 1, "int8_native": 2}
+
+# constexpr names for @triton.jit bodies
+KIND_INT8 = tl.constexpr(KV_KIND["int8"])
+KIND_FP8 = tl.constexpr(KV_KIND["fp8"])
+KIND_BF16 = tl.constexpr(KV_KIND["bf16"])
+PV_INT8 = tl.constexpr(PV_KIND["int8"])
+PV_INT8_SIGNED = tl.constexpr(PV_KIND["int8_signed"])
+PV_FP8 = tl.constexpr(PV_KIND["fp8"])
+PV_BF16 = tl.constexpr(PV_KIND["bf16"])
+ROUTE_BF16 = tl.constexpr(QK_ROUTE["bf16"])
+ROUTE_INT8_TO_BF16 = tl.constexpr(QK_ROUTE["int8_to_bf16"])
+ROUTE_INT8_NATIVE = tl.constexpr(QK_ROUTE["int8_native"])

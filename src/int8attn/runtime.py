@@ -1,0 +1,73 @@
+"""Runtime helpers every launcher shares: where kernels run and how a launch is shaped.
+
+* :func:`interpret_mode`, :func:`default_device` -- Triton's CPU interpreter or a GPU;
+* :func:`sm_count`, :func:`device_guard` -- the launch device;
+* :func:`default_num_warps`, :func:`heads_per_program`, :func:`full_tiles` -- the
+  [rows, head_dim] program tile of the quantize / producer kernels (``TILE_ELEMS``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+import triton
+
+#: Elements per program tile; 2048 fp32 values = 16 per thread at 4 warps.
+TILE_ELEMS = 2048
+#: From this many new tokens on, programs run 2 warps instead of 4 (32 values per thread):
+#: fewer instructions per element where the grid fills the GPU many times over; below it the
+#: grid is small and 4 warps per program finish sooner. Measured on the H200 at the headline
+#: shape (benchmarks/notes/producer.md, "Launch sweep"): 2 warps 1-8% faster at 4096 tokens,
+#: 4 warps 5-15% faster at 1 token; the sizes in between are unmeasured.
+LARGE_BATCH_TOKENS = 256
+
+
+def interpret_mode() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def default_device() -> str:
+    """"cuda" where a GPU runs the kernels, else "cpu" (no GPU, or the interpreter)."""
+    return "cuda" if torch.cuda.is_available() and not interpret_mode() else "cpu"
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (a fixed 8 on the CPU interpreter); cached, no sync."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 8
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_sm_count(index)
+
+
+@functools.lru_cache(maxsize=None)  # bounded by the number of GPUs
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_guard(device: torch.device):
+    """Make ``device`` current for the launch (Triton launches on the current device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def default_num_warps(num_tokens: int) -> int:
+    """Warps per program of the quantize / producer kernels for ``num_tokens`` new tokens."""
+    return 2 if num_tokens >= LARGE_BATCH_TOKENS else 4
+
+
+def heads_per_program(num_heads: int, head_dim: int) -> int:
+    """Rows (heads) per program tile: all heads of a token up to TILE_ELEMS elements."""
+    block_d = triton.next_power_of_2(head_dim)
+    return max(1, min(triton.next_power_of_2(num_heads), TILE_ELEMS // block_d))
+
+
+def full_tiles(num_heads: int, block_h: int, head_dim: int, block_d: int) -> bool:
+    """True when [block_h, block_d] tiles cover the heads exactly (kernels drop the masks)."""
+    return num_heads % block_h == 0 and head_dim == block_d
