@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from int8attn import reference, testing
+from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.ops.prefill import DEFAULT_PV, PrefillConfig, launch_grid, prefill_attention
 from int8attn.ops.producer import quantize_query
 
@@ -290,6 +291,81 @@ def test_non_finite_query_gives_nan_rows_for_that_query_only(kv, pre, bad, devic
     prefill_attention(*args_of(b), out=out, config=SMALL, **kw)
     ref = reference.attention_reference_quantized(clean, *args_of(b)[1:])
     _assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, DEFAULT_PV[kv])], kv)
+
+
+# --------------------------------------------------------------------------- unchecked bad metadata
+def _clear_error_flags():
+    try:
+        check_errors()
+    except DeviceMetadataError:
+        pass
+
+
+def _bad_metadata_cases(b):
+    """name -> (block_table, seq_lens, query_start_loc, bad sequence, error words): one
+    sequence's metadata out of range (sequence 1, or 2 for the query range)."""
+    bt, sl, qsl = b.block_table, b.seq_lens, b.query_start_loc
+    capacity = bt.shape[1] * b.cache.block_size
+
+    def with_(t, index, value):
+        t = t.clone()
+        t[index] = value
+        return t
+
+    return {
+        "block id too large": (with_(bt, (1, 1), 10 ** 6), sl, qsl, 1, "block id"),
+        "block id negative": (with_(bt, (1, 0), -3), sl, qsl, 1, "block id"),
+        "seq_len beyond table": (bt, with_(sl, 1, capacity + 40), qsl, 1, "seq_len"),
+        "seq_len negative": (bt, with_(sl, 1, -5), qsl, 1, "seq_len"),
+        "seq_len below q_len": (bt, with_(sl, 1, 3), qsl, 1, "query range"),
+        "query range past num_tokens": (bt, sl, with_(qsl, 3, int(qsl[3]) + 50), 2, "query range"),
+    }
+
+
+_BAD_CASES = list(_bad_metadata_cases(batch([30, 40, 25], [12, 21, 9])).keys())
+
+
+@pytest.mark.parametrize("case", _BAD_CASES)
+@pytest.mark.parametrize("kv", ["int8", "fp8", "bf16"])
+def test_unchecked_bad_metadata_stays_in_bounds(case, kv, device, monkeypatch):
+    """With value checks off, out-of-range metadata of one sequence makes that sequence's
+    rows NaN (and only those: the others match the reference), leaves the cache and every
+    other element untouched, and raises a device flag that check_errors() turns into an
+    error naming the sequence."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    _clear_error_flags()
+    b = testing.make_paged_batch([30, 40, 25], [12, 21, 9], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                 kv_dtype=kv, seed=31, device=device)
+    bt, sl, qsl, bad_seq, words = _bad_metadata_cases(b)[case]
+    before = [t.clone() for t in (b.cache.key, b.cache.value)]
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
+    prefill_attention(b.query, b.cache, bt, sl, qsl, out=out, config=SMALL)
+    starts = b.query_start_loc.tolist()
+    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
+    want[starts[bad_seq]:starts[bad_seq + 1]] = True
+    ref = reference.attention_reference_quantized(*args_of(b))
+    _assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, DEFAULT_PV[kv])], case)
+    for t, t0 in zip((b.cache.key, b.cache.value), before):
+        assert torch.equal(t.view(torch.uint8), t0.view(torch.uint8))
+    with pytest.raises(DeviceMetadataError, match=f"{words}.*index {bad_seq};"):
+        check_errors(device)
+    check_errors(device)  # cleared
+
+
+def test_unchecked_bad_metadata_with_the_dense_grid(device, monkeypatch):
+    """The max_query_len grid (sequences x tiles) takes the same in-kernel checks."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    _clear_error_flags()
+    b = batch([30, 40, 25], [12, 21, 9], seed=32, device=device)
+    bt, sl, qsl, bad_seq, words = _bad_metadata_cases(b)["block id too large"]
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
+    prefill_attention(b.query, b.cache, bt, sl, qsl, out=out, config=SMALL, max_query_len=21)
+    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
+    want[12:33] = True
+    _assert_nan_exactly(out, reference.attention_reference_quantized(*args_of(b)), want,
+                        TOL_QUANTIZED[("int8", "bf16")], "dense grid")
+    with pytest.raises(DeviceMetadataError, match="index 1;"):
+        check_errors(device)
 
 
 # --------------------------------------------------------------------------- bad input

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from int8attn import reference
 from int8attn.cache import PagedKVCache
+from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.kernels.quantize import _amax_rows, _quantize, _quantize_rows, _row_scale
 from int8attn.ops.producer import apply_rope_torch, quantize_query, rope_quantize_and_write
 from int8attn.ops.write import write_kv
@@ -393,6 +394,58 @@ def test_producer_non_finite_rows(kv_dtype, gen, device):
     for t, h in ((2, 0), (6, 1)):
         if slots[t] >= 0:
             assert torch.isnan(cache.key_scale[blk[t], h, off[t]])
+
+
+def _clear_error_flags():
+    try:
+        check_errors()
+    except DeviceMetadataError:
+        pass
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
+def test_producer_unchecked_bad_positions_and_slots(kv_dtype, gen, device, monkeypatch):
+    """With value checks off: a position outside the cos/sin table gives that token a NaN
+    Q and a poisoned K/V (never an address outside the table), a slot outside the cache is
+    skipped, every other byte is as the unfused sequence writes it, and check_errors()
+    names the first bad token."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    _clear_error_flags()
+    n, hq, hkv, d, rot, max_pos = 9, 4, 2, 64, 32, 64
+    cache, q, k, v, pos, cos_sin, slots = make_step(n, hq, hkv, d, rot, kv_dtype, gen, device, pad=False,
+                                                    fused_qkv=False, max_pos=max_pos)
+    bad_pos = pos.clone()
+    bad_pos[3] = max_pos
+    bad_pos[6] = -1
+    pos_ok = (bad_pos >= 0) & (bad_pos < max_pos)
+    bad_slots = slots.clone()
+    bad_slots[7] = cache.num_slots + 1
+    unfused = copy.deepcopy(cache)
+    out_q, out_s = rope_quantize_and_write(q, k, v, bad_pos, cos_sin, cache, bad_slots)
+    with pytest.raises(DeviceMetadataError, match="slot outside.*position outside.*index 3;"):
+        check_errors(device)
+    clamped = torch.where(pos_ok, bad_pos, 0)
+    nan_rows = torch.where(pos_ok[:, None, None], 0.0, float("nan"))
+    write_kv(unfused, apply_rope_torch(k, clamped, cos_sin) + nan_rows, v,
+             torch.where(bad_slots < cache.num_slots, bad_slots, -1))
+    ref_q, ref_s = quantize_query(apply_rope_torch(q, clamped, cos_sin) + nan_rows, kv_dtype)
+    assert same_bits(out_q, ref_q)
+    for a, b in ((cache.key, unfused.key), (cache.value, unfused.value)):
+        assert same_bits(a, b)
+    if kv_dtype == "bf16":
+        assert torch.isnan(out_q[[3, 6]].float()).all()
+        return
+    assert same_bits(out_s, ref_s) and torch.isnan(out_s[[3, 6]]).all() and torch.isfinite(out_s).sum() == 7 * hq
+    assert same_bits(cache.key_scale, unfused.key_scale) and same_bits(cache.value_scale, unfused.value_scale)
+    assert same_bits(cache.key_mean, unfused.key_mean) and torch.isfinite(cache.key_mean).all()
+
+
+def test_producer_duplicate_slots_refused(gen, device):
+    cache, q, k, v, pos, cos_sin, slots = make_step(9, 4, 2, 64, 32, "int8", gen, device, pad=False)
+    slots[8] = slots[0]
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] and slot_mapping\[8\]"):
+        rope_quantize_and_write(q, k, v, pos, cos_sin, cache, slots)
+    assert cache.key_mean is None
 
 
 def test_producer_bad_inputs_leave_cache_unchanged(gen, device):

@@ -8,6 +8,7 @@ import torch
 
 from int8attn import reference
 from int8attn.cache import BlockAllocator, PagedKVCache
+from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.ops.write import write_kv
 from int8attn.testing import make_keys, make_normal
 
@@ -380,6 +381,63 @@ def test_bad_inputs_raise_before_launch_and_leave_cache_unchanged(gen, device):
             write_kv(*args)
         assert_caches_equal(cache, before)
         assert cache.key_mean is None, what
+
+
+def test_duplicate_slots_are_refused_when_values_are_checked(gen, device, monkeypatch):
+    """Two tokens of one call to the same slot: a clear error naming both and the slot,
+    before the cache is touched (padding -1 may repeat)."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")
+    cache, key, value, slots = make_case(9, 2, 64, "int8", 8, gen, device, pad_every=4)
+    slots[7] = slots[2]
+    before = copy.deepcopy(cache)
+    with pytest.raises(ValueError, match=rf"slot_mapping\[2\] and slot_mapping\[7\] are both slot {int(slots[2])}"):
+        write_kv(cache, key, value, slots)
+    assert_caches_equal(cache, before)
+    slots[7] = -1  # several padding tokens are fine
+    write_kv(cache, key, value, slots)
+    assert_caches_equal(cache, reference_write(before, key, value, slots, cache))
+
+
+def _clear_error_flags():
+    try:
+        check_errors()
+    except DeviceMetadataError:
+        pass
+
+
+@pytest.mark.parametrize("kv_dtype,launch", [("int8", None), ("fp8", {"KV_TOKENS": 1, "BLOCK_HKV": 2}),
+                                             ("bf16", None), ("int8", {"KV_TOKENS": 8, "BLOCK_HKV": 1})],
+                         ids=["int8", "fp8_one_token", "bf16", "int8_whole_pages"])
+def test_unchecked_bad_slots_are_skipped_and_flagged(kv_dtype, launch, gen, device, monkeypatch):
+    """With value checks off, slots outside [-1, num_slots) are skipped (no byte outside
+    the written slots changes), the other tokens are written exactly, and check_errors()
+    names the first bad token."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    _clear_error_flags()
+    cache, key, value, _ = make_case(40, 2, 64, kv_dtype, 8, gen, device, smoothing="none")
+    slots = torch.arange(8, 48, device=device)  # whole pages from page 1 on
+    bad = slots.clone()
+    bad[5] = cache.num_slots
+    bad[11] = -2
+    bad[30] = 10 ** 9
+    before = copy.deepcopy(cache)
+    write_kv(cache, key, value, bad, _launch=launch)
+    assert_caches_equal(cache, reference_write(before, key, value, torch.where((bad >= 0) & (bad < cache.num_slots),
+                                                                                bad, -1)))
+    with pytest.raises(DeviceMetadataError, match="slot outside.*index 5;"):
+        check_errors(device)
+
+
+def test_checked_call_reports_earlier_flags(gen, device, monkeypatch):
+    """A later call that runs its value checks raises what an unchecked kernel flagged."""
+    _clear_error_flags()
+    cache, key, value, slots = make_case(9, 2, 64, "int8", 8, gen, device)
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    write_kv(cache, key, value, torch.where(slots == slots[4], cache.num_slots + 3, slots))
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")
+    with pytest.raises(DeviceMetadataError, match="index 4;"):
+        write_kv(cache, key, value, slots)
+    write_kv(cache, key, value, slots)  # flags cleared
 
 
 def test_non_contiguous_last_dim_message(gen, device):

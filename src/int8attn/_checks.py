@@ -29,6 +29,7 @@ import weakref
 import torch
 
 from .cache import KV_DTYPES, PagedKVCache, value_storage_shape
+from .errors import check_errors
 
 #: Query / new K / V dtypes the launchers accept; bf16 is the contract, fp16 and fp32 are
 #: loaded and converted in-kernel.
@@ -265,8 +266,9 @@ def check_attention_inputs(
         out_dtypes = (torch.bfloat16,) if query.dtype == torch.bfloat16 else (torch.bfloat16, query.dtype)
         check_tensor("out", out, dtypes=out_dtypes, shape=tuple(query.shape), device=dev)
     check_quantized_query(q_quant, q_scale, tuple(query.shape), cache)
-    if check_values and num_seqs > 0 and value_checks_enabled():
+    if check_values and num_seqs > 0 and value_checks_enabled(dev):
         check_attention_values(query.shape[0], cache, block_table, seq_lens, query_start_loc)
+        check_errors(dev)  # what earlier kernels on this device found, now that we read back anyway
 
 
 def check_attention_values(num_tokens, cache, block_table, seq_lens, query_start_loc, *,
@@ -344,10 +346,15 @@ def check_pv_tile_keys(block_n: int, pv_mode: str) -> None:
                          f"needs block_n >= {MIN_8BIT_PV_KEYS}: 8-bit MMAs reduce over {MIN_8BIT_PV_KEYS} keys)")
 
 
-def check_kernel_options(cache, softmax_scale, op: str) -> None:
-    """What every attention kernel needs of the cache's head_dim and of softmax_scale."""
+def check_kernel_options(cache, softmax_scale, op: str, any_multiple_of_16: bool = False) -> None:
+    """What every attention kernel needs of the cache's head_dim and of softmax_scale
+    (``any_multiple_of_16``: a kernel that pads its tile to the next power of two, as
+    decode does, takes every multiple of 16 in [16, 256])."""
     d = cache.head_dim
-    if d & (d - 1) or not 16 <= d <= 256:
+    if any_multiple_of_16:
+        if d % 16 or not 16 <= d <= 256:
+            raise ValueError(f"{op} needs a head_dim that is a multiple of 16 in [16, 256], got {d}")
+    elif d & (d - 1) or not 16 <= d <= 256:
         raise ValueError(f"{op} needs a power-of-two head_dim in [16, 256], got {d}")
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
@@ -382,14 +389,43 @@ def _raise_bad_slot(slot_mapping, cache) -> None:
     )
 
 
+def _slot_duplicated(slot_mapping) -> torch.Tensor:
+    """True (a device bool) when a slot other than -1 appears twice (sort: no host sync)."""
+    s = slot_mapping.sort().values
+    return ((s[1:] == s[:-1]) & (s[1:] >= 0)).any()
+
+
+def _raise_duplicate_slot(slot_mapping) -> None:
+    s = slot_mapping.sort().values
+    slot = int(s[1:][(s[1:] == s[:-1]) & (s[1:] >= 0)][0])
+    first, second = (slot_mapping == slot).nonzero().flatten()[:2].tolist()
+    raise ValueError(
+        f"slot_mapping[{first}] and slot_mapping[{second}] are both slot {slot}: a write stores each slot at "
+        "most once (which of two writes to one slot would win is unspecified)"
+    )
+
+
+def check_slot_values(slot_mapping, cache, extra=None) -> list:
+    """The value checks of a write's slots in one host sync: every slot in [-1, num_slots)
+    and no slot other than -1 twice; ``extra`` (device bools) are read back in the same
+    sync and returned. Also raises what earlier kernels on the device flagged."""
+    bad, dup, *rest = torch.stack([_slot_bad(slot_mapping, cache).any(), _slot_duplicated(slot_mapping),
+                                   *(extra or [])]).tolist()
+    if bad:
+        _raise_bad_slot(slot_mapping, cache)
+    if dup:
+        _raise_duplicate_slot(slot_mapping)
+    check_errors(cache.device)
+    return rest
+
+
 def check_slot_mapping(slot_mapping, num_tokens: int, cache, values: bool = True) -> None:
     """slot_mapping [N] int32 / int64 on the cache's device; with ``values`` (and value
-    checks enabled) every slot in [-1, num_slots)."""
+    checks enabled for the device) :func:`check_slot_values`."""
     check_tensor("slot_mapping", slot_mapping, dtypes=INDEX_DTYPES, shape=(num_tokens,), device=cache.device,
                  last_dim_contiguous=False)
-    if values and value_checks_enabled() and num_tokens > 0:
-        if bool(_slot_bad(slot_mapping, cache).any()):
-            _raise_bad_slot(slot_mapping, cache)
+    if values and value_checks_enabled(cache.device) and num_tokens > 0:
+        check_slot_values(slot_mapping, cache)
 
 
 def check_write_inputs(cache, key, value, slot_mapping) -> None:
@@ -397,7 +433,8 @@ def check_write_inputs(cache, key, value, slot_mapping) -> None:
 
     key, value [N, Hkv, D] bf16 (fp16 / fp32 accepted), same shape, last dim contiguous,
     Hkv == cache.num_kv_heads, D == cache.head_dim; slot_mapping [N] int32 / int64 with
-    values in [-1, cache.num_slots) (value check); all on the cache's device.
+    values in [-1, cache.num_slots) and no slot but -1 twice (value checks); all on the
+    cache's device.
     """
     check_cache(cache)
     check_kv(key, value, cache)
@@ -459,11 +496,9 @@ def check_producer_inputs(query, key, value, positions, cos_sin_cache, cache, sl
     elif out_q_scale is not None:
         raise ValueError("out_q_scale must be None for a bf16 cache (its query is not scaled)")
     check_slot_mapping(slot_mapping, n, cache, values=False)
-    if value_checks_enabled() and n > 0:
+    if value_checks_enabled(dev) and n > 0:
         pos_bad = (positions < 0) | (positions >= max_pos)
-        slot_flag, pos_flag = torch.stack([_slot_bad(slot_mapping, cache).any(), pos_bad.any()]).tolist()  # one sync
-        if slot_flag:
-            _raise_bad_slot(slot_mapping, cache)
+        (pos_flag,) = check_slot_values(slot_mapping, cache, [pos_bad.any()])  # one sync
         if pos_flag:
             i = _bad_first(pos_bad)[0]
             raise ValueError(f"positions[{i}]={int(positions[i])} is outside [0, max_position={max_pos})")

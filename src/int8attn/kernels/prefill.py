@@ -65,7 +65,8 @@ Tensor layouts (last dims unit stride, other strides passed explicitly):
   K and V share the block and head strides; e4m3 data passed as uint8;
   key_scale/value_scale [num_blocks, Hkv, PAGE] fp32 (unused for bf16);
 * block_table [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32;
-  query_start_loc [num_seqs + 1] int32;
+  query_start_loc [num_seqs + 1] int32 (none of them trusted: see ``_prefill_kernel``);
+  flags: :func:`int8attn.errors.error_flags` of the device;
 * out [T, Hq, D] (bf16, or the query's dtype).
 
 Grid: (query tiles, Hkv). With ``SEARCH`` the query tiles are numbered as in vLLM's
@@ -81,6 +82,7 @@ sequence start first. Programs whose tile holds no token, or whose sequence has
 import triton
 import triton.language as tl
 
+from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN, _raise_error
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
 from .quantize import _finite_rows, _quantize_rows, _round_to_e4m3_grid
 
@@ -98,6 +100,8 @@ LAZY_TAU = tl.constexpr(4.0)
 #: fp16 P unit (8-bit caches, 16-bit PV) over the first KV tile's largest V scale: with
 #: p <= 16, P = p * sV / unit <= sV / max(sV of the first tile).
 P_UNIT_MARGIN = tl.constexpr(16.0)
+#: Block-table entries checked per step of the block-id scan.
+SCAN_BLOCKS = tl.constexpr(256)
 
 
 @triton.jit
@@ -411,8 +415,8 @@ def _store_chunk(out_ptr, out_rows, col0, offs_dv, acc, norm, row_valid):
 def _prefill_kernel(
     q_ptr, q_scale_ptr, out_ptr,
     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, num_seqs, min_query_len, tiles_per_seq, num_tiles,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, flags_ptr,
+    qk_scale, num_seqs, num_tokens, num_blocks, max_blocks, min_query_len, tiles_per_seq, num_tiles,
     stride_qt, stride_qh, stride_qst, stride_qsh,
     stride_ot, stride_oh,
     stride_cb, stride_ch, stride_sb, stride_sh,
@@ -426,17 +430,38 @@ def _prefill_kernel(
     tile = num_tiles - 1 - tl.program_id(0)  # longest tiles first
     kv_head = tl.program_id(1)
     if SEARCH:
-        seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+        seq = tl.maximum(_find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q), 0)
         q_start = tl.load(query_start_loc_ptr + seq)
         q_tile = tile - (q_start // BLOCK_Q + seq)
     else:
         seq = tile // tiles_per_seq
         q_tile = tile % tiles_per_seq
         q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if (q_len <= min_query_len) | (q_tile * BLOCK_Q >= q_len):
-        return
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Metadata is not trusted (host value checks may be off): a sequence whose query range
+    # leaves [0, num_tokens] or exceeds its seq_len, whose seq_len is negative or beyond
+    # its block-table row, or whose block-table entries below seq_len leave [0,
+    # num_blocks), reads nothing, gets NaN rows (within the clamped query range) and
+    # raises an error flag naming it. The clamps keep every address in its tensor.
+    bad_q = (q_start < 0) | (q_end < q_start) | (q_end > num_tokens) | (q_end - q_start > seq_len)
+    bad_len = (seq_len < 0) | (seq_len > max_blocks * PAGE)
+    _raise_error(flags_ptr, tl.where(bad_q, ERR_QUERY_LEN, 0) | tl.where(bad_len, ERR_SEQ_LEN, 0), seq,
+                 bad_q | bad_len)
+    q_start = tl.minimum(tl.maximum(q_start, 0), num_tokens)
+    q_len = tl.maximum(tl.minimum(q_end, num_tokens) - q_start, 0)
+    if (q_len <= min_query_len) | (q_tile < 0) | (q_tile * BLOCK_Q >= q_len):
+        return
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    # every program of the sequence scans the same entries, so all of its rows agree
+    num_cols = tl.where(bad_q | bad_len, 0, tl.cdiv(seq_len, PAGE))
+    num_bad = tl.zeros([], tl.int32)
+    for col0 in range(0, num_cols, SCAN_BLOCKS):
+        cols = col0 + tl.arange(0, SCAN_BLOCKS)
+        ids = tl.load(bt_row + cols, mask=cols < num_cols, other=0)
+        num_bad += tl.sum(((ids < 0) | (ids >= num_blocks)).to(tl.int32), 0)
+    _raise_error(flags_ptr, ERR_BLOCK_ID, seq, num_bad > 0)
+    bad = bad_q | bad_len | (num_bad > 0)
     ctx = seq_len - q_len
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -472,11 +497,10 @@ def _prefill_kernel(
     # diagonal band; nothing past the last row's position is visited.
     first_tok = q_tile * BLOCK_Q
     last_tok = tl.minimum(q_len, first_tok + BLOCK_Q) - 1
-    kv_end = ctx + last_tok + 1
-    full_end = ((ctx + first_tok + 1) // BLOCK_N) * BLOCK_N
+    kv_end = tl.where(bad, 0, ctx + last_tok + 1)
+    full_end = tl.where(bad, 0, ((ctx + first_tok + 1) // BLOCK_N) * BLOCK_N)
     row_limit = tl.minimum(ctx + tok, kv_end - 1)
 
-    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     data_head = kv_head.to(tl.int64) * stride_ch
     scale_head = kv_head.to(tl.int64) * stride_sh
 
@@ -524,6 +548,7 @@ def _prefill_kernel(
 
     # l_i is 0 only for rows that saw no key; NaN (a poisoned key or query) stays NaN
     norm = tl.where(l_i == 0.0, 0.0, r_i / l_i)
+    norm = tl.where(bad, float("nan"), norm)
     out_rows = q_row * stride_ot + row_head * stride_oh
     NUM_DV: tl.constexpr = HEAD_DIM // DV
     _store_chunk(out_ptr, out_rows, 0, offs_dv, acc0, norm, row_valid)

@@ -21,6 +21,7 @@ import triton
 from .. import _checks
 from ..cache import PagedKVCache
 from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
+from ..errors import error_flags
 from ..kernels.prefill import _prefill_kernel
 from ..runtime import device_guard, interpret_mode
 
@@ -247,8 +248,9 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
         last_compiled_kernel = _prefill_kernel[(num_tiles, cache.num_kv_heads)](
             q_in, q_scale_in, out,
             key, value, k_scale, v_scale,
-            block_table, seq_lens, query_start_loc,
-            qk_scale, num_seqs, min_query_len, max(tiles_per_seq, 1), num_tiles,
+            block_table, seq_lens, query_start_loc, error_flags(cache.device),
+            qk_scale, num_seqs, num_tokens, cache.num_blocks, block_table.shape[1], min_query_len,
+            max(tiles_per_seq, 1), num_tiles,
             q_in.stride(0), q_in.stride(1), q_scale_strides[0], q_scale_strides[1],
             out.stride(0), out.stride(1),
             cache.key.stride(0), cache.key.stride(1), scale_strides[0], scale_strides[1],

@@ -118,7 +118,8 @@ def rope_quantize_and_write(
             rotary_dim even and <= D: partial rotary rotates only the first rotary_dim
             channels (NeoX pairing: channel i with i + rotary_dim/2).
         cache: the paged cache; slot_mapping: [N] as for :func:`int8attn.write_kv`
-            (-1 skips the K/V write of a padding token; its Q is still emitted).
+            (-1 skips the K/V write of a padding token; its Q is still emitted; each
+            slot at most once).
         out_q, out_q_scale: optional outputs.
 
     Effect and result: RoPE'd K (minus ``cache.key_mean`` when smoothing) and V are
@@ -126,6 +127,12 @@ def rope_quantize_and_write(
     the fp32 RoPE arithmetic); returns ``(q_out, q_scale)``: RoPE'd Q quantized per
     (token, head) for the cache's dtype -- int8 / float8_e4m3fn [N, Hq, D] and fp32
     [N, Hq] -- or, for a bf16 cache, RoPE'd bf16 Q and None.
+
+    Non-finite input and unchecked metadata follow :func:`int8attn.write_kv`: a K / V row
+    with an inf / NaN is stored poisoned, a Q row with one gets scale NaN (bf16: NaN
+    values); a position outside ``[0, max_position)`` (value checks off) reads no table
+    row, gives the token a NaN Q and a poisoned K/V and raises a device flag, as does a
+    slot outside the cache (skipped).
     """
     _checks.check_producer_inputs(query, key, value, positions, cos_sin_cache, cache, slot_mapping,
                                   out_q, out_q_scale)

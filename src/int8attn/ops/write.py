@@ -86,7 +86,8 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
         key, value: [N, num_kv_heads, head_dim] bf16 (fp16 / fp32 accepted), unit
             stride on head_dim.
         slot_mapping: [N] int32 / int64; ``slot = block_id * block_size + offset``;
-            -1 skips the token (padding).
+            -1 skips the token (padding). Each slot at most once per call: value checks
+            refuse a repeated slot; without them which of the writes lands is unspecified.
 
     Per (token, KV head) symmetric quantization (int8: scale ``amax/127``, codes
     ``x * (127/amax)`` rounded half away from zero; fp8 e4m3: ``amax/448`` and
@@ -105,7 +106,13 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
     with P = 0). Statistics never come from such rows: the "first_write" key mean is
     taken over the finite rows.
 
-    Bad input raises ``TypeError`` / ``ValueError`` before the cache is touched.
+    Bad input raises ``TypeError`` / ``ValueError`` before the cache is touched. Value
+    checks (slots in range, no repeated slot) read the device back, so they run on CPU
+    tensors and on a GPU only with ``INT8ATTN_CHECK_VALUES=1`` (see
+    :func:`int8attn._checks.value_checks_enabled`); without them the kernel still never
+    writes outside the cache: a slot outside ``[-1, num_slots)`` is skipped and raises a
+    device flag that :func:`int8attn.check_errors` (or the next checked call) reports,
+    naming the token.
     ``_launch`` overrides the launch configuration (``TOKENS_PER_PROGRAM``, ``num_warps``;
     benchmarks only).
     """
