@@ -72,10 +72,12 @@ def prefill_cases() -> None:
             "qsl end past num_tokens": (("qsl", 3, starts[3] + 10 ** 6), 2),
             "qsl start negative": (("qsl", 0, -50), 0),
         }
+        ref = reference.attention_reference(b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
         for name, ((which, index, value), bad_seq) in cases.items():
             bt, sl, qsl = b.block_table.clone(), b.seq_lens.clone(), b.query_start_loc.clone()
             {"bt": bt, "sl": sl, "qsl": qsl}[which][index] = value
-            for max_query_len in (None, max(q_lens)):
+            # the dense grid (max_query_len given) for the first case, the searched one for all
+            for max_query_len in ((None, max(q_lens)) if name == "block id 10**6" else (None,)):
                 out = torch.full(b.query.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
                 prefill_attention(b.query, b.cache, bt, sl, qsl, out=out, max_query_len=max_query_len)
                 nan_rows = torch.isnan(out.float()).any(-1).any(-1).cpu()
@@ -90,7 +92,6 @@ def prefill_cases() -> None:
                 else:
                     ok = torch.equal(nan_rows, want)
                 expect(ok, f"{what}: NaN rows exactly the bad sequence's")
-                ref = reference.attention_reference(b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
                 err = reference.error_stats(out.cpu()[~want], ref[~want])["rel_l2"]
                 expect(err < 0.05, f"{what}: other rows rel-L2 {err:.4f}")
                 expect_flag(bad_seq, what)

@@ -427,10 +427,47 @@ def test_bad_input_raises_before_launch(case, monkeypatch):
     assert torch.isnan(out.float()).all()
 
 
-def test_non_power_of_two_head_dim_refused():
-    b = batch([20], [10], d=80, hq=2, hkv=1)
-    with pytest.raises(ValueError, match="power-of-two head_dim"):
-        prefill_attention(*args_of(b))
+KV_PV = [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16"), ("bf16", "bf16")]
+
+
+@pytest.mark.parametrize("d", [80, 96, 112, 160, 192])
+@pytest.mark.parametrize("kv,pv", KV_PV, ids=[f"{kv}_pv{pv}" for kv, pv in KV_PV])
+def test_head_dims_that_are_not_powers_of_two(d, kv, pv, device):
+    """head_dim 80..192: the tile is padded to the next power of two with masks on the
+    head_dim axis; every element of the output is written and matches both references."""
+    b = batch([37, 20], [23, 20], hq=6, hkv=2, d=d, kv=kv, seed=d, device=device)
+    run_and_check(b, pv=pv, name=f"D{d}")
+
+
+@pytest.mark.parametrize("d,config,pv", [
+    (80, PrefillConfig(block_m=32, block_n=32, dv=32, num_warps=4, num_stages=1), "int8"),  # 3 of 4 chunks live
+    (80, PrefillConfig(block_m=32, block_n=32, dv=64, v_late=True, num_warps=4, num_stages=1), "bf16"),
+    (160, PrefillConfig(block_m=16, block_n=32, dv=64, v_late=True, num_warps=4, num_stages=1), "int8"),
+    (192, PrefillConfig(block_m=16, block_n=16, dv=64, p_shift=True, num_warps=4, num_stages=1), "int8"),
+    (96, PrefillConfig(block_m=32, block_n=32, dv=64, v_flat=True, num_warps=4, num_stages=1), "bf16"),
+    (112, PrefillConfig(block_m=16, block_n=64, dv=32, v_flat=True, v_late=True, num_warps=4, num_stages=1),
+     "int8"),
+], ids=["d80_dv32", "d80_pv16_late", "d160_dv64_late", "d192_shift", "d96_flat", "d112_flat_late"])
+def test_padded_head_dim_kernel_variants(d, config, pv, device):
+    """Padded head_dims with PV column chunks partly or wholly past head_dim, late V
+    loads, shifted int8 P and flat V page runs."""
+    b = batch([97, 5], [60, 5], hq=4, hkv=2, d=d, bs=16, seed=d + 1, device=device)
+    run_and_check(b, config=config, pv=pv, name=f"D{d}")
+
+
+def test_padded_head_dim_stale_slots_and_poisoned_neighbours(device):
+    """At D 80 the masked channel lanes of K and V never reach the output: NaN bytes in
+    every stale slot stay out (fp8 / bf16 data poisoned, see _poison_then_write)."""
+    for kv, pv in (("fp8", "fp8"), ("bf16", "bf16"), ("fp8", "bf16")):
+        b = testing.make_paged_batch([37, 50, 9], [20, 9, 9], num_q_heads=4, num_kv_heads=2, head_dim=80,
+                                     block_size=16, kv_dtype=kv, seed=19, device=device, writer=_poison_then_write)
+        out = run_and_check(b, pv=pv, config=replace(SMALL, block_n=32))
+        assert torch.isfinite(out.float()).all()
+
+
+def test_head_dim_not_a_multiple_of_16_is_refused_by_the_cache():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        batch([20], [10], d=72, hq=2, hkv=1)
 
 
 # --------------------------------------------------------------------------- GPU
@@ -445,6 +482,46 @@ def test_gpu_default_config(kv):
     key = (kv, DEFAULT_PV[kv])
     testing.assert_close_verbose(out, ref, rel_l2=TOL_REFERENCE[key])
     assert math.isfinite(float(out.float().abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d,kv,pv", [(96, "int8", None), (96, "fp8", None), (96, "bf16", None),
+                                     (192, "int8", "int8"), (160, "fp8", "fp8"), (80, "int8", None)],
+                         ids=["d96_int8", "d96_fp8", "d96_bf16", "d192_int8_pv8", "d160_fp8_pv8", "d80_int8"])
+def test_gpu_padded_head_dims(d, kv, pv):
+    """Default GPU tiles at head_dims that are not powers of two (padded, masked)."""
+    b = batch([1500, 300], [700, 300], hq=16, hkv=4, d=d, kv=kv, seed=d, device="cuda")
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+    prefill_attention(*args_of(b), out=out, pv_mode=pv)
+    key = (kv, pv or DEFAULT_PV[kv])
+    testing.assert_close_verbose(out, reference.attention_reference(*args_of(b)), rel_l2=TOL_REFERENCE[key])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_default_tiles_poisoned_token_query_and_bad_block_id():
+    """Default GPU tiles (value checks off, the GPU default): a poisoned K token, an inf
+    query row and an out-of-range block id each make exactly their rows NaN; the flag
+    names the bad sequence."""
+    _clear_error_flags()
+    b = testing.make_paged_batch([700, 900, 300], [300, 500, 300], num_q_heads=24, num_kv_heads=4, head_dim=256,
+                                 seed=5, device="cuda", writer=_poisoning_writer([(600, 2, 11, "k")], float("nan")))
+    b.query[50, 3, 0] = float("inf")
+    bt = b.block_table.clone()
+    bt[2, 3] = 10 ** 6
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+    prefill_attention(b.query, b.cache, bt, b.seq_lens, b.query_start_loc, out=out)
+    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
+    want[600 - 400:300, 12:18] = True  # sequence 0: prefix 400, token 600 of KV head 2
+    want[50, 3] = True
+    want[800:] = True  # sequence 2
+    clean = b.query.clone()
+    clean[50, 3] = 0
+    ref = reference.attention_reference_quantized(clean, *args_of(b)[1:])
+    _assert_nan_exactly(out, ref, want, 0.012, "default tiles")
+    with pytest.raises(DeviceMetadataError, match="block id.*index 2;"):
+        check_errors("cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

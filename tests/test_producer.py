@@ -254,6 +254,9 @@ def check_quantized_rows(got_q, got_s, want, kv_dtype, what):
         (17, 8, 2, 128, 64, "bf16"),
         (17, 4, 1, 256, 128, "bf16"),
         (9, 6, 3, 80, 48, "int8"),  # head_dim not a power of two, heads not a multiple of the tile: masked
+        (9, 4, 2, 96, 96, "fp8"),
+        (9, 4, 1, 192, 64, "bf16"),
+        (17, 6, 2, 112, 112, "int8"),
         (9, 4, 4, 64, 2, "fp8"),  # one rotated pair
     ],
 )
@@ -440,7 +443,8 @@ def test_producer_unchecked_bad_positions_and_slots(kv_dtype, gen, device, monke
     assert same_bits(cache.key_mean, unfused.key_mean) and torch.isfinite(cache.key_mean).all()
 
 
-def test_producer_duplicate_slots_refused(gen, device):
+def test_producer_duplicate_slots_refused(gen, device, monkeypatch):
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")
     cache, q, k, v, pos, cos_sin, slots = make_step(9, 4, 2, 64, 32, "int8", gen, device, pad=False)
     slots[8] = slots[0]
     with pytest.raises(ValueError, match=r"slot_mapping\[0\] and slot_mapping\[8\]"):
@@ -448,7 +452,8 @@ def test_producer_duplicate_slots_refused(gen, device):
     assert cache.key_mean is None
 
 
-def test_producer_bad_inputs_leave_cache_unchanged(gen, device):
+def test_producer_bad_inputs_leave_cache_unchanged(gen, device, monkeypatch):
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")  # the slot / position checks (off by default on a GPU)
     cache, q, k, v, pos, cos_sin, slots = make_step(9, 8, 2, 64, 32, "int8", gen, device)
     before = copy.deepcopy(cache)
     bad = [

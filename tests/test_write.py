@@ -104,6 +104,10 @@ def make_case(n, num_kv_heads, head_dim, kv_dtype, block_size=16, gen=None, devi
         (17, 4, 128, 16, "bf16"),
         (17, 2, 256, 8, "bf16"),
         (9, 2, 80, 16, "fp8"),  # head_dim not a power of two: masked lanes
+        (17, 2, 96, 16, "int8"),
+        (9, 3, 160, 8, "fp8"),
+        (17, 1, 192, 16, "bf16"),
+        (16, 2, 112, 16, "int8"),
     ],
 )
 def test_write_kv_bit_exact_vs_reference(n, num_kv_heads, head_dim, block_size, kv_dtype, gen, device):
@@ -371,7 +375,8 @@ def _bad_calls(cache, key, value, slots):
     yield "device", ValueError, (cache, key.to("meta"), value.to("meta"), slots.to("meta"))
 
 
-def test_bad_inputs_raise_before_launch_and_leave_cache_unchanged(gen, device):
+def test_bad_inputs_raise_before_launch_and_leave_cache_unchanged(gen, device, monkeypatch):
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")  # the slot checks (off by default on a GPU)
     cache, key, value, slots = make_case(9, 2, 64, "int8", 8, gen, device)
     before = copy.deepcopy(cache)
     for what, exc, args in _bad_calls(cache, key, value, slots):

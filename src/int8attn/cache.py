@@ -12,7 +12,7 @@ Layout (all tensors contiguous, on one device)::
 
 Each (block, KV head) pair owns one ``block_size x head_dim`` tile of K and one of V,
 each contiguous in memory, so a read kernel streams a whole page of one head with
-unit-stride 16-byte loads (head_dim 64/128/256 and block_size >= 16 keep every run
+unit-stride 16-byte loads (head_dim a multiple of 16 and block_size >= 16 keep every run
 16-byte aligned). Scales live in their own tensors, never inline with the data, so data
 rows stay aligned.
 
@@ -51,7 +51,9 @@ KV_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "bf16": torch.bfloat16,
 }
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+#: Every head_dim the cache and the kernels take: multiples of 16 up to 256 (kernels pad
+#: their tiles to the next power of two).
+SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 16))
 KEY_SMOOTHING_MODES = ("auto", "none", "first_write")
 
 
@@ -77,7 +79,7 @@ class PagedKVCache:
         num_blocks: number of physical pages.
         block_size: tokens per page, a power of two >= 8.
         num_kv_heads: KV heads stored.
-        head_dim: 64, 128 or 256 (any multiple of 16 up to 256 is accepted).
+        head_dim: any multiple of 16 from 16 to 256 (``SUPPORTED_HEAD_DIMS``).
         kv_dtype: "int8" (default), "fp8" (e4m3) or "bf16".
         device: where the storage lives.
         key_smoothing: "auto" (default: "first_write" for int8/fp8, "none" for bf16),

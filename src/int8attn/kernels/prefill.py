@@ -39,7 +39,10 @@ Per KV tile:
   ``acc = acc * (alpha * r_old / r_new) + pv`` (alpha the online softmax rescale; for
   fp16 P, ``r_old == r_new``); for 8-bit P, ``r`` is bounded below by
   ``max(sV) * 2**-20 / levels`` so the units never run away on tiles with negligible weight.
-* ``DV``: the PV product and accumulator are split in ``HEAD_DIM // DV`` column chunks
+* head_dim: any multiple of 16 up to 256; the head_dim axis of Q, K and the output is a
+  ``BLOCK_D = next_power_of_2(HEAD_DIM)`` tile whose lanes past HEAD_DIM load as 0 and are
+  not stored (QK over the padded lanes adds 0; PV chunks wholly past HEAD_DIM are skipped).
+* ``DV``: the PV product and accumulator are split in ``cdiv(HEAD_DIM, DV)`` column chunks
   (one dot each), which bounds the live int32 PV tile at head_dim 256. ``V_LATE`` loads
   each V chunk right before its dot instead of before QK: at head_dim 256 the V tile
   otherwise stays live across QK and softmax next to the 128-register accumulator and
@@ -130,7 +133,7 @@ def _as_storage(x, KV_KIND: tl.constexpr):
 
 @triton.jit
 def _load_v(v_ptr, row_off, page_base, slot0, col0, offs_dv, offs_slot, in_seq, tile_valid,
-            BLOCK_N: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+            BLOCK_N: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
             MASKED: tl.constexpr, KV_KIND: tl.constexpr, V_TRANSPOSED: tl.constexpr, V_FLAT: tl.constexpr):
     """Columns ``[col0, col0 + DV)`` of the tile's V as the [BLOCK_N, DV] PV operand.
 
@@ -143,7 +146,8 @@ def _load_v(v_ptr, row_off, page_base, slot0, col0, offs_dv, offs_slot, in_seq, 
     Keys past the sequence (``MASKED`` tiles) read valid memory -- a stale slot of the
     last page, or block 0 for pages past the end -- and meet P = 0; only e4m3 needs them
     zeroed (stale bytes may be NaN, and NaN * 0 = NaN in the dot). The zeroing is a
-    select after the load: a per-key load mask would split the contiguous runs."""
+    select after the load: a per-key load mask would split the contiguous runs.
+    Channels past HEAD_DIM (the last chunk of a padded head_dim) are masked, loaded as 0."""
     if V_TRANSPOSED:
         if V_FLAT and BLOCK_N >= PAGE:
             # ``V_FLAT``: the DV channel rows of a page are one run of DV * PAGE bytes; as a
@@ -154,18 +158,27 @@ def _load_v(v_ptr, row_off, page_base, slot0, col0, offs_dv, offs_slot, in_seq, 
             # 16-bit PV operand N-major, with 16-bit stores (sm_90, Triton 3.6).
             NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
             flat = tl.arange(0, DV * PAGE)
-            vt = tl.load(v_ptr + page_base[:, None] + col0 * PAGE + flat[None, :])
+            if HEAD_DIM % DV:
+                vt = tl.load(v_ptr + page_base[:, None] + col0 * PAGE + flat[None, :],
+                             mask=(flat < (HEAD_DIM - col0) * PAGE)[None, :], other=0)
+            else:
+                vt = tl.load(v_ptr + page_base[:, None] + col0 * PAGE + flat[None, :])
             vt = tl.reshape(vt, (NUM_PAGES, DV, PAGE))
         else:
             addr = (page_base[:, None, None] + (col0 + offs_dv)[None, :, None] * PAGE
                     + (slot0 + offs_slot)[None, None, :])
-            vt = tl.load(v_ptr + addr)
+            if HEAD_DIM % DV:
+                vt = tl.load(v_ptr + addr, mask=((col0 + offs_dv) < HEAD_DIM)[None, :, None], other=0)
+            else:
+                vt = tl.load(v_ptr + addr)
         if MASKED and KV_KIND == KIND_FP8:
             vt = tl.where(tile_valid[:, None, :], vt, 0)
         v = tl.reshape(tl.permute(vt, (0, 2, 1)), (BLOCK_N, DV))
     else:
         ptrs = v_ptr + row_off[:, None] + (col0 + offs_dv)[None, :]
-        if MASKED:
+        if HEAD_DIM % DV:
+            v = tl.load(ptrs, mask=in_seq[:, None] & ((col0 + offs_dv) < HEAD_DIM)[None, :], other=0)
+        elif MASKED:
             v = tl.load(ptrs, mask=in_seq[:, None], other=0)
         else:
             v = tl.load(ptrs)
@@ -226,12 +239,16 @@ def _attend_tile(
     q, row_scale, row_limit, kv_end, inv_unit,
     bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
     offs_n, offs_d, offs_dv,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
     PAGE: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
     MASKED: tl.constexpr, V_LATE: tl.constexpr, V_TRANSPOSED: tl.constexpr, V_FLAT: tl.constexpr,
     CVT_ASM: tl.constexpr, LAZY: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One KV tile of keys ``[start, start + BLOCK_N)`` folded into the running state."""
+    """One KV tile of keys ``[start, start + BLOCK_N)`` folded into the running state.
+
+    The head_dim axis is BLOCK_D wide (HEAD_DIM padded to a power of two; padded lanes
+    of Q and K load as 0) and the PV product runs in the ``cdiv(HEAD_DIM, DV)`` column
+    chunks that hold real channels (NUM_DV); chunks wholly past HEAD_DIM are not computed."""
     pos = start + offs_n
     in_seq = pos < kv_end
     if MASKED:
@@ -241,7 +258,7 @@ def _attend_tile(
     slot = pos % PAGE
     row_off = blk * stride_cb + data_head + slot * HEAD_DIM
     scale_off = blk * stride_sb + scale_head + slot
-    NUM_DV: tl.constexpr = HEAD_DIM // DV
+    NUM_DV: tl.constexpr = (HEAD_DIM + DV - 1) // DV
     # Transposed V pages are gathered per page: the tile covers NUM_PAGES whole pages
     # (BLOCK_N >= PAGE) or one run of BLOCK_N slots inside a page (BLOCK_N < PAGE); tiles
     # start at multiples of BLOCK_N, so both are exact (PAGE and BLOCK_N powers of two).
@@ -265,21 +282,26 @@ def _attend_tile(
     # registers across QK and softmax).
     if not V_LATE:
         v0 = _load_v(v_ptr, row_off, page_base, slot0, 0, offs_dv, offs_slot, in_seq, tile_valid,
-                     BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                     BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         if NUM_DV > 1:
             v1 = _load_v(v_ptr, row_off, page_base, slot0, DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                         BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         else:
             v1 = v0
         if NUM_DV > 2:
             v2 = _load_v(v_ptr, row_off, page_base, slot0, 2 * DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
-            v3 = _load_v(v_ptr, row_off, page_base, slot0, 3 * DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                         BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         else:
             v2 = v0
+        if NUM_DV > 3:
+            v3 = _load_v(v_ptr, row_off, page_base, slot0, 3 * DV, offs_dv, offs_slot, in_seq, tile_valid,
+                         BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+        else:
             v3 = v0
-    if MASKED:
+    if HEAD_DIM != BLOCK_D:
+        k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None] & (offs_d < HEAD_DIM)[None, :],
+                    other=0)
+    elif MASKED:
         k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0)
     else:
         k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :])
@@ -328,6 +350,7 @@ def _attend_tile(
                 acc1 = acc1 * alpha[:, None]
             if NUM_DV > 2:
                 acc2 = acc2 * alpha[:, None]
+            if NUM_DV > 3:
                 acc3 = acc3 * alpha[:, None]
             m_i = m_new
         m_new = m_i
@@ -385,30 +408,35 @@ def _attend_tile(
 
     if V_LATE:
         v0 = _load_v(v_ptr, row_off, page_base, slot0, 0, offs_dv, offs_slot, in_seq, tile_valid,
-                     BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                     BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
     acc0 = _pv_chunk(acc0, p_op, factor, v0, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     if NUM_DV > 1:
         if V_LATE:
             v1 = _load_v(v_ptr, row_off, page_base, slot0, DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                         BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         acc1 = _pv_chunk(acc1, p_op, factor, v1, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     if NUM_DV > 2:
         if V_LATE:
             v2 = _load_v(v_ptr, row_off, page_base, slot0, 2 * DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                         BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         acc2 = _pv_chunk(acc2, p_op, factor, v2, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
+    if NUM_DV > 3:
         if V_LATE:
             v3 = _load_v(v_ptr, row_off, page_base, slot0, 3 * DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                         BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         acc3 = _pv_chunk(acc3, p_op, factor, v3, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     return m_new, l_i, r_i, acc0, acc1, acc2, acc3
 
 
 @triton.jit
-def _store_chunk(out_ptr, out_rows, col0, offs_dv, acc, norm, row_valid):
+def _store_chunk(out_ptr, out_rows, col0, offs_dv, acc, norm, row_valid, HEAD_DIM: tl.constexpr,
+                 DV: tl.constexpr):
     o = acc * norm[:, None]
-    tl.store(out_ptr + out_rows[:, None] + (col0 + offs_dv)[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_valid[:, None])
+    if HEAD_DIM % DV:
+        mask = row_valid[:, None] & ((col0 + offs_dv) < HEAD_DIM)[None, :]
+    else:
+        mask = row_valid[:, None]
+    tl.store(out_ptr + out_rows[:, None] + (col0 + offs_dv)[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -421,7 +449,7 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     stride_cb, stride_ch, stride_sb, stride_sh,
     stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
     Q_QUANTIZED: tl.constexpr, SEARCH: tl.constexpr, V_LATE: tl.constexpr, V_TRANSPOSED: tl.constexpr,
@@ -466,7 +494,7 @@ def _prefill_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, DV)
     row_tok = offs_m // GROUP
     row_head = kv_head * GROUP + offs_m % GROUP
@@ -475,7 +503,7 @@ def _prefill_kernel(
     q_row = (q_start + tok).to(tl.int64)
 
     q = tl.load(q_ptr + q_row[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None], other=0)
+                mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
     # A query row with an inf / NaN gets row_scale NaN (its q_scale is NaN), so every
     # score of the row, and its output row, is NaN.
     if KV_KIND == KIND_BF16:
@@ -535,7 +563,7 @@ def _prefill_kernel(
             q, row_scale, row_limit, kv_end, inv_unit,
             bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
             offs_n, offs_d, offs_dv,
-            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, V_TRANSPOSED, V_FLAT,
+            BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, V_TRANSPOSED, V_FLAT,
             CVT_ASM, LAZY, INTERPRET)
     for start in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
@@ -543,17 +571,18 @@ def _prefill_kernel(
             q, row_scale, row_limit, kv_end, inv_unit,
             bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
             offs_n, offs_d, offs_dv,
-            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED, V_FLAT,
+            BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED, V_FLAT,
             CVT_ASM, LAZY, INTERPRET)
 
     # l_i is 0 only for rows that saw no key; NaN (a poisoned key or query) stays NaN
     norm = tl.where(l_i == 0.0, 0.0, r_i / l_i)
     norm = tl.where(bad, float("nan"), norm)
     out_rows = q_row * stride_ot + row_head * stride_oh
-    NUM_DV: tl.constexpr = HEAD_DIM // DV
-    _store_chunk(out_ptr, out_rows, 0, offs_dv, acc0, norm, row_valid)
+    NUM_DV: tl.constexpr = (HEAD_DIM + DV - 1) // DV
+    _store_chunk(out_ptr, out_rows, 0, offs_dv, acc0, norm, row_valid, HEAD_DIM, DV)
     if NUM_DV > 1:
-        _store_chunk(out_ptr, out_rows, DV, offs_dv, acc1, norm, row_valid)
+        _store_chunk(out_ptr, out_rows, DV, offs_dv, acc1, norm, row_valid, HEAD_DIM, DV)
     if NUM_DV > 2:
-        _store_chunk(out_ptr, out_rows, 2 * DV, offs_dv, acc2, norm, row_valid)
-        _store_chunk(out_ptr, out_rows, 3 * DV, offs_dv, acc3, norm, row_valid)
+        _store_chunk(out_ptr, out_rows, 2 * DV, offs_dv, acc2, norm, row_valid, HEAD_DIM, DV)
+    if NUM_DV > 3:
+        _store_chunk(out_ptr, out_rows, 3 * DV, offs_dv, acc3, norm, row_valid, HEAD_DIM, DV)

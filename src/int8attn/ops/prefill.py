@@ -73,6 +73,8 @@ def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> PrefillConfig:
     loop where reachable; benchmarks/notes/prefill.md); the interpreter gets small tiles."""
     if interpret_mode():
         return PrefillConfig(block_m=32, block_n=32, dv=None, num_warps=4, num_stages=1)
+    # the kernel's tiles span head_dim padded to a power of two: choose for that width
+    head_dim = triton.next_power_of_2(head_dim)
     if kv_dtype == "bf16":
         if head_dim > 128:
             return PrefillConfig(block_m=128, block_n=64, dv=head_dim, num_warps=8, num_stages=2)
@@ -112,7 +114,7 @@ def resolve_pv_mode(kv_dtype: str, pv_mode: str | None) -> str:
 
 def check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) -> None:
     """The non-tensor arguments of a prefill call (cache, softmax_scale, query-length bounds)."""
-    _checks.check_kernel_options(cache, softmax_scale, "prefill_attention")
+    _checks.check_kernel_options(cache, softmax_scale, "prefill_attention", any_multiple_of_16=True)
     if not _checks.is_int(min_query_len):
         raise ValueError(f"min_query_len must be an int >= 0, got {min_query_len!r}")
     if max_query_len is not None and not _checks.is_int(max_query_len):
@@ -121,8 +123,9 @@ def check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) ->
 
 def check_config(config: PrefillConfig, cache: PagedKVCache, group: int, pv_mode: str | None = None) -> PrefillConfig:
     """``config`` checked against the cache, GQA group and PV mode (ValueError /
-    TypeError), as the launch uses it."""
-    d = cache.head_dim
+    TypeError), as the launch uses it. ``dv`` splits the head_dim tile, head_dim padded to
+    a power of two."""
+    d = triton.next_power_of_2(cache.head_dim)
     dv = config.dv or d
     for name in ("p_shift", "v_late", "lazy_rescale", "v_flat"):
         if not isinstance(getattr(config, name), bool):
@@ -137,7 +140,8 @@ def check_config(config: PrefillConfig, cache: PagedKVCache, group: int, pv_mode
     if not interpret_mode():  # the CPU tests run smaller 8-bit PV tiles under the interpreter
         _checks.check_pv_tile_keys(config.block_n, pv_mode)
     if d % dv or d // dv not in (1, 2, 4):
-        raise ValueError(f"dv={dv} must split head_dim={d} into 1, 2 or 4 chunks")
+        raise ValueError(f"dv={dv} must split the head_dim tile of {d} (head_dim {cache.head_dim} padded to a "
+                         "power of two) into 1, 2 or 4 chunks")
     block_m = max(config.block_m, triton.next_power_of_2(group))
     return replace(config, dv=dv, block_m=block_m)
 
@@ -151,8 +155,9 @@ def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, s
         query: [T, Hq, D] bf16 (fp16 / fp32 accepted), last dim contiguous. Query token j
             of sequence s sits at position ``seq_lens[s] - q_len_s + j`` and sees every
             cached key at a position <= its own.
-        cache: :class:`int8attn.PagedKVCache` ("int8", "fp8" or "bf16"); head_dim a power
-            of two in [16, 256]; the chunk's own K/V must already be in the cache.
+        cache: :class:`int8attn.PagedKVCache` ("int8", "fp8" or "bf16"); any head_dim
+            the cache takes (a multiple of 16 up to 256: the kernel pads its tile to the
+            next power of two); the chunk's own K/V must already be in the cache.
         block_table: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (new tokens
             included); query_start_loc: [num_seqs + 1] int32 (cumulative q_lens).
         softmax_scale: defaults to ``head_dim ** -0.5``.
@@ -255,7 +260,7 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
             out.stride(0), out.stride(1),
             cache.key.stride(0), cache.key.stride(1), scale_strides[0], scale_strides[1],
             block_table.stride(0),
-            GROUP=group, HEAD_DIM=head_dim, DV=config.dv, PAGE=cache.block_size,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), DV=config.dv, PAGE=cache.block_size,
             BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
             KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[pv_mode], P_SHIFT=bool(config.p_shift),
             Q_QUANTIZED=q_quantized or not cache.quantized, SEARCH=search, V_LATE=bool(config.v_late),
