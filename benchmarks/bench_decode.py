@@ -8,7 +8,7 @@ over). Sections, each under try/except so one failure does not lose the rest:
    processes (they fill Triton's on-disk cache; the main process then loads them);
 1. ``acc``: accuracy at real shapes (24q/4kv D256 page 16, outlier keys) vs the float64
    reference for every cache dtype / PV mode (same-quantization reference for INT8) and
-   the SASS of the kernels that ran (``LAST_LAUNCH``): IMMA/IGMMA for INT8, QGMMA or
+   the SASS of the kernels that ran (``int8attn.launches``): IMMA/IGMMA for INT8, QGMMA or
    what Triton chose for fp8, HMMA/HGMMA for BF16; registers, spills, shared memory;
 2. ``tune``: a handful of tile / warps / stages configs per cache dtype (picked from the
    sm_90 static analysis) at bs16 L32k, bs1 L32k, bs64 L8k; the best (geometric mean)
@@ -52,7 +52,7 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE:
     os.environ["TRITON_INTERPRET"] = "1"
 
-from int8attn import bench, reference, runtime, testing  # noqa: E402
+from int8attn import bench, launches, reference, runtime, testing  # noqa: E402
 from int8attn.cache import PagedKVCache  # noqa: E402
 from int8attn.ops import decode as dec  # noqa: E402
 from int8attn.ops.producer import quantize_query  # noqa: E402
@@ -295,6 +295,12 @@ def loop_sizes(sass: str) -> list:
     return [n for _, n in sorted(loops)]
 
 
+def split_launch():
+    """The compiled split kernel of the latest decode launch (None before one / on CPU)."""
+    rec = launches.last("_decode_split_kernel")
+    return rec.compiled if rec is not None else None
+
+
 def sass_summary(kernel) -> dict:
     sass = sass_of(kernel)
     mma = collections.Counter(m.split(".")[0] + "." + ".".join(m.split(".")[1:3]) for m in MMA_RE.findall(sass))
@@ -510,9 +516,9 @@ def accuracy(r: Run) -> None:
                     log(f"acc {case:11s} {kv}/{mode:11s} splits {plan.num_splits:3d} rel_l2 {st['rel_l2']:.4f} "
                         f"max_abs {st['max_abs']:.4f} finite {st['finite']}"
                         + (f" | same-quant rel_l2 {row['vs_sameq_rel_l2']:.4f}" if refq is not None else ""))
-                    if not SMOKE and case == "decode" and dec.LAST_LAUNCH.get("split_kernel") is not None:
+                    if not SMOKE and case == "decode" and split_launch() is not None:
                         try:
-                            s = sass_summary(dec.LAST_LAUNCH["split_kernel"])
+                            s = sass_summary(split_launch())
                             r.rec.add(kind="sass", kv_dtype=kv, pv_mode=mode, **s)
                             r.sass_rows.append(dict(kv_dtype=kv, pv_mode=mode, **s))
                             log(f"sass {kv}/{mode}: {json.dumps(s)}")

@@ -377,7 +377,7 @@ def run_case(log, args, shape_name, prefix, do_sweep, variants, best, smoke, tim
     """Check and time the case's variants and SDPA; returns the summary rows."""
     from int8attn import reference
     from int8attn.reference import gather_kv
-    import int8attn.ops.prefill as prefill_ops
+    from int8attn import launches
 
     hq, hkv, d = SHAPES[shape_name] if not smoke else (4, 2, 64)
     scale = d ** -0.5
@@ -410,7 +410,7 @@ def run_case(log, args, shape_name, prefix, do_sweep, variants, best, smoke, tim
                 acc = {"e2e": reference.error_stats(got, ref_e2e),
                        "vs_dequant_cache": reference.error_stats(got, ref_deq),
                        "vs_quantized_query": reference.error_stats(got, ref_q)}
-                sass = {} if smoke else sass_summary(prefill_ops.last_compiled_kernel)
+                sass = {} if smoke else sass_summary(launches.last("_prefill_kernel").compiled)
                 us = timeit(fn)
                 tflops = flops / (us * 1e-6) / 1e12
                 ok = all_written and acc["e2e"]["rel_l2"] <= 0.05

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from int8attn import PagedKVCache
+from int8attn import PagedKVCache, launches
 from int8attn.ops import decode as dec
 
 
@@ -46,7 +46,8 @@ def main() -> None:
     for _ in range(args.calls):
         dec.decode_attention(query, cache, block_table, seq_lens, qsl, workspace=ws)
     torch.cuda.synchronize()
-    print("plan:", dec.LAST_LAUNCH["plan"], "grid:", dec.LAST_LAUNCH["grid"])
+    split = launches.last("_decode_split_kernel")
+    print("plan:", split.facts["plan"], "grid:", split.facts["grid"])
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ split, every row written, and inputs rejected before any launch."""
 import pytest
 import torch
 
+from _ids import cases
 from int8attn import _checks, reference, testing
 from int8attn.ops import attention as attention_mod
 from int8attn.ops import producer as producer_mod
@@ -90,7 +91,7 @@ def test_plan_run_equals_no_plan(device):
     assert bool(torch.isfinite(out_plan.float()).all())
 
 
-@pytest.mark.parametrize("q_lens,launches", [([1, 2, 8], ("decode",)), ([9, 30, 12], ("prefill",))])
+@cases("q_lens,launches", [([1, 2, 8], ("decode",)), ([9, 30, 12], ("prefill",))])
 def test_plan_launches_only_what_is_needed(q_lens, launches, device, monkeypatch):
     seq_lens = [q + 7 for q in q_lens]
     b = mixed(seq_lens=seq_lens, q_lens=q_lens, seed=2, device=device)

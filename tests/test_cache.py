@@ -3,10 +3,11 @@
 import pytest
 import torch
 
+from _ids import cases
 from int8attn.cache import BlockAllocator, PagedKVCache
 
 
-@pytest.mark.parametrize("kv_dtype,storage", [("int8", torch.int8), ("fp8", torch.float8_e4m3fn),
+@cases("kv_dtype,storage", [("int8", torch.int8), ("fp8", torch.float8_e4m3fn),
                                               ("bf16", torch.bfloat16)])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_layout(kv_dtype, storage, head_dim, device):
@@ -43,7 +44,7 @@ def test_layout(kv_dtype, storage, head_dim, device):
     assert kv_dtype in repr(cache)
 
 
-@pytest.mark.parametrize(
+@cases(
     "kwargs,match",
     [
         (dict(kv_dtype="int4"), "kv_dtype"),
@@ -112,3 +113,19 @@ def test_allocator_errors_and_slot_mapping():
     assert sm.dtype == torch.int64 and sm.tolist() == [0, 1, 2]
     assert alloc.allocate(0, 0) == []
     assert BlockAllocator.for_cache(PagedKVCache(3, 16, 1, 64, device="cpu")).num_free_blocks == 3
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
+def test_from_tensors_wraps_storage_like_init(kv_dtype):
+    """from_tensors over a cache's own storage gives the same cache (every attribute, the
+    same tensor objects): __init__ and from_tensors cannot drift apart."""
+    made = PagedKVCache(5, 16, 3, 64, kv_dtype=kv_dtype, device="cpu", key_smoothing="none")
+    view = PagedKVCache.from_tensors(made.key, made.value, made.key_scale, made.value_scale)
+    assert vars(view).keys() == vars(made).keys()
+    for name, want in vars(made).items():
+        got = getattr(view, name)
+        assert got is want if isinstance(want, torch.Tensor) else got == want, name
+    if kv_dtype != "bf16":
+        mean = torch.zeros(3, 64)
+        smoothed = PagedKVCache.from_tensors(made.key, made.value, made.key_scale, made.value_scale, mean)
+        assert smoothed.key_smoothing == "first_write" and smoothed.key_mean is mean

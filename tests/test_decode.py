@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from int8attn import reference, testing
+from _ids import cases
+from int8attn import launches, reference, testing
 from int8attn.ops.decode import (
     MAX_DECODE_QUERY_LEN,
     DecodeConfig,
@@ -75,14 +76,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kv,pv,hq,hkv,d,bs,seq_lens,q_lens,splits", CASES)
+@cases("kv,pv,hq,hkv,d,bs,seq_lens,q_lens,splits", CASES)
 def test_matches_references(device, kv, pv, hq, hkv, d, bs, seq_lens, q_lens, splits):
     batch = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                      kv_dtype=kv, seed=len(CASES) * d + hq + bs, device=device)
     _run_and_check(batch, pv_mode=pv, num_splits=splits)
 
 
-@pytest.mark.parametrize("kv,hq,d,bs,swap", [("int8", 4, 64, 16, False), ("fp8", 8, 64, 32, False),
+@cases("kv,hq,d,bs,swap", [("int8", 4, 64, 16, False), ("fp8", 8, 64, 32, False),
                                              ("bf16", 4, 128, 16, False), ("fp8", 8, 64, 16, True)])
 def test_stale_slots_never_leak(device, monkeypatch, kv, hq, d, bs, swap):
     """The tile loads are unmasked within a page (keys past seq_len read stale slots of
@@ -123,7 +124,7 @@ SWAPPED_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kv,pv,hq,hkv,d,bs,seq_lens,q_lens,splits,block_n", SWAPPED_CASES)
+@cases("kv,pv,hq,hkv,d,bs,seq_lens,q_lens,splits,block_n", SWAPPED_CASES)
 def test_swapped_operands_match_references(device, monkeypatch, kv, pv, hq, hkv, d, bs, seq_lens, q_lens, splits,
                                            block_n):
     """The operand-swapped tile (keys in the MMA's M rows, O^T accumulated): same results."""
@@ -134,7 +135,7 @@ def test_swapped_operands_match_references(device, monkeypatch, kv, pv, hq, hkv,
     batch = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                      kv_dtype=kv, seed=7 * d + hq + bs + block_n, device=device)
     _run_and_check(batch, pv_mode=pv, num_splits=splits)
-    assert dec.LAST_LAUNCH["plan"].config.swap_ab
+    assert launches.last("_decode_split_kernel").facts["plan"].config.swap_ab
 
 
 def test_default_orientation_per_pv_mode():
@@ -171,7 +172,7 @@ def test_register_cap_validated_and_counted(small_batch):
     assert _programs_per_sm(DecodeConfig(32, 4, 4, swap_ab=True, maxnreg=128), 256, 1) == 4
 
 
-@pytest.mark.parametrize("kv,block_n,maxnreg", [("int8", 64, 168), ("int8", 32, 128), ("fp8", 64, 168)])
+@cases("kv,block_n,maxnreg", [("int8", 64, 168), ("int8", 32, 128), ("fp8", 64, 168)])
 def test_register_capped_configs_match_references(device, monkeypatch, kv, block_n, maxnreg):
     """A register cap changes register allocation only (spills on the GPU), never results;
     on CUDA the compiled split kernel must respect the cap."""
@@ -182,7 +183,7 @@ def test_register_capped_configs_match_references(device, monkeypatch, kv, block
     batch = testing.make_paged_batch([17, 97, 123], [1, 2, 1], num_q_heads=12, num_kv_heads=2, head_dim=256,
                                      kv_dtype=kv, seed=block_n + maxnreg, device=device)
     _run_and_check(batch, num_splits=2)
-    kernel = dec.LAST_LAUNCH["split_kernel"]
+    kernel = launches.last("_decode_split_kernel").compiled
     if kernel is not None and getattr(kernel, "n_regs", None):
         assert kernel.n_regs <= maxnreg, f"compiled with {kernel.n_regs} registers, cap {maxnreg}"
 
@@ -213,7 +214,7 @@ def test_merge_folds_more_splits_than_one_chunk(device, monkeypatch):
     batch = testing.make_paged_batch([2200, 70], [1, 2], num_q_heads=4, num_kv_heads=1, head_dim=64,
                                      kv_dtype="int8", seed=11, device=device)
     _run_and_check(batch, num_splits=70)
-    assert dec.LAST_LAUNCH["plan"].num_splits > dec.MERGE_MAX_CHUNK
+    assert launches.last("_decode_split_kernel").facts["plan"].num_splits > dec.MERGE_MAX_CHUNK
 
 def test_smoothing_off_outlier_keys(device):
     """Outlier keys quantized without the smoothing offset: larger per-token scales,
@@ -287,7 +288,7 @@ def small_batch(device):
                                     seed=5, device=device)
 
 
-@pytest.mark.parametrize("kw,exc", [
+@cases("kw,exc", [
     ({"query": "q.int()"}, TypeError),
     ({"query": "q[:, :3]"}, ValueError),                      # 3 q heads over 2 KV heads
     ({"query": "q[..., :32]"}, ValueError),                   # head_dim mismatch

@@ -4,6 +4,7 @@ float64 references, with poisoned outputs and input validation."""
 import pytest
 import torch
 
+from int8attn import launches
 from int8attn.gate import launch
 from int8attn.reference import quantize_rows as ref_quantize_rows
 from int8attn.testing import assert_close_verbose, make_keys, make_normal, poisoned_like
@@ -153,7 +154,7 @@ def test_launchers_reject_bad_input_before_launch(device):
 
 
 def test_launchers_remember_the_kernel_they_launched(gen, device):
-    launch.COMPILED.clear()
+    launches.clear()
     launch.quantize_rows(make_normal((4, 64), generator=gen).to(device), "int8")
-    assert "_quantize_rows_kernel" in launch.COMPILED
+    assert launches.last("_quantize_rows_kernel") is not None
     assert launch.kernel_name(launch.QK_KERNELS["int8_native"]) == "_qk_int8_native_kernel"

@@ -9,6 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
+from _ids import cases
 from int8attn.integrations.transformers import (  # noqa: E402
     CUDAGraphDecoder,
     Int8PagedCache,
@@ -58,7 +59,7 @@ def rel_l2(a, b):
 
 
 # --------------------------------------------------------------------------- generate
-@pytest.mark.parametrize("kv_dtype,bound", [("int8", 0.05), ("bf16", 0.02)])
+@cases("kv_dtype,bound", [("int8", 0.05), ("bf16", 0.02)])
 def test_generate_end_to_end_matches_sdpa(model, kv_dtype, bound):
     ids = prompt(model, 2, 11)
     model.set_attn_implementation("sdpa")

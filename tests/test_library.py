@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 
+from _ids import cases
 from int8attn import reference
 from int8attn.cache import PagedKVCache
 from int8attn.ops import library
@@ -86,7 +87,7 @@ def test_write_kv_op_rejects_bad_input_and_leaves_cache_untouched(device, gen):
 
 
 # --------------------------------------------------------------------------- attention
-@pytest.mark.parametrize("kv_dtype,group", [("int8", 6), ("fp8", 4), ("bf16", 1)])
+@cases("kv_dtype,group", [("int8", 6), ("fp8", 4), ("bf16", 1)])
 def test_attention_op_matches_eager_and_reference(kv_dtype, group, device):
     batch = make_paged_batch([17, 40, 3], [1, 4, 3], num_q_heads=2 * group, num_kv_heads=2, head_dim=64,
                              kv_dtype=kv_dtype, device=device, seed=7)

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from _ids import cases
 from int8attn import reference, testing
 from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.ops.prefill import DEFAULT_PV, PrefillConfig, launch_grid, prefill_attention
@@ -58,7 +59,7 @@ def run_and_check(b, *, pv=None, config=SMALL, name="out", **kw):
 
 
 # --------------------------------------------------------------------------- accuracy
-@pytest.mark.parametrize("q_len,prefix,pv", [(1, 0, "int8"), (9, 1, "bf16"), (17, 17, "int8"), (65, 16, "bf16"),
+@cases("q_len,prefix,pv", [(1, 0, "int8"), (9, 1, "bf16"), (17, 17, "int8"), (65, 16, "bf16"),
                                            (130, 0, "int8")])
 def test_chunk_lengths_and_prefixes(q_len, prefix, pv, device):
     """Chunks of 1..130 tokens over prefixes 0, 1, 17 and one page exactly (16)."""
@@ -66,14 +67,14 @@ def test_chunk_lengths_and_prefixes(q_len, prefix, pv, device):
     run_and_check(b, pv=pv)
 
 
-@pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16"),
+@cases("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16"),
                                    ("bf16", "bf16")])
 def test_cache_dtypes_and_pv_modes(kv, pv, device):
     b = batch([40, 23], [30, 23], kv=kv, seed=3, device=device)
     run_and_check(b, pv=pv)
 
 
-@pytest.mark.parametrize("hq,hkv,d,bs", [(4, 4, 128, 32), (8, 2, 64, 64), (6, 1, 64, 16), (8, 1, 256, 16),
+@cases("hq,hkv,d,bs", [(4, 4, 128, 32), (8, 2, 64, 64), (6, 1, 64, 16), (8, 1, 256, 16),
                                          (12, 2, 64, 8)])
 def test_gqa_head_dims_page_sizes(hq, hkv, d, bs, device):
     """GQA 1/4/6/8 (6: rows of the last GQA group pad the tile), head_dim 64/128/256,
@@ -99,7 +100,7 @@ def test_kernel_variants(config, pv, device):
     run_and_check(b, config=config, pv=pv)
 
 
-@pytest.mark.parametrize("kv,scale", [("int8", 2.0), ("bf16", 2.0), ("fp8", 0.05)])
+@cases("kv,scale", [("int8", 2.0), ("bf16", 2.0), ("fp8", 0.05)])
 def test_lazy_rescale_matches_eager_rescale(kv, scale, device):
     """16-bit PV rescales the accumulator only when a running max grows by > 2**4; with
     peaked scores (softmax_scale 2: maxima jump by far more than 4 in log2 units from tile
@@ -525,7 +526,7 @@ def test_gpu_default_tiles_poisoned_token_query_and_bad_block_id():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("fp8", "fp8")])
+@cases("kv,pv", [("int8", "int8"), ("fp8", "fp8")])
 def test_gpu_8bit_pv_needs_32_key_tiles(kv, pv, monkeypatch):
     import int8attn.ops.prefill as ops
 
@@ -536,7 +537,7 @@ def test_gpu_8bit_pv_needs_32_key_tiles(kv, pv, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("d,hq,hkv", [(256, 24, 4), (128, 32, 8)])
+@cases("d,hq,hkv", [(256, 24, 4), (128, 32, 8)])
 def test_gpu_ptx_v_conversion_matches_portable(d, hq, hkv):
     """INT8 V -> fp16 by PTX byte permutes (the CUDA default) gives the same bits as the
     portable conversion, early or late V loads, and stays within the reference bound."""

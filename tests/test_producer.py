@@ -9,6 +9,7 @@ import triton.language as tl
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _ids import cases
 from int8attn import reference
 from int8attn.cache import PagedKVCache
 from int8attn.errors import DeviceMetadataError, check_errors
@@ -36,7 +37,7 @@ def same_bits(a, b) -> bool:
 
 # --------------------------------------------------------------------------- quantize_query
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
-@pytest.mark.parametrize("shape", [(17, 24, 256), (97, 6, 64), (3, 5, 128)])
+@cases("shape", [(17, 24, 256), (97, 6, 64), (3, 5, 128)])
 def test_quantize_query_bit_exact(kv_dtype, shape, gen, device):
     q = (make_normal(shape, generator=gen) * 4).to(device)
     q[1, 0] = 0  # a zero row
@@ -242,7 +243,7 @@ def check_quantized_rows(got_q, got_s, want, kv_dtype, what):
     assert mismatch < 0.01, f"{what}: {mismatch:.2%} codes differ from the reference quantization"
 
 
-@pytest.mark.parametrize(
+@cases(
     "n,hq,hkv,d,rotary_dim,kv_dtype",
     [
         (17, 2, 2, 64, 64, "int8"),  # GQA 1:1, full rotary

@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from _ids import cases
 from int8attn import reference
 from int8attn.cache import BlockAllocator, PagedKVCache
 from int8attn.errors import DeviceMetadataError, check_errors
@@ -91,7 +92,7 @@ def make_case(n, num_kv_heads, head_dim, kv_dtype, block_size=16, gen=None, devi
     return cache, key.to(device), value.to(device), slots.to(device=device, dtype=index_dtype)
 
 
-@pytest.mark.parametrize(
+@cases(
     "n,num_kv_heads,head_dim,block_size,kv_dtype",
     [
         (17, 1, 64, 8, "int8"),
@@ -463,7 +464,7 @@ def test_value_checks_can_be_disabled(gen, device, monkeypatch):
     write_kv(cache, key, value, slots)
 
 
-@pytest.mark.parametrize("kv_dtype,head_dim,block_size", [("int8", 64, 16), ("fp8", 128, 16), ("int8", 80, 16),
+@cases("kv_dtype,head_dim,block_size", [("int8", 64, 16), ("fp8", 128, 16), ("int8", 80, 16),
                                                           ("int8", 64, 32)])
 def test_whole_pages_take_the_aligned_store_and_stay_bit_exact(kv_dtype, head_dim, block_size, gen, device):
     """Prefill-like slots: whole pages of consecutive slots (in permuted pages, the

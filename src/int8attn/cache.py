@@ -51,6 +51,8 @@ KV_DTYPES = {
     "fp8": torch.float8_e4m3fn,
     "bf16": torch.bfloat16,
 }
+#: storage dtype -> kv_dtype name
+KV_DTYPE_OF_STORAGE = {dtype: name for name, dtype in KV_DTYPES.items()}
 #: Every head_dim the cache and the kernels take: multiples of 16 up to 256 (kernels pad
 #: their tiles to the next power of two).
 SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 16))
@@ -120,28 +122,51 @@ class PagedKVCache:
             key_smoothing = "none" if kv_dtype == "bf16" else "first_write"
         if key_smoothing != "none" and kv_dtype == "bf16":
             raise ValueError("key smoothing applies to quantized caches only (kv_dtype int8 or fp8)")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.kv_dtype = kv_dtype
-        self.key_smoothing = key_smoothing
-        self.device = torch.device(device)
+        device = torch.device(device)
         # the device's error-flag buffer exists before any kernel (or graph capture) needs it
-        _errors.error_flags(self.device)
+        _errors.error_flags(device)
         storage_dtype = KV_DTYPES[kv_dtype]
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        self.key = torch.zeros(shape, dtype=storage_dtype, device=self.device)
+        key = torch.zeros(shape, dtype=storage_dtype, device=device)
         value_shape = value_storage_shape(kv_dtype, num_blocks, num_kv_heads, block_size, head_dim)
-        self.value = torch.zeros(value_shape, dtype=storage_dtype, device=self.device)
-        if kv_dtype == "bf16":
-            self.key_scale = None
-            self.value_scale = None
-        else:
+        value = torch.zeros(value_shape, dtype=storage_dtype, device=device)
+        key_scale = value_scale = None
+        if kv_dtype != "bf16":
             scale_shape = (num_blocks, num_kv_heads, block_size)
-            self.key_scale = torch.ones(scale_shape, dtype=torch.float32, device=self.device)
-            self.value_scale = torch.ones(scale_shape, dtype=torch.float32, device=self.device)
-        self.key_mean: torch.Tensor | None = None
+            key_scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
+            value_scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
+        self._set_storage(key, value, key_scale, value_scale, None, key_smoothing)
+
+    @classmethod
+    def from_tensors(cls, key: torch.Tensor, value: torch.Tensor, key_scale: torch.Tensor | None = None,
+                     value_scale: torch.Tensor | None = None, key_mean: torch.Tensor | None = None
+                     ) -> "PagedKVCache":
+        """A cache over existing storage tensors (no copy), laid out as the class docstring
+        states: ``key`` [num_blocks, num_kv_heads, block_size, head_dim] of a storage dtype
+        (int8 / float8_e4m3fn / bfloat16; the geometry and kv_dtype are read from it),
+        ``value`` of the matching layout, fp32 scales for 8-bit caches, and an optional
+        fp32 ``key_mean`` [num_kv_heads, head_dim]. Smoothing is on ("first_write") exactly
+        when ``key_mean`` is given, so such a cache never computes a mean of its own.
+
+        Layouts are not checked here (the caller's job, e.g. ``ops.library.cache_view``;
+        every launch runs :func:`int8attn._checks.check_cache`)."""
+        cache = cls.__new__(cls)
+        cache._set_storage(key, value, key_scale, value_scale, key_mean,
+                           "none" if key_mean is None else "first_write")
+        return cache
+
+    def _set_storage(self, key, value, key_scale, value_scale, key_mean, key_smoothing: str) -> None:
+        """Every attribute of a cache, from its storage: the one place ``__init__`` and
+        :meth:`from_tensors` set them."""
+        self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim = key.shape
+        self.kv_dtype = KV_DTYPE_OF_STORAGE[key.dtype]
+        self.key_smoothing = key_smoothing
+        self.device = key.device
+        self.key = key
+        self.value = value
+        self.key_scale = key_scale
+        self.value_scale = value_scale
+        self.key_mean: torch.Tensor | None = key_mean
 
     @property
     def storage_dtype(self) -> torch.dtype:

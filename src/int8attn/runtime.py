@@ -44,7 +44,7 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(index)
 
 
-@functools.lru_cache(maxsize=None)  # bounded by the number of GPUs
+@functools.lru_cache(maxsize=64)  # one entry per GPU index
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

@@ -1,9 +1,9 @@
 """Launchers for the gate's own kernels (kernels/gemm.py, kernels/qk_tile.py).
 
 Each validates its inputs (ValueError/TypeError before any launch), picks the grid and a
-fixed tile configuration, accepts ``out=`` and remembers the compiled kernel it launched in
-:data:`COMPILED` (by kernel name), so the gate can disassemble exactly the binary that ran.
-Under the Triton interpreter there is no binary and the entry is None.
+fixed tile configuration, accepts ``out=`` and records the compiled kernel it launched in
+:mod:`int8attn.launches` (by kernel name), so the gate can disassemble exactly the binary
+that ran. Under the Triton interpreter there is no binary and the record holds None.
 """
 
 from __future__ import annotations
@@ -13,11 +13,9 @@ import triton
 
 from ..kernels import gemm as _gemm
 from ..kernels import qk_tile as _qk
+from .. import launches
 from ..kernels.codes import KV_KIND
 from ..runtime import interpret_mode
-
-#: kernel name -> the CompiledKernel of its last launch (None under the interpreter)
-COMPILED: dict[str, object] = {}
 
 QUANT_KINDS = {"int8": (torch.int8, KV_KIND["int8"]), "fp8": (torch.float8_e4m3fn, KV_KIND["fp8"])}
 
@@ -57,14 +55,11 @@ def set_qk_config(route: str, config: dict) -> None:
     _QK_CFG[route] = {**_QK_CFG[route], **config}
 
 
-def kernel_name(fn) -> str:
-    """The name a launched Triton kernel carries in a profiler trace and in its cubin."""
-    inner = getattr(fn, "fn", fn)
-    return inner.__name__
+kernel_name = launches.kernel_name
 
 
 def _remember(fn, handle) -> None:
-    COMPILED[kernel_name(fn)] = None if interpret_mode() else handle
+    launches.record(kernel_name(fn), None if interpret_mode() else handle)
 
 
 def _check_tensor(name, t, dtypes, ndim, device=None):

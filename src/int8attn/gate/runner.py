@@ -142,7 +142,7 @@ class GateContext:
 
 
 def _proof(ctx: GateContext, spec: ProofSpec, trace_result: dict, compiled_by_name: dict) -> KernelProof:
-    from . import launch
+    from .. import launches
 
     proof = KernelProof(kernel=spec.kernel, expected_class=spec.expected_class)
     if trace_result["status"] == "ok":
@@ -163,7 +163,8 @@ def _proof(ctx: GateContext, spec: ProofSpec, trace_result: dict, compiled_by_na
         proof.sass_status = "skipped"
         proof.note = "no GPU (interpreter): no binary, SASS skipped"
         return proof
-    compiled = compiled_by_name.get(spec.kernel) or launch.COMPILED.get(spec.kernel)
+    recorded = launches.last(spec.kernel)
+    compiled = compiled_by_name.get(spec.kernel) or (recorded.compiled if recorded is not None else None)
     if compiled is None:
         proof.sass_status = "skipped"
         proof.note = "no compiled kernel recorded for this launch"

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import launches
+
 
 def _signature(args) -> tuple:
     """What the compiled kernel was specialized on: dtype and 16-byte alignment of each
@@ -29,11 +31,14 @@ def _signature(args) -> tuple:
 class CachedLaunch:
     """Launch ``kernel`` over ``grid`` with fixed ``constexprs`` (launch options such as
     ``num_warps`` included); positional arguments are passed per call, in the kernel's
-    parameter order, and must precede every constexpr parameter."""
+    parameter order, and must precede every constexpr parameter. Every launch is
+    recorded in :mod:`int8attn.launches` with ``facts`` (``grid`` added)."""
 
-    __slots__ = ("kernel", "grid", "constexprs", "_tail", "_compiled", "_signature")
+    __slots__ = ("kernel", "grid", "constexprs", "_tail", "_compiled", "_signature", "_name", "_facts")
 
-    def __init__(self, kernel, grid, constexprs: dict):
+    def __init__(self, kernel, grid, constexprs: dict, facts: dict | None = None):
+        self._name = launches.kernel_name(kernel)
+        self._facts = {**(facts or {}), "grid": tuple(grid)}
         # the compiled kernel's launcher takes all three grid dimensions
         self.kernel, self.grid, self.constexprs = kernel, tuple(grid) + (1,) * (3 - len(grid)), dict(constexprs)
         self._tail = None
@@ -47,6 +52,7 @@ class CachedLaunch:
             sig = _signature(args)
             if sig == self._signature:
                 compiled[self.grid](*args, *self._tail)
+                launches.record(self._name, compiled, self._facts)
                 return compiled
         compiled = self.kernel[self.grid](*args, **self.constexprs)
         arg_names = getattr(self.kernel, "arg_names", None)
@@ -58,4 +64,5 @@ class CachedLaunch:
             if all(n in self.constexprs for n in names):
                 self._tail = tuple(self.constexprs[n] for n in names)
                 self._compiled, self._signature = compiled, _signature(args)
+        launches.record(self._name, compiled, self._facts)
         return compiled

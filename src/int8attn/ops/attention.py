@@ -31,6 +31,7 @@ in full again, values included.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -47,19 +48,18 @@ _MISSING = object()
 _MAX_REMEMBERED = 256
 
 
-_PREFILL_CONFIGS: dict = {}
-
-
 def _prefill_config(cache: PagedKVCache, pv_mode: str, group: int) -> _prefill.PrefillConfig:
     """The checked default prefill config for this cache / PV mode / GQA group, made once
     per combination (it depends on nothing else; the interpreter flag and the config
     function in use are part of the key)."""
-    key = (cache.kv_dtype, cache.head_dim, pv_mode, group, interpret_mode(), _prefill.default_config)
-    config = _PREFILL_CONFIGS.get(key)
-    if config is None:
-        config = _prefill.check_config(_prefill.default_config(cache.kv_dtype, cache.head_dim, pv_mode), cache, group)
-        _PREFILL_CONFIGS[key] = config
-    return config
+    return _checked_default_config(cache.kv_dtype, cache.head_dim, pv_mode, group, interpret_mode(),
+                                   _prefill.default_config)
+
+
+@functools.lru_cache(maxsize=256)  # (kv dtype, head_dim, PV mode, group) combinations in use: a handful
+def _checked_default_config(kv_dtype: str, head_dim: int, pv_mode: str, group: int, interpret: bool,
+                            config_fn) -> _prefill.PrefillConfig:
+    return _prefill.check_config(config_fn(kv_dtype, head_dim, pv_mode), head_dim, group)
 
 
 def _layout(t):

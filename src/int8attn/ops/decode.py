@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -78,17 +79,13 @@ BUFFER_BUDGET = 180 * 1024
 SMEM_OVERHEAD = 36 * 1024
 
 
-#: Winners of the H200 sweeps in benchmarks/bench_decode.py (2026-11-30, 8-bit V pages
-#: transposed; one pass of <= 16 packed rows; geometric mean of bs16 L32k, bs1 L32k and
-#: bs64 L8k). Head_dim 256: int8 and fp8 64/4/6 with swapped operands (09:48 run: fp8
-#: 280.8 us at bs16 L32k against 507.0 for the best row-major fp8 config, whose 16-row e4m3
-#: dot Triton lowers to HMMA after converting to f16; int8 282.8 against 288.0 row-major,
-#: 2% faster at all three shapes; int8 128/4/4 row-major is 2-3% faster at bs16/bs64 but 9%
-#: slower at bs1), bf16 64/8/5. Head_dim 128 (32q/8kv): int8 128/4/5 swapped (11:27 run: 292.9
-#: us at bs16 L32k, 89.1% of copy, against 309.0 row-major and 501 for the rule below; 31.4 us
-#: at bs1 L32k either way), fp8 128/4/5 swapped (10:15 run: 285 us at bs16 L32k, 91.5% of
-#: copy, against 576 for the rule and 367 for 64/4/6 swapped). Other shapes keep the rule: at
-#: 32 packed rows the 4-warp configs spill (swapped ones too).
+#: Winners of the H200 sweeps of benchmarks/bench_decode.py (one pass of <= 16 packed rows,
+#: ranked by the geometric mean of bs16 L32k, bs1 L32k and bs64 L8k), by (kv_dtype, head_dim,
+#: packed rows). 8-bit caches swap the MMA operands: a 16-row e4m3 dot is otherwise lowered
+#: to HMMA after a conversion to f16, and swapped int8 is faster at all three shapes. Other
+#: shapes keep the tile rule of default_config: at 32 packed rows the 4-warp configs spill
+#: (swapped ones too). Figures: benchmarks/notes/decode.md, "Figures behind
+#: ops.decode.MEASURED_BEST".
 MEASURED_BEST = {
     ("int8", 256, 16): DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True),
     ("int8", 128, 16): DecodeConfig(block_n=128, num_warps=4, num_stages=5, swap_ab=True),
@@ -98,9 +95,9 @@ MEASURED_BEST = {
 }
 
 
-#: PV modes that run the row-major tile even where MEASURED_BEST swaps the operands:
-#: an int8 cache with bf16 PV (V converted to bf16 for the warpgroup MMA: 309 us at bs16
-#: L32k against 282 row-major in the 10:15 run) and the signed-P variant (row-major only).
+#: PV modes that run the row-major tile even where MEASURED_BEST swaps the operands: an
+#: int8 cache with bf16 PV (V converted to bf16 for the warpgroup MMA is slower swapped;
+#: benchmarks/notes/decode.md, same section) and the signed-P variant (row-major only).
 ROW_MAJOR_PV = {"int8": ("bf16", "int8_signed")}
 
 
@@ -122,13 +119,6 @@ def default_config(kv_dtype: str, head_dim: int, block_m: int, block_size: int,
     buffers = max(1, min(4, BUFFER_BUDGET // (2 * block_n * head_dim * elem)))
     num_warps = 8 if head_dim * block_m >= 128 * 16 else 4
     return DecodeConfig(block_n=block_n, num_warps=num_warps, num_stages=2 * buffers + 1)
-
-
-#: What the latest launch ran: the compiled split / merge kernels (their ``asm`` holds the
-#: SASS on a GPU), the plan and the grid -- evidence for benchmarks and the gate that the
-#: intended kernel is the one that ran.
-LAST_LAUNCH: dict = {}
-
 
 
 def _programs_per_sm(config: DecodeConfig, head_dim: int, elem_bytes: int) -> int:
@@ -226,12 +216,15 @@ class DecodePlan:
     pv_mode: str
 
 
-#: Plans already made, by everything :func:`plan_decode` reads (shapes, cache geometry,
-#: options and the config / split functions in use): a decode call of a known shape skips
-#: the split-count search. Bounded; cleared when full. Clear it after changing
-#: ``MEASURED_BEST`` in place at run time.
-_PLANS: dict = {}
-_MAX_PLANS = 1024
+class _PlanCache(NamedTuple):
+    """What :func:`_plan_decode` reads of the cache (hashable, no tensors: a memo key
+    that keeps no cache alive)."""
+
+    kv_dtype: str
+    num_kv_heads: int
+    block_size: int
+    elem_bytes: int
+    device: torch.device
 
 
 def plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode=None, num_splits=None,
@@ -242,25 +235,28 @@ def plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode=
     the host (a router planning a batch does); it sizes the packed rows so every sequence
     is done in one pass. Without it the mean query length is used.
 
-    Plans are memoized (``_PLANS``): the same shapes and options give the same plan object."""
+    Plans are memoized (:func:`_memo_plan`): the same shapes and options give the same
+    plan object."""
+    facts = _PlanCache(cache.kv_dtype, cache.num_kv_heads, cache.block_size, cache.key.element_size(), cache.device)
+    # the planning functions in use are part of the key: replacing one (a test, a sweep) replans
+    args = (tuple(query_shape), facts, tuple(block_table_shape), pv_mode, num_splits, config, max_query_len,
+            (default_config, choose_num_splits, _programs_per_sm))
     try:
-        key = (tuple(query_shape), tuple(block_table_shape), cache.kv_dtype, cache.num_kv_heads, cache.block_size,
-               cache.key.element_size(), cache.device, pv_mode, num_splits, type(num_splits), config,
-               max_query_len, type(max_query_len), default_config, choose_num_splits, _programs_per_sm)
-        plan = _PLANS.get(key)
+        hash(args)
     except TypeError:  # an unhashable option: let the planner reject it
-        key = plan = None
-    if plan is None:
-        plan = _plan_decode(query_shape, cache, block_table_shape, pv_mode=pv_mode, num_splits=num_splits,
-                            config=config, max_query_len=max_query_len)
-        if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
-    return plan
+        return _plan_decode(*args[:-1])
+    return _memo_plan(*args)
 
 
-def _plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode=None, num_splits=None,
+@functools.lru_cache(maxsize=1024, typed=True)  # typed: num_splits=True is not num_splits=1
+def _memo_plan(query_shape, cache: _PlanCache, block_table_shape, pv_mode, num_splits, config, max_query_len,
+               planners) -> DecodePlan:
+    """Memoized :func:`_plan_decode`; ``planners`` only keys the memo. Call
+    ``_memo_plan.cache_clear()`` after changing ``MEASURED_BEST`` in place at run time."""
+    return _plan_decode(query_shape, cache, block_table_shape, pv_mode, num_splits, config, max_query_len)
+
+
+def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None, num_splits=None,
                  config: DecodeConfig | None = None, max_query_len: int | None = None) -> DecodePlan:
     """:func:`plan_decode` without the memo."""
     num_tokens, num_q_heads, head_dim = query_shape
@@ -287,7 +283,7 @@ def _plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode
                          f"{cache.kv_dtype!r} cache with pv_mode {pv_mode!r}")
     if config.maxnreg is not None and not _checks.is_int(config.maxnreg, 32, 255):
         raise ValueError(f"maxnreg must be None or an int in [32, 255], got {config.maxnreg!r}")
-    elem = cache.key.element_size()
+    elem = cache.elem_bytes
     if num_splits is None:
         slots = sm_count(cache.device) * _programs_per_sm(config, head_dim, elem)
         num_splits = choose_num_splits(num_seqs, cache.num_kv_heads, max_blocks * cache.block_size, config.block_n,
@@ -376,26 +372,21 @@ def qk_scale_of(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale) * math.log2(math.e)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=256)  # (tokens, heads, head_dim, kv dtype) shapes of planned decodes
 def _query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dtype: str, interpret: bool):
     """Memoized :func:`int8attn.ops.producer.quantize_query_launch` (``interpret`` keys the
     INTERPRET flag it bakes in)."""
     return quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype)
 
 
-_PLACEHOLDERS: dict = {}
-
-
+@functools.lru_cache(maxsize=64)  # devices x (Hq, D) shapes in use; each entry a few KB
 def _placeholder_partials(device, num_q_heads: int, head_dim: int):
     """[1, Hq, 1, D] and [1, Hq, 1, 2] fp32 stand-ins for the partials of a one-split
     launch, which writes ``out`` directly and never touches them; shaped like real views
     so the kernel is specialized the same way as with a workspace. Shared by every such
     launch (nothing reads or writes them), made once per device and shape."""
-    key = (device, num_q_heads, head_dim)
-    if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = (torch.empty((1, num_q_heads, 1, head_dim), dtype=torch.float32, device=device),
-                              torch.empty((1, num_q_heads, 1, 2), dtype=torch.float32, device=device))
-    return _PLACEHOLDERS[key]
+    return (torch.empty((1, num_q_heads, 1, head_dim), dtype=torch.float32, device=device),
+            torch.empty((1, num_q_heads, 1, 2), dtype=torch.float32, device=device))
 
 
 class DecodeLaunch:
@@ -476,7 +467,9 @@ class DecodeLaunch:
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
         )
         # launched through CachedLaunch: Triton binds the arguments on the first call only
-        self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs)
+        # recorded in int8attn.launches with the plan: launches.last("_decode_split_kernel")
+        self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs,
+                                          {"plan": plan})
         self._quantize_kernel = self._merge_kernel = None
         if quantize:
             self._quantize_kernel = CachedLaunch(_quantize_query_kernel, *self._query_launch)
@@ -497,7 +490,8 @@ class DecodeLaunch:
                 SPLIT_CHUNK=chunk, BLOCK_D=merge_cols,
                 num_warps=max(1, min(4, chunk * merge_cols // 256)),
             )
-            self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs)
+            self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs,
+                                              {"plan": plan})
 
     @classmethod
     def for_tensors(cls, plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table, out_strides,
@@ -526,10 +520,8 @@ class DecodeLaunch:
             else:
                 q_in = q_quant if q_quant is not None else query
                 q_scale_in, k_scale, v_scale = q_in, cache.key, cache.value
-            split_kernel = self._split_kernel(q_in, q_scale_in, cache.key, cache.value, k_scale, v_scale,
+            self._split_kernel(q_in, q_scale_in, cache.key, cache.value, k_scale, v_scale,
                                               block_table, seq_lens, query_start_loc, out, part_acc, part_ml,
                                               qk_scale, *self._split_args)
-            merge = None
             if self._merge_kernel is not None:
-                merge = self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc, *self._merge_args)
-        LAST_LAUNCH.update(split_kernel=split_kernel, merge_kernel=merge, plan=self.plan, grid=self._split_grid)
+                self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc, *self._merge_args)

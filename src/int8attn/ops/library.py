@@ -44,11 +44,10 @@ from typing import Optional
 import torch
 
 from .._checks import INDEX_DTYPES, INPUT_DTYPES, check_cache, check_kv, check_query, check_tensor
-from ..cache import KV_DTYPES, PagedKVCache, value_storage_shape
+from ..cache import KV_DTYPE_OF_STORAGE, KV_DTYPES, PagedKVCache, value_storage_shape
 
 NAMESPACE = "int8attn"
 
-_KV_DTYPE_OF_STORAGE = {dtype: name for name, dtype in KV_DTYPES.items()}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -82,7 +81,7 @@ def cache_view(
             "key_cache must be a 4-D tensor [num_blocks, num_kv_heads, block_size, head_dim], "
             f"got {getattr(key_cache, 'shape', type(key_cache).__name__)}"
         )
-    kv_dtype = _KV_DTYPE_OF_STORAGE.get(key_cache.dtype)
+    kv_dtype = KV_DTYPE_OF_STORAGE.get(key_cache.dtype)
     if kv_dtype is None:
         raise TypeError(f"key_cache dtype must be one of int8 / float8_e4m3fn / bfloat16, got {key_cache.dtype}")
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
@@ -104,20 +103,7 @@ def cache_view(
             check_tensor(name, t, dtypes=(torch.float32,), shape=scale_shape, device=key_cache.device)
         check_tensor("key_mean", key_mean, dtypes=(torch.float32,), shape=(num_kv_heads, head_dim),
                      device=key_cache.device, optional=True)
-    view = PagedKVCache.__new__(PagedKVCache)
-    view.num_blocks = num_blocks
-    view.block_size = block_size
-    view.num_kv_heads = num_kv_heads
-    view.head_dim = head_dim
-    view.kv_dtype = kv_dtype
-    view.key_smoothing = "none" if key_mean is None else "first_write"
-    view.device = key_cache.device
-    view.key = key_cache
-    view.value = value_cache
-    view.key_scale = key_scale
-    view.value_scale = value_scale
-    view.key_mean = key_mean
-    return view
+    return PagedKVCache.from_tensors(key_cache, value_cache, key_scale, value_scale, key_mean)
 
 
 def _needs_first_write(cache: PagedKVCache) -> bool:

@@ -18,23 +18,18 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 
-from .. import _checks
+from .. import _checks, launches
 from ..cache import PagedKVCache
 from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
 from ..errors import error_flags
 from ..kernels.prefill import _prefill_kernel
 from ..runtime import device_guard, interpret_mode
 
-#: Default PV precision per cache dtype. On the H200 (benchmarks/notes/prefill.md) the
-#: 16-bit PV was both faster and more accurate than 8-bit PV for 8-bit caches: INT8 cache
-#: 9.5 ms (fp16 PV) vs 14.4 ms (int8 PV) at 4096 tokens over 28672, end-to-end rel-L2
-#: 0.013 vs 0.018. Those runs predate the transposed V pages of 8-bit caches (V now
-#: arrives K-major, as 8-bit MMAs need, without a byte transpose in registers).
+#: Default PV precision per cache dtype: 16-bit PV for 8-bit caches too, because on the
+#: H200 it was both faster and more accurate than 8-bit PV at the headline shape
+#: (benchmarks/notes/prefill.md, "Figures behind ops.prefill.DEFAULT_PV"; measured before
+#: 8-bit V pages were stored transposed, to be re-measured).
 DEFAULT_PV = {"int8": "bf16", "fp8": "bf16", "bf16": "bf16"}
-
-#: The compiled kernel of the latest launch (benchmarks read its SASS); None in the
-#: interpreter.
-last_compiled_kernel = None
 
 
 @dataclass(frozen=True)
@@ -68,9 +63,10 @@ class PrefillConfig:
 
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> PrefillConfig:
-    """Tile / warps / stages per cache dtype, PV precision and head_dim: the H200 sweep of
-    round 1 and the sm_90 compile analysis of round 2 (no local-memory traffic in the KV
-    loop where reachable; benchmarks/notes/prefill.md); the interpreter gets small tiles."""
+    """Tile / warps / stages per cache dtype, PV precision and head_dim: the fastest measured
+    on the H200 where a sweep covered the shape, else configs whose sm_90 compile has no
+    local-memory traffic in the KV loop (benchmarks/notes/prefill.md); the interpreter gets
+    small tiles."""
     if interpret_mode():
         return PrefillConfig(block_m=32, block_n=32, dv=None, num_warps=4, num_stages=1)
     # the kernel's tiles span head_dim padded to a power of two: choose for that width
@@ -84,13 +80,10 @@ def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> PrefillConfig:
     # right before its PV dot (v_late) and the main loop runs without local-memory traffic.
     if pv_mode == "bf16":
         if head_dim <= 128:
-            # H200, 32q/8kv/D128 over 28672 (benchmarks/results/prefill.jsonl): 128-key tiles
-            # beat 64-key ones (07:15 run, row-major V: 6.36 / 6.57 ms against 8.83 / 9.21).
-            # With the transposed V pages (09:10 run) int8 runs best loading V early (6.88
-            # ms against 7.19 late: no spills in the diagonal loop), fp8 late (7.65 / 7.82).
-            # Loading V one contiguous page run at a time (v_flat: no bank conflicts in the
-            # staging tile) was faster in the 10:15 run at prefix 28672 / 0: int8 6.32 / 0.735
-            # ms against 7.01 / 0.796, fp8 6.42 / 0.741 against 7.59 / 0.873.
+            # the H200 winners at 32q/8kv/D128 (benchmarks/notes/prefill.md, "Figures behind
+            # ops.prefill.default_config"): 128-key tiles; int8 loads V early (no spills in
+            # the diagonal loop), fp8 late; v_flat (one contiguous page run per V load: no
+            # bank conflicts in the staging tile) for both.
             return PrefillConfig(block_m=128, block_n=128, dv=head_dim, num_warps=8, num_stages=2,
                                  v_late=kv_dtype == "fp8", v_flat=True)
         return PrefillConfig(block_m=128, block_n=64, dv=128, num_warps=8, num_stages=2, v_late=True)
@@ -98,7 +91,7 @@ def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> PrefillConfig:
     # live registers within budget at head_dim 256.
     if head_dim > 128:
         return PrefillConfig(block_m=128, block_n=64, dv=64, num_warps=8, num_stages=2, v_late=True)
-    # int8 PV with v_flat (10:15 run): 8.37 / 0.843 ms against 9.02 / 0.910 (fp8 PV unmeasured)
+    # v_flat for int8 PV, faster on the H200 (same notes section); fp8 PV with v_flat unmeasured
     return PrefillConfig(block_m=128, block_n=64, dv=head_dim, num_warps=8, num_stages=2, v_late=True,
                          v_flat=kv_dtype == "int8")
 
@@ -121,11 +114,11 @@ def check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) ->
         raise ValueError(f"max_query_len must be None or an int >= 0, got {max_query_len!r}")
 
 
-def check_config(config: PrefillConfig, cache: PagedKVCache, group: int, pv_mode: str | None = None) -> PrefillConfig:
-    """``config`` checked against the cache, GQA group and PV mode (ValueError /
-    TypeError), as the launch uses it. ``dv`` splits the head_dim tile, head_dim padded to
-    a power of two."""
-    d = triton.next_power_of_2(cache.head_dim)
+def check_config(config: PrefillConfig, head_dim: int, group: int, pv_mode: str | None = None) -> PrefillConfig:
+    """``config`` checked against the cache's head_dim, the GQA group and the PV mode
+    (ValueError / TypeError), completed as the launch uses it (``dv``, ``block_m``). ``dv``
+    splits the head_dim tile: head_dim padded to a power of two."""
+    d = triton.next_power_of_2(head_dim)
     dv = config.dv or d
     for name in ("p_shift", "v_late", "lazy_rescale", "v_flat"):
         if not isinstance(getattr(config, name), bool):
@@ -140,7 +133,7 @@ def check_config(config: PrefillConfig, cache: PagedKVCache, group: int, pv_mode
     if not interpret_mode():  # the CPU tests run smaller 8-bit PV tiles under the interpreter
         _checks.check_pv_tile_keys(config.block_n, pv_mode)
     if d % dv or d // dv not in (1, 2, 4):
-        raise ValueError(f"dv={dv} must split the head_dim tile of {d} (head_dim {cache.head_dim} padded to a "
+        raise ValueError(f"dv={dv} must split the head_dim tile of {d} (head_dim {head_dim} padded to a "
                          "power of two) into 1, 2 or 4 chunks")
     block_m = max(config.block_m, triton.next_power_of_2(group))
     return replace(config, dv=dv, block_m=block_m)
@@ -188,7 +181,7 @@ def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, s
     elif not isinstance(config, PrefillConfig):
         raise TypeError(f"config must be a PrefillConfig, got {type(config).__name__}")
     group = query.shape[1] // cache.num_kv_heads
-    config = check_config(config, cache, group, pv_mode)
+    config = check_config(config, cache.head_dim, group, pv_mode)
     return run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                 q_quant, q_scale, min_query_len, max_query_len)
 
@@ -248,9 +241,8 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
         softmax_scale = head_dim ** -0.5
     qk_scale = float(softmax_scale) * math.log2(math.e)
 
-    global last_compiled_kernel
     with device_guard(cache.device):
-        last_compiled_kernel = _prefill_kernel[(num_tiles, cache.num_kv_heads)](
+        compiled = _prefill_kernel[(num_tiles, cache.num_kv_heads)](
             q_in, q_scale_in, out,
             key, value, k_scale, v_scale,
             block_table, seq_lens, query_start_loc, error_flags(cache.device),
@@ -268,4 +260,5 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
             LAZY_RESCALE=bool(config.lazy_rescale), INTERPRET=interpret_mode(),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
+    launches.record("_prefill_kernel", compiled)
     return out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .. import _checks
+from .. import _checks, launches
 from ..cache import KV_DTYPES, PagedKVCache
 from ..errors import error_flags
 from ..kernels.codes import KV_KIND
@@ -51,7 +51,8 @@ def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tenso
         return out, out_scale
     grid, launch = quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype, _launch)
     with device_guard(query.device):
-        _quantize_query_kernel[grid](*quantize_query_args(query, out, out_scale), **launch)
+        compiled = _quantize_query_kernel[grid](*quantize_query_args(query, out, out_scale), **launch)
+    launches.record("_quantize_query_kernel", compiled)
     return out, out_scale
 
 
@@ -170,7 +171,7 @@ def rope_quantize_and_write(
     rows = max(triton.cdiv(num_tokens, launch["TOKENS_PER_PROGRAM"]), triton.cdiv(num_tokens, launch["KV_TOKENS"]))
     grid = (rows, triton.cdiv(num_q_heads, launch["BLOCK_HQ"]) + 1)
     with device_guard(cache.device):
-        _rope_quantize_write_kernel[grid](
+        compiled = _rope_quantize_write_kernel[grid](
             query, key, value, positions, cos_sin_cache, slot_mapping, error_flags(cache.device),
             out_q, qscale,
             cache.key, cache.value, kscale, vscale, mean,
@@ -186,6 +187,7 @@ def rope_quantize_and_write(
             enable_fp_fusion=False,
             **launch,
         )
+    launches.record("_rope_quantize_write_kernel", compiled)
     return out_q, (out_q_scale if cache.quantized else None)
 
 

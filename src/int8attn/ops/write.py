@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from .. import _checks
+from .. import _checks, launches
 from ..cache import PagedKVCache
 from ..errors import error_flags
 from ..kernels.codes import KV_KIND
@@ -131,7 +131,7 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
     launch = {**write_kv_tile(num_tokens, cache.num_kv_heads, head_dim, cache.block_size), "num_warps": 4}
     launch.update(_launch or {})
     with device_guard(cache.device):
-        _write_kv_kernel[(triton.cdiv(num_tokens, launch["KV_TOKENS"]),)](
+        compiled = _write_kv_kernel[(triton.cdiv(num_tokens, launch["KV_TOKENS"]),)](
             key, value, slot_mapping, error_flags(cache.device),
             cache.key, cache.value, kscale, vscale, mean,
             num_tokens, cache.num_slots, cache.num_kv_heads,
@@ -142,3 +142,4 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
             KIND=kind, HAS_MEAN=has_mean, INTERPRET=interpret_mode(),
             **launch,
         )
+    launches.record("_write_kv_kernel", compiled)
