@@ -260,6 +260,18 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _channel_ok(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Which of the tile's BLOCK_D channels are real (< HEAD_DIM). When the tile is not
+    padded the mask is a constant splat, which folds out of every mask it joins (a
+    compare of the range against HEAD_DIM would stay in the code)."""
+    if BLOCK_D == HEAD_DIM:
+        ok = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        ok = offs_d < HEAD_DIM
+    return ok
+
+
+@triton.jit
 def _split_blocks_bad(bt_row, tile_lo, tile_count, seq_len, last_block, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                       CHUNK: tl.constexpr = 256):
     """Whether a block id of the pages the split reads (those of tiles ``tile_lo ..
@@ -288,7 +300,7 @@ def _poison_rows(out_ptr, q_start, q_len, num_tokens, kv_head, stride_ot, stride
         if (tok >= 0) & (tok < num_tokens):
             for h in range(0, GROUP):
                 row = out_ptr + tok.to(tl.int64) * stride_ot + (kv_head * GROUP + h).to(tl.int64) * stride_oh
-                tl.store(row + offs_d, nan, mask=offs_d < HEAD_DIM)
+                tl.store(row + offs_d, nan, mask=_channel_ok(offs_d, HEAD_DIM, BLOCK_D))
 
 
 @triton.jit
@@ -354,7 +366,7 @@ def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, f
     offs_r = tl.arange(0, MERGE_M)
     offs_c = tl.arange(0, MERGE_CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    d_ok = _channel_ok(offs_d, HEAD_DIM, BLOCK_D)
     r_tok = offs_r // GROUP
     r_head = kv_head * GROUP + offs_r % GROUP
     for t0 in range(0, q_len, TOKENS_PER_PASS):
@@ -451,7 +463,7 @@ def _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_q
     scale ``sQ * softmax_scale * log2(e)`` (padding rows and channels: zeros)."""
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+                mask=row_valid[:, None] & _channel_ok(offs_d, HEAD_DIM, BLOCK_D)[None, :], other=0.0)
     if KV_KIND == KIND_BF16:
         q = q.to(tl.bfloat16)
         if INTERPRET:
@@ -537,7 +549,7 @@ def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, pos, in_seq, page, blk_
     acc = acc * alpha[:, None]
 
     if KV_KIND == KIND_BF16:
-        v = tl.load(v_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None] & (offs_d < HEAD_DIM)[None, :],
+        v = tl.load(v_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None] & _channel_ok(offs_d, HEAD_DIM, BLOCK_D)[None, :],
                     other=0.0)
     else:
         v = _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM, BLOCK_D, PAGE, NUM_PAGES,
@@ -682,7 +694,7 @@ def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, row_head
     [rows, BLOCK_D], or [BLOCK_D, rows] when TRANSPOSED (the swapped tile's O^T); only
     the first HEAD_DIM channels are stored."""
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    d_ok = _channel_ok(offs_d, HEAD_DIM, BLOCK_D)
     direct = tl.where(n_active == 1, rows, False)
     partial = tl.where(n_active > 1, rows, False)
     inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
