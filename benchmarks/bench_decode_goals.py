@@ -46,6 +46,14 @@ import bench_decode as bd  # noqa: E402  (caches, rotating tables, bytes)
 from int8attn.gate.sass import sass_of_compiled
 
 L2_BYTES = 50 << 20  # H200 L2; a peer's K/V below this may stay resident across graph replays
+_DEADLINE = [float("inf")]  # perf_counter() after which the remaining points are skipped (--deadline)
+
+
+def _late(what: str) -> bool:
+    if time.perf_counter() > _DEADLINE[0]:
+        print(f"deadline reached: {what} and the rest skipped", flush=True)
+        return True
+    return False
 
 SHAPE = dict(hq=24, hkv=4, d=256, page=16)
 POINTS = [(bs, ctx) for bs in (1, 16, 64) for ctx in (8192, 32768)]
@@ -64,6 +72,8 @@ def _config(kv: str, q_len: int, **change):
 
 def merge_section(rec, caches, copy_bw, rows):
     for bs, ctx in POINTS:
+        if _late(f"merge bs{bs} L{ctx}"):
+            return
         for kv in ("int8", "bf16"):
             variants = [("default", None)] if kv == "bf16" else [
                 ("default", None), ("fused", _config(kv, 1, fused_merge=True)),
@@ -108,6 +118,8 @@ def mt_section(rec, caches, copy_bw, rows):
         ("q4 swapped 4 warps, 8 splits", 4, swapped4, 8),
         ("q4 row-major 8 warps", 4, dec.DecodeConfig(block_n=64, num_warps=8, num_stages=9), None),
     ]:
+        if _late(f"mt {name}"):
+            return
         try:
             run = bd.Decode(caches["int8"], SHAPE, bs, ctx, q_len, None, config=cfg, num_splits=splits)
             us = _time(run, True)
@@ -171,6 +183,8 @@ def peers_section(rec, copy_bw, rows):
     hq, hkv, d, page = SHAPE["hq"], SHAPE["hkv"], SHAPE["d"], SHAPE["page"]
     missing = set()
     for bs, ctx in POINTS:
+        if _late(f"peers bs{bs} L{ctx}"):
+            return
         for peer, kv in (("flashinfer", "bf16"), ("flashinfer", "fp8"), ("torch_sdpa", "bf16")):
             if peer in missing:
                 continue
@@ -231,6 +245,8 @@ def summary(rows) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="seconds after which remaining points are skipped (the rows so far are saved)")
     ap.add_argument("--skip", default="", help="comma list of sections to skip: sass,mt,merge,peers")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -239,6 +255,8 @@ def main(argv=None) -> int:
     skip = set(filter(None, args.skip.split(",")))
     rec = bench.Recorder("decode_goals", Path(args.out) / "decode_goals.jsonl" if args.out else None)
     t0 = time.perf_counter()
+    if args.deadline:
+        _DEADLINE[0] = t0 + args.deadline
     copy_bw = bench.copy_bandwidth()
     blocks = 64 * 32768 // SHAPE["page"] + 8  # bench_decode.py's cache (MAX_BS x MAX_L + 8 pages)
     caches = {kv: bd.make_cache(kv, blocks if kv != "fp8" else 16 * 8192 // SHAPE["page"], SHAPE,
