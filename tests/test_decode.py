@@ -138,6 +138,20 @@ def test_swapped_operands_match_references(device, monkeypatch, kv, pv, hq, hkv,
     assert launches.last("_decode_split_kernel").facts["plan"].config.swap_ab
 
 
+@pytest.mark.parametrize("fused", [pytest.param(True, id="fused-merge"), pytest.param(False, id="merge-kernel")])
+@pytest.mark.parametrize("block_n,splits", [pytest.param(64, 2, id="BN64-2splits"), pytest.param(64, 1, id="BN64-1split"),
+                                            pytest.param(128, 2, id="BN128")])
+def test_swapped_fp8_cache_bf16_pv_variants(device, monkeypatch, fused, block_n, splits):
+    """The swapped fp8-cache / bf16-PV case of SWAPPED_CASES (same data) with each merge
+    and split count, so that a failure there points at the split tile or at the merge."""
+    kv, pv, hq, hkv, d, bs, seq_lens, q_lens = "fp8", "bf16", 8, 1, 128, 32, [97, 1], [2, 1]
+    config = DecodeConfig(block_n=block_n, num_warps=4, num_stages=3, swap_ab=True, fused_merge=fused)
+    monkeypatch.setattr(dec, "default_config", lambda *args: config)
+    batch = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                                     kv_dtype=kv, seed=7 * d + hq + bs + 64, device=device)
+    _run_and_check(batch, pv_mode=pv, num_splits=splits)
+
+
 def test_default_orientation_per_pv_mode():
     """The measured defaults swap the operands for 16-row int8 / fp8 tiles at head_dim 256,
     except for the PV modes measured (or only built) row-major."""
