@@ -45,8 +45,8 @@ or :func:`_decode_merge_kernel` does, in a second launch. Sequences with ``q_len
 ``q_len > MAX_QUERY_LEN`` are skipped (their rows are not written).
 
 Metadata is never trusted: block ids are clamped into [0, num_blocks) before they form an
-address (one min per page) and a running max of the raw ids tells whether one was out of
-range; ``seq_len`` outside [0, max_blocks * PAGE] and query bounds outside [0, num_tokens)
+address (one min per page, in the tile loop) and one read of the split's table entries
+before the loop tells whether one was out of range (_split_blocks_bad); ``seq_len`` outside [0, max_blocks * PAGE] and query bounds outside [0, num_tokens)
 or longer than ``seq_len`` stop the sequence before any cache address is formed. The rows
 of such a sequence are NaN and a device error flag names it (:mod:`int8attn.errors`).
 
