@@ -114,7 +114,6 @@ def mt_section(rec, caches, copy_bw, rows):
         ("q4 swapped 8 warps", 4, swapped8, None),
         ("q4 swapped 8 warps, 4 splits", 4, swapped8, 4),
         ("q4 swapped 8 warps, 8 splits", 4, swapped8, 8),
-        ("q4 swapped 4 warps", 4, swapped4, None),
         ("q4 swapped 4 warps, 8 splits", 4, swapped4, 8),
         ("q4 row-major 8 warps", 4, dec.DecodeConfig(block_n=64, num_warps=8, num_stages=9), None),
     ]:

@@ -77,9 +77,9 @@ if [ "${1:-}" = "--tests" ]; then  # the tests step, run under its timeout by th
 fi
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv >"$OUT/tests.log" 2>&1
-step tests 190 bash "$0" --tests
+step tests 170 bash "$0" --tests
 grep -h "passed\|failed\|ERROR SUMMARY" "$OUT/tests.log" "$OUT/memcheck.log" | tail -n $((SHARDS + 2))
-step goals 240 python3 benchmarks/bench_decode_goals.py --out "$OUT" --deadline 215
+step goals 250 python3 benchmarks/bench_decode_goals.py --out "$OUT" --deadline 215
 step host 45 python3 benchmarks/bench_host_overhead.py --mode real --batches 1,16 --out "$OUT" --deadline 35
 echo "total $(( $(date +%s) - T_START ))s"
 ls -la "$OUT"
