@@ -389,3 +389,28 @@ def test_decode_batches_take_any_multiple_of_16(device, d):
     out = poisoned(b)
     plan.run(*args_of(b), out=out)
     testing.assert_close_verbose(out, ref, rel_l2=0.015, name=f"plan.run D{d}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seq_lens,q_lens", [
+    pytest.param([300, 1000, 77], [1, 1, 1], id="decode_only"),
+    pytest.param([300, 70, 9, 1000] * 4, [1, 4, 9, 1] * 4, id="mixed_T_over_8"),
+])
+def test_unplanned_call_never_synchronizes_by_default(monkeypatch, seq_lens, q_lens):
+    """attention() without a plan on a GPU, value checks at their default (off there):
+    no device synchronization (torch's sync debug mode turns one into an error), and the
+    result is still right."""
+    monkeypatch.delenv("INT8ATTN_CHECK_VALUES", raising=False)
+    b = mixed(seq_lens=seq_lens, q_lens=q_lens, hq=24, hkv=4, d=256, seed=21, device="cuda")
+    assert not _checks.value_checks_enabled(b.cache.device)
+    attention(*args_of(b))  # compiles (first launches) outside the checked window
+    out = poisoned(b)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            attention(*args_of(b), out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    testing.assert_close_verbose(out, reference.attention_reference_quantized(*args_of(b)), rel_l2=TOL["int8"])

@@ -45,8 +45,8 @@ or :func:`_decode_merge_kernel` does, in a second launch. Sequences with ``q_len
 ``q_len > MAX_QUERY_LEN`` are skipped (their rows are not written).
 
 Metadata is never trusted: block ids are clamped into [0, num_blocks) before they form an
-address (one min per page) and a running max of the raw ids tells whether one was out of
-range; ``seq_len`` outside [0, max_blocks * PAGE] and query bounds outside [0, num_tokens)
+address (one min per page, in the tile loop) and one read of the split's table entries
+before the loop tells whether one was out of range (_split_blocks_bad); ``seq_len`` outside [0, max_blocks * PAGE] and query bounds outside [0, num_tokens)
 or longer than ``seq_len`` stop the sequence before any cache address is formed. The rows
 of such a sequence are NaN and a device error flag names it (:mod:`int8attn.errors`).
 
@@ -170,11 +170,14 @@ def _decode_split_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     data_head = kv_head.to(tl.int64) * stride_ch
     scale_head = kv_head.to(tl.int64) * stride_sh
-    # Largest block id read so far, as uint32 (a negative id is huge): block ids are
-    # clamped into [0, num_blocks) where they form addresses (one min per page) and this
-    # running max (one max per page) tells at the end whether any was out of range.
-    blk_seen = tl.zeros([BLOCK_N // PAGE], tl.uint32)
+    # Block ids are clamped into [0, num_blocks) where they form addresses (one min per
+    # page, inside the tile loop); whether any id of the split was out of range is found
+    # here, before the loop, by a separate read of the split's block-table entries. (A
+    # running max carried through the tile loop made the compiler load each tile's ids a
+    # second time, synchronously, which stalled every iteration: ~3x slower on the H200.)
     last_block = (num_blocks - 1).to(tl.uint32)
+    blk_bad = _split_blocks_bad(bt_row, tile_lo, tile_count, seq_len, last_block, PAGE, BLOCK_N)
+    _raise_error(flags_ptr, ERR_BLOCK_ID, seq, blk_bad & (kv_head == 0))
 
     if q_len <= TOKENS_PER_PASS:
         # The common case: every query token of the sequence fits in one pass, so Q, its
@@ -195,17 +198,17 @@ def _decode_split_kernel(
         if KV_KIND == KIND_FP8:
             loop_end = tl.minimum(tile_end, tl.cdiv(seq_len, BLOCK_N) - 1)
         for tile in range(tile_lo, loop_end):
-            m_i, l_i, acc, blk_seen = _attend(q, row_scale, row_limit, m_i, l_i, acc, blk_seen, tile, seq_len, bt_row,
-                                              last_block, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head,
-                                              scale_head, stride_cb, stride_sb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
-                                              BLOCK_M, KV_KIND, PV_KIND, KV_KIND != KIND_FP8, INTERPRET, SWAP_AB)
+            m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, last_block,
+                                    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb,
+                                    stride_sb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
+                                    KV_KIND != KIND_FP8, INTERPRET, SWAP_AB)
         if KV_KIND == KIND_FP8:
             if loop_end < tile_end:
-                m_i, l_i, acc, blk_seen = _attend(q, row_scale, row_limit, m_i, l_i, acc, blk_seen, tile_end - 1,
-                                                  seq_len, bt_row, last_block, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
-                                                  data_head, scale_head, stride_cb, stride_sb, HEAD_DIM, BLOCK_D,
-                                                  PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB)
-        acc = _poison_if_bad_blocks(acc, blk_seen, last_block, flags_ptr, seq, kv_head)
+                m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_end - 1, seq_len, bt_row,
+                                        last_block, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                        stride_cb, stride_sb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND,
+                                        PV_KIND, True, INTERPRET, SWAP_AB)
+        acc = tl.where(blk_bad, float("nan"), acc)
         _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, _row_sums(l_i, SWAP_AB), tok, row_head, split,
                     n_active, row_valid, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
                     stride_ms, HEAD_DIM, BLOCK_D, SWAP_AB)
@@ -237,20 +240,17 @@ def _decode_split_kernel(
             m_i = tl.where(fresh, NEG_BIG, m_i)
             l_i = tl.where(fresh, 0.0, l_i)
             acc = tl.where(fresh, 0.0, acc)
-            m_i, l_i, acc, blk_seen = _attend(q, row_scale, row_limit, m_i, l_i, acc, blk_seen, tile_lo + tile_idx,
-                                              seq_len, bt_row, last_block, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
-                                              data_head, scale_head, stride_cb, stride_sb, HEAD_DIM, BLOCK_D, PAGE,
-                                              BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB)
+            m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_lo + tile_idx, seq_len, bt_row,
+                                    last_block, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                    stride_cb, stride_sb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
+                                    True, INTERPRET, SWAP_AB)
             # Last tile of the pass: its rows go to out (one active split) or to the partials.
             # (tl.where rather than `row_valid & last`: the interpreter mistypes that mask)
             last = tile_idx == tile_count - 1
-            # every block of the split has been read by the end of the first pass
-            blk_bad = tl.max(blk_seen, 0) > last_block
             _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, tl.where(blk_bad, float("nan"), acc), m_i,
                         _row_sums(l_i, SWAP_AB), tok, row_head, split, n_active, tl.where(last, row_valid, False),
                         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
                         HEAD_DIM, BLOCK_D, SWAP_AB)
-        _raise_error(flags_ptr, ERR_BLOCK_ID, seq, (tl.max(blk_seen, 0) > last_block) & (kv_head == 0))
     if FUSED_MERGE:
         if n_active > 1:
             _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, q_start, q_len, kv_head, split,
@@ -260,11 +260,32 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _poison_if_bad_blocks(acc, blk_seen, last_block, flags_ptr, seq, kv_head):
-    """NaN ``acc`` (and raise ERR_BLOCK_ID naming ``seq``) when a block id read was out of range."""
-    blk_bad = tl.max(blk_seen, 0) > last_block
-    _raise_error(flags_ptr, ERR_BLOCK_ID, seq, blk_bad & (kv_head == 0))
-    return tl.where(blk_bad, float("nan"), acc)
+def _channel_ok(offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Which of the tile's BLOCK_D channels are real (< HEAD_DIM). When the tile is not
+    padded the mask is a constant splat, which folds out of every mask it joins (a
+    compare of the range against HEAD_DIM would stay in the code)."""
+    if BLOCK_D == HEAD_DIM:
+        ok = tl.full([BLOCK_D], 1, tl.int1)
+    else:
+        ok = offs_d < HEAD_DIM
+    return ok
+
+
+@triton.jit
+def _split_blocks_bad(bt_row, tile_lo, tile_count, seq_len, last_block, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                      CHUNK: tl.constexpr = 256):
+    """Whether a block id of the pages the split reads (those of tiles ``tile_lo ..
+    tile_lo + tile_count`` that start before ``seq_len``) is outside [0, last_block]; ids
+    compared as uint32, so a negative id is out of range. CHUNK entries per load."""
+    NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
+    page_lo = tile_lo * NUM_PAGES
+    page_hi = tl.minimum((tile_lo + tile_count) * NUM_PAGES, tl.cdiv(seq_len, PAGE))
+    offs = tl.arange(0, CHUNK)
+    seen = tl.zeros([CHUNK], tl.uint32)
+    for p0 in range(page_lo, page_hi, CHUNK):
+        page = p0 + offs
+        seen = tl.maximum(seen, tl.load(bt_row + page, mask=page < page_hi, other=0).to(tl.uint32))
+    return tl.max(seen, 0) > last_block
 
 
 @triton.jit
@@ -279,7 +300,7 @@ def _poison_rows(out_ptr, q_start, q_len, num_tokens, kv_head, stride_ot, stride
         if (tok >= 0) & (tok < num_tokens):
             for h in range(0, GROUP):
                 row = out_ptr + tok.to(tl.int64) * stride_ot + (kv_head * GROUP + h).to(tl.int64) * stride_oh
-                tl.store(row + offs_d, nan, mask=offs_d < HEAD_DIM)
+                tl.store(row + offs_d, nan, mask=_channel_ok(offs_d, HEAD_DIM, BLOCK_D))
 
 
 @triton.jit
@@ -345,7 +366,7 @@ def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, f
     offs_r = tl.arange(0, MERGE_M)
     offs_c = tl.arange(0, MERGE_CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    d_ok = _channel_ok(offs_d, HEAD_DIM, BLOCK_D)
     r_tok = offs_r // GROUP
     r_head = kv_head * GROUP + offs_r % GROUP
     for t0 in range(0, q_len, TOKENS_PER_PASS):
@@ -412,14 +433,14 @@ def _row_sums(l_i, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, row_scale, row_limit, m_i, l_i, acc, blk_seen, tile, seq_len, bt_row, last_block, k_ptr, v_ptr,
+def _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, last_block, k_ptr, v_ptr,
             k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
             KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr, INTERPRET: tl.constexpr,
             SWAP_AB: tl.constexpr):
     """One tile in the orientation the launch chose (see _attend_tile_swapped); also
-    folds the tile's raw block ids into ``blk_seen``."""
-    pos, in_seq, page, blk_page, blk_raw, row_off, scale_off = _tile_addresses(
+    reads the tile's block ids clamped (see _tile_addresses)."""
+    pos, in_seq, page, blk_page, row_off, scale_off = _tile_addresses(
         tile, seq_len, bt_row, last_block, data_head, scale_head, stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N)
     if SWAP_AB:
         m_i, l_i, acc = _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc, pos, in_seq, page, blk_page,
@@ -431,7 +452,7 @@ def _attend(q, row_scale, row_limit, m_i, l_i, acc, blk_seen, tile, seq_len, bt_
                                      scale_off, seq_len, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head,
                                      stride_cb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, TAIL,
                                      INTERPRET)
-    return m_i, l_i, acc, tl.maximum(blk_seen, blk_raw)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -442,7 +463,7 @@ def _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_q
     scale ``sQ * softmax_scale * log2(e)`` (padding rows and channels: zeros)."""
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+                mask=row_valid[:, None] & _channel_ok(offs_d, HEAD_DIM, BLOCK_D)[None, :], other=0.0)
     if KV_KIND == KIND_BF16:
         q = q.to(tl.bfloat16)
         if INTERPRET:
@@ -458,11 +479,11 @@ def _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_q
 def _tile_addresses(tile, seq_len, bt_row, last_block, data_head, scale_head, stride_cb, stride_sb,
                     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Where the keys of tile ``tile`` live: their positions, which are in the sequence,
-    the tile's pages, their block ids (clamped to ``last_block``) and the raw ids as
-    uint32, and each key's K-row and scale offsets. One block-table entry per page,
+    the tile's pages, their block ids (clamped to ``last_block``, compared as uint32 so
+    a negative id clamps too) and each key's K-row and scale offsets. One block-table entry per page,
     broadcast to the page's keys; a page past ``seq_len`` reads block 0 (valid memory,
     masked later); an id outside [0, num_blocks) reads the clamped block (valid memory;
-    the split's output is then NaN, see _poison_if_bad_blocks)."""
+    the split's output is then NaN, see _split_blocks_bad)."""
     offs_n = tl.arange(0, BLOCK_N)
     pos = tile * BLOCK_N + offs_n
     in_seq = pos < seq_len
@@ -474,7 +495,7 @@ def _tile_addresses(tile, seq_len, bt_row, last_block, data_head, scale_head, st
     slot = offs_n % PAGE
     row_off = blk * stride_cb + data_head + slot * HEAD_DIM
     scale_off = blk * stride_sb + scale_head + slot
-    return pos, in_seq, page, blk_page, blk_raw, row_off, scale_off
+    return pos, in_seq, page, blk_page, row_off, scale_off
 
 
 @triton.jit
@@ -528,7 +549,7 @@ def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, pos, in_seq, page, blk_
     acc = acc * alpha[:, None]
 
     if KV_KIND == KIND_BF16:
-        v = tl.load(v_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None] & (offs_d < HEAD_DIM)[None, :],
+        v = tl.load(v_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None] & _channel_ok(offs_d, HEAD_DIM, BLOCK_D)[None, :],
                     other=0.0)
     else:
         v = _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM, BLOCK_D, PAGE, NUM_PAGES,
@@ -673,7 +694,7 @@ def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, row_head
     [rows, BLOCK_D], or [BLOCK_D, rows] when TRANSPOSED (the swapped tile's O^T); only
     the first HEAD_DIM channels are stored."""
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    d_ok = _channel_ok(offs_d, HEAD_DIM, BLOCK_D)
     direct = tl.where(n_active == 1, rows, False)
     partial = tl.where(n_active > 1, rows, False)
     inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)

@@ -106,16 +106,18 @@ MEASURED_BEST = {
 
 
 #: 32 packed rows (multi-token decode: GQA 6 x 4 tokens = 24 rows) on 8-bit caches at
-#: head_dim 128 / 256: the operand-swapped tile with 8 warps. The rule below gives a
-#: row-major 8-warp tile there, whose 32-row products run on mma.sync (the warpgroup MMA
-#: needs 64 rows row-major) -- the tile q_len 4 took when it cost 2x q_len 1 at bs16 L32k.
-#: Swapped, the 32 rows are the MMA's N (allowed: N = 32) and the keys / head_dim its M, as
-#: at q_len 1; 8 warps keep O^T [D, 32] at 32 fp32 registers per thread (4 warps spill).
-#: Not yet measured: benchmarks/decode_gpu.sh times it against the rule (``mt`` rows).
+#: head_dim 128 / 256: the operand-swapped tile. The rule below gives a row-major 8-warp
+#: tile there, whose 32-row products run on mma.sync (the warpgroup MMA needs 64 rows
+#: row-major). Swapped, the 32 rows are the MMA's N (allowed: N = 32) and the keys /
+#: head_dim its M, as at q_len 1. int8 D256 takes 4 warps: the fastest measured at bs16
+#: L32k q4 (1.39x q1, against 2.04x for 8 warps and 1.70x for the row-major rule), although
+#: its O^T [256, 32] spills at 4 warps (benchmarks/notes/decode.md); the others keep 8 warps
+#: (O^T at 32 fp32 registers per thread, no spills), not yet measured.
 MULTI_TOKEN_DEFAULT = {
     (kv, d, 32): DecodeConfig(block_n=64, num_warps=8, num_stages=6, swap_ab=True)
     for kv in ("int8", "fp8") for d in (128, 256)
 }
+MULTI_TOKEN_DEFAULT[("int8", 256, 32)] = DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True)
 
 
 #: PV modes that run the row-major tile even where MEASURED_BEST swaps the operands: an
