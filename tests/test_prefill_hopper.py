@@ -153,10 +153,17 @@ def _is_sm90() -> bool:
 
 needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 GPU")
 
-#: Bounds vs the quantized-query float64 reference and the float64 reference (as the
-#: portable kernel's tests), and between the two kernels (each within its own bound).
-TOL_QUANTIZED = {("int8", "int8"): 0.012, ("int8", "bf16"): 0.006, ("fp8", "fp8"): 0.03, ("fp8", "bf16"): 0.006}
+#: Bounds vs the quantized-query float64 reference and the float64 reference, and between
+#: the two kernels (each within its own bound). int8 PV quantizes P per row and 64-key tile
+#: in both kernels; the portable kernel itself measures 0.0124-0.0130 vs the quantized-query
+#: reference on the g4-d64-bs64 odd-length cases with 64-key tiles (0.0099-0.0103 with
+#: 32-key tiles, the tile its CPU tests run), so the int8/int8 bound is 0.014, and every
+#: check also asserts the Hopper kernel is no worse than the portable one on the same rows
+#: (NOT_WORSE).
+TOL_QUANTIZED = {("int8", "int8"): 0.014, ("int8", "bf16"): 0.006, ("fp8", "fp8"): 0.03, ("fp8", "bf16"): 0.006}
 TOL_REFERENCE = {("int8", "int8"): 0.016, ("int8", "bf16"): 0.012, ("fp8", "fp8"): 0.05, ("fp8", "bf16"): 0.045}
+#: Hopper error <= portable error * NOT_WORSE[0] + NOT_WORSE[1] (same rows, same reference).
+NOT_WORSE = (1.05, 5e-4)
 
 
 def _reference_rows(b, rows_per_seq: int):
@@ -195,6 +202,11 @@ def _check(b, pv, *, rows_per_seq=48, config=None):
     got = out.cpu()[idx]
     testing.assert_close_verbose(got, refq, rel_l2=TOL_QUANTIZED[(kv, pv)], name="hopper vs quantized-query ref")
     testing.assert_close_verbose(got, ref, rel_l2=TOL_REFERENCE[(kv, pv)], name="hopper vs float64 ref")
+    mine = reference.error_stats(got, refq)["rel_l2"]
+    theirs = reference.error_stats(portable.cpu()[idx], refq)["rel_l2"]
+    print(f"rel-L2 vs quantized-query ref: hopper {mine:.5f} portable {theirs:.5f}")
+    assert mine <= theirs * NOT_WORSE[0] + NOT_WORSE[1], \
+        f"hopper rel-L2 {mine:.5f} worse than the portable kernel's {theirs:.5f} on the same rows"
 
 
 @pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16")])
