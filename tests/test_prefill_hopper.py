@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from int8attn import reference, testing
+from int8attn import launches, reference, testing
 from int8attn.ops import prefill_hopper as hop
 from int8attn.ops.prefill import prefill_attention
 
@@ -32,6 +32,14 @@ VARIANTS = [
     pytest.param("int8", "int8", 64, 64, 8, {"block_m": 64, "stages": 3}, id="int8-pv8-d64-bs64-m64-s3"),
     pytest.param("int8", "bf16", 64, 128, 4, {"block_n": 128}, id="int8-pv16-d64-bs128-n128"),
     pytest.param("fp8", "fp8", 256, 64, 8, {"block_n": 32, "block_m": 64}, id="fp8-pv8-d256-bs64-n32-m64"),
+    # asynchronous-MMA schedule (kernels/prefill_hopper_pipe.py)
+    pytest.param("fp8", "fp8", 128, 16, 4, {"pipeline": True, "stages": 4}, id="pipe-fp8-pv8-d128-s4"),
+    pytest.param("fp8", "fp8", 256, 16, 6, {"pipeline": True, "stages": 4, "block_n": 32},
+                 id="pipe-fp8-pv8-d256-n32-s4"),
+    pytest.param("int8", "int8", 128, 16, 4, {"pipeline": True, "stages": 4, "block_n": 32},
+                 id="pipe-int8-pv8-d128-n32-s4"),
+    pytest.param("int8", "int8", 64, 64, 8, {"pipeline": True, "stages": 3, "block_m": 64},
+                 id="pipe-int8-pv8-d64-bs64-m64-s3"),
 ]
 #: PTX type suffix of the QK and PV warpgroup MMAs, and the SASS class each must show.
 PTX_TYPES = {"int8": "s32.s8.s8", "fp8": "f32.e4m3.e4m3", "bf16": "f32.f16.f16"}
@@ -39,7 +47,10 @@ SASS_CLASS = {"int8": "INT8", "fp8": "FP8", "bf16": "FP16"}
 #: Local-memory instructions (LDL/STL) allowed in a variant's SASS: none, except int8 PV at
 #: head_dim 256 (128-register accumulator + int32 PV tiles; 10 with Triton 3.6, 12 with 3.9,
 #: against ~220 with 64-key tiles): a regression guard, not a correctness property.
-SPILL_BUDGET = {"int8-pv8-d256": 16}
+SPILL_BUDGET = {"int8-pv8-d256": 16,
+                # int8 PV result of tile j in flight across the softmax of tile j + 1, beside the
+                # accumulator (22 with Triton 3.6, 39 with 3.9; ~280 with 64-key tiles)
+                "pipe-int8-pv8-d128-n32-s4": 48}
 
 _COMPILE_ALL = r"""
 import json, re, sys
@@ -63,6 +74,7 @@ for key, (kv, pv, d, bs, group, over) in json.loads(sys.argv[1]).items():
                                      ptx),
         "sass_classes": sass.summarize(text)["classes"],
         "local_memory": len(re.findall(r"\b(?:LDL|STL)\b", text)),
+        "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
     }
 print(json.dumps(out))
 """
@@ -97,6 +109,8 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
         assert got["sass_classes"].get(SASS_CLASS[prec], 0) > 0, got
     sizes = got.pop("cp_async_sizes")
     assert len(sizes) >= 2 and set(sizes) <= {"0x10", "16"}, (sizes, got)
+    if over.get("pipeline"):  # QK waited alone while PV stays in flight
+        assert got["wgmma_waits"] and max(got["wgmma_waits"]) >= 1, got
     assert got["local_memory"] <= SPILL_BUDGET.get(request.node.callspec.id, 0), got
 
 
@@ -137,6 +151,7 @@ def test_forcing_hopper_where_it_does_not_apply_raises_before_launch():
     pytest.param(hop.HopperPrefillConfig(dv=256), "224", id="dv_int8_256"),
     pytest.param(hop.HopperPrefillConfig(dv=96), "dv", id="dv_split"),
     pytest.param(hop.HopperPrefillConfig(stages=1), "stages", id="stages"),
+    pytest.param(hop.HopperPrefillConfig(pipeline=True, stages=2, dv=64), "stages >= 3", id="pipeline_stages"),
 ])
 def test_bad_config_raises(config, match):
     class _C:
@@ -144,6 +159,14 @@ def test_bad_config_raises(config, match):
 
     with pytest.raises(ValueError, match=match):
         hop._check_config(config, _C(), 6, "int8")
+
+
+def test_pipeline_rejects_16_bit_pv():
+    class _C:
+        kv_dtype, head_dim, block_size = "int8", 128, 16
+
+    with pytest.raises(ValueError, match="8-bit PV"):
+        hop._check_config(hop.HopperPrefillConfig(pipeline=True, stages=4), _C(), 4, "bf16")
 
 
 # --------------------------------------------------------------------------- GPU (sm_90)
@@ -271,3 +294,47 @@ def test_gpu_stale_slots_never_leak(kv, pv):
 def test_gpu_chunk_4096(prefix, hq, hkv, d, kv, pv):
     b = _batch([prefix + 4096], [4096], hq=hq, hkv=hkv, d=d, kv=kv, seed=prefix + d, device="cuda")
     _check(b, pv)
+
+
+#: (case, kv_dtype, pv_mode) of the asynchronous-MMA schedule: its own config per head_dim
+#: (ops.prefill_hopper.pipelined_config), the same checks as the synchronous kernel.
+PIPE_CASES = [pytest.param(case, kv, pv, id=f"{case}-{kv}-{pv}")
+              for case in ("odd-g6-d256-97", "odd-g4-d64-bs64-123", "varlen-d128", "stale-d128",
+                           "chunk-28672-24q4kv-d256", "chunk-28672-32q8kv-d128")
+              for kv, pv in (("int8", "int8"), ("fp8", "fp8"))]
+
+
+@pytest.mark.parametrize("case,kv,pv", PIPE_CASES)
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_pipelined(case, kv, pv):
+    if case.startswith("odd"):
+        hq, hkv, d, bs = {"odd-g6-d256-97": (24, 4, 256, 16), "odd-g4-d64-bs64-123": (8, 2, 64, 64)}[case]
+        q_len = int(case.split("-")[-1])
+        b = _batch([3 * q_len + 5], [q_len], hq=hq, hkv=hkv, d=d, bs=bs, kv=kv, seed=q_len, device="cuda")
+        rows = q_len
+    elif case == "varlen-d128":
+        b = _batch([1, 300, 2000, 517, 4096, 97], [1, 300, 333, 17, 1000, 97], hq=32, hkv=8, d=128, kv=kv, seed=5,
+                   device="cuda")
+        rows = 40
+    elif case == "stale-d128":
+        def poison_then_write(c, k, v, s):
+            for t in (c.key, c.value):
+                t.view(torch.uint8).fill_(0x7F) if kv == "fp8" else t.fill_(-128)
+            c.key_scale.fill_(float("nan"))
+            c.value_scale.fill_(float("nan"))
+            reference.write_kv_reference(c, k, v, s)
+
+        b = testing.make_paged_batch([37, 150, 9], [20, 99, 9], num_q_heads=8, num_kv_heads=2, head_dim=128,
+                                     kv_dtype=kv, seed=17, device="cuda", writer=poison_then_write)
+        rows = 99
+    else:
+        hq, hkv, d = (24, 4, 256) if "d256" in case else (32, 8, 128)
+        b = _batch([28672 + 4096], [4096], hq=hq, hkv=hkv, d=d, kv=kv, seed=28672 + d, device="cuda")
+        rows = 48
+    config = hop.pipelined_config(kv, b.cache.head_dim)
+    if config is None:
+        pytest.skip(f"no pipelined config for {kv} at head_dim {b.cache.head_dim}")
+    before = launches.last("_prefill_hopper_pipe_kernel")
+    _check(b, pv, rows_per_seq=rows, config=config)
+    assert launches.last("_prefill_hopper_pipe_kernel") is not before, "the pipelined kernel did not run"

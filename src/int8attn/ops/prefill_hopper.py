@@ -39,12 +39,16 @@ last_kernel: str | None = None
 class HopperPrefillConfig:
     """Tiling: block_m query rows per program (64 or 128: one or two warpgroups, block_m //
     16 warps), block_n keys per KV tile, dv output columns per PV MMA (None: the default for
-    the PV precision), stages of the shared-memory K/V ring (>= 2)."""
+    the PV precision), stages of the shared-memory K/V ring (>= 2); pipeline: the
+    asynchronous-MMA schedule of :mod:`int8attn.kernels.prefill_hopper_pipe` (8-bit PV,
+    stages >= 3: PV of one tile overlaps the next tile's softmax) instead of one MMA waited
+    at a time."""
 
     block_m: int = 128
     block_n: int = 64
     dv: int | None = None
     stages: int = 2
+    pipeline: bool = False
 
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillConfig:
@@ -57,6 +61,19 @@ def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillC
     if pv_mode == "int8":
         return HopperPrefillConfig(block_n=block_n, dv=min(head_dim, 64 if head_dim > 128 else 128))
     return HopperPrefillConfig(block_n=block_n, dv=head_dim)
+
+
+def pipelined_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None:
+    """The asynchronous-MMA config for an 8-bit PV route (PV of the cache's precision), or
+    None where it spills: sm_90 AOT compiles (Triton 3.6 / 3.9) of the pipelined kernel
+    hold the PV result of one tile beside the accumulator through the next softmax; int8 PV
+    fits with 32-key tiles up to head_dim 128 (16-39 LDL/STL), not at 256 (~750); fp8 PV
+    accumulates inside the MMA (no spills at 64-key tiles, head_dim 128; 32 at 256)."""
+    if kv_dtype == "int8":
+        if head_dim > 128:
+            return None
+        return HopperPrefillConfig(block_n=32, dv=head_dim, stages=4, pipeline=True)
+    return HopperPrefillConfig(block_n=64 if head_dim <= 128 else 32, dv=head_dim, stages=4, pipeline=True)
 
 
 def _gluon_available() -> bool:
@@ -109,6 +126,11 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise ValueError(f"dv={dv}: s8 warpgroup MMAs take at most 224 columns")
     if not isinstance(config.stages, int) or not 2 <= config.stages <= 4:
         raise ValueError(f"stages={config.stages!r} must be 2, 3 or 4")
+    if not isinstance(config.pipeline, bool):
+        raise TypeError(f"config.pipeline must be a bool, got {config.pipeline!r}")
+    if config.pipeline and (pv_mode == "bf16" or config.stages < 3):
+        raise ValueError(f"pipeline=True needs 8-bit PV and stages >= 3 (pv_mode={pv_mode!r}, "
+                         f"stages={config.stages})")
     _checks.check_pv_tile_keys(config.block_n, pv_mode)
     return replace(config, dv=dv)
 
@@ -146,10 +168,18 @@ def prefill_attention_hopper(query, cache, block_table, seq_lens, query_start_lo
                 q_quant, q_scale, min_query_len, max_query_len)
 
 
+def kernel_fn(config: HopperPrefillConfig):
+    """The Gluon kernel of a config (both take the same arguments and constexprs)."""
+    if config.pipeline:
+        from ..kernels.prefill_hopper_pipe import _prefill_hopper_pipe_kernel
+        return _prefill_hopper_pipe_kernel
+    from ..kernels.prefill_hopper import _prefill_hopper_kernel
+    return _prefill_hopper_kernel
+
+
 def _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant,
          q_scale, min_query_len, max_query_len) -> torch.Tensor:
     """Launch with a checked config (no validation)."""
-    from ..kernels.prefill_hopper import _prefill_hopper_kernel
     from .producer import quantize_query
 
     global last_kernel
@@ -171,7 +201,8 @@ def _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, 
         softmax_scale = head_dim ** -0.5
     qk_scale = float(softmax_scale) * math.log2(math.e)
     with device_guard(cache.device):
-        compiled = _prefill_hopper_kernel[(num_tiles, cache.num_kv_heads)](
+        kern = kernel_fn(config)
+        compiled = kern[(num_tiles, cache.num_kv_heads)](
             q_in, q_scale, out, key, value, cache.key_scale, cache.value_scale,
             block_table, seq_lens, query_start_loc,
             qk_scale, num_seqs, min_query_len, num_tiles,
@@ -181,7 +212,7 @@ def _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, 
             block_table.stride(0),
             **constexprs(config, cache, group, pv_mode), num_warps=config.block_m // 16,
         )
-    launches.record("_prefill_hopper_kernel", compiled)
+    launches.record("_prefill_hopper_pipe_kernel" if config.pipeline else "_prefill_hopper_kernel", compiled)
     return out
 
 
@@ -221,8 +252,6 @@ def compile_for_sm90(kv_dtype: str, pv_mode: str, head_dim: int, block_size: int
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from ..kernels.prefill_hopper import _prefill_hopper_kernel
-
     class _Shape:  # the cache facts the constexprs read
         pass
 
@@ -231,6 +260,7 @@ def compile_for_sm90(kv_dtype: str, pv_mode: str, head_dim: int, block_size: int
     config = config or default_config(kv_dtype, head_dim, pv_mode)
     config = replace(config, dv=config.dv or default_config(kv_dtype, head_dim, pv_mode).dv)
     const = constexprs(config, cache, group, pv_mode)
+    _prefill_hopper_kernel = kernel_fn(config)
     ptrs = _pointer_types(kv_dtype)
     names = _prefill_hopper_kernel.arg_names
     sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
