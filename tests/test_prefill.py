@@ -12,6 +12,7 @@ import torch
 
 from _ids import cases
 from int8attn import reference, testing
+from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.ops.prefill import DEFAULT_PV, PrefillConfig, launch_grid, prefill_attention
 from int8attn.ops.producer import quantize_query
 
@@ -225,6 +226,149 @@ def test_stale_slots_never_leak(kv, pv, bs, config, device):
     assert torch.isfinite(out.float()).all()
 
 
+# --------------------------------------------------------------------------- non-finite input
+def _assert_nan_exactly(out, ref, want_nan, rel_l2, name):
+    """Rows (token, head) of ``want_nan`` are all NaN in ``out``; every other element is
+    finite and within ``rel_l2`` of ``ref``."""
+    got_nan = torch.isnan(out.float()).any(-1).cpu()
+    assert torch.equal(got_nan, want_nan), (
+        f"{name}: NaN rows {got_nan.nonzero().tolist()[:8]}, want {want_nan.nonzero().tolist()[:8]}")
+    assert torch.isnan(out.float()[want_nan.to(out.device)]).all(), f"{name}: a poisoned row is partly finite"
+    keep = ~want_nan
+    testing.assert_close_verbose(out.cpu()[keep], ref[keep], rel_l2=rel_l2, name=name)
+
+
+def _poisoning_writer(where, bad):
+    """write_kv_reference after putting ``bad`` at each (token, head, channel, tensor) of
+    ``where`` (indices into the batch's raw K / V)."""
+    def writer(c, k, v, s):
+        k, v = k.clone(), v.clone()
+        for tok, head, ch, tensor in where:
+            (k if tensor == "k" else v)[tok, head, ch] = bad
+        reference.write_kv_reference(c, k, v, s)
+    return writer
+
+
+@pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16"),
+                                   ("bf16", "bf16")])
+@pytest.mark.parametrize("tensor,bad", [("k", float("nan")), ("v", float("inf"))], ids=["k_nan", "v_inf"])
+def test_non_finite_kv_poisons_exactly_the_rows_that_read_it(kv, pv, tensor, bad, device):
+    """A K or V row with an inf / NaN (stored poisoned: key scale NaN, zero V) makes NaN
+    exactly the output rows whose query sees that token (positions at or after it, the
+    KV head's query heads, its sequence); earlier rows of the same tiles, other heads and
+    other sequences stay finite and correct."""
+    seq_lens, q_lens = [61, 40], [45, 40]
+    hq, hkv = 6, 2
+    # token 30 of sequence 0 (position 30: query rows 14.. of the 45-token chunk), KV head 1
+    b = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, kv_dtype=kv,
+                                 seed=23, device=device, writer=_poisoning_writer([(30, 1, 5, tensor)], bad))
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
+    prefill_attention(*args_of(b), out=out, pv_mode=pv, config=on_device(SMALL, pv, device))
+    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
+    ctx = seq_lens[0] - q_lens[0]
+    want[30 - ctx:q_lens[0], 3:6] = True
+    ref = reference.attention_reference_quantized(*args_of(b))
+    _assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, pv)], f"{kv}/{pv}")
+
+
+@pytest.mark.parametrize("kv,pre", [("int8", False), ("int8", True), ("fp8", False), ("fp8", True),
+                                    ("bf16", False)], ids=["int8", "int8_prequantized", "fp8", "fp8_prequantized",
+                                                           "bf16"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+def test_non_finite_query_gives_nan_rows_for_that_query_only(kv, pre, bad, device):
+    b = batch([40, 23], [30, 23], kv=kv, seed=3, device=device)
+    b.query[7, 1, 3] = bad
+    b.query[35, 2, 0] = bad
+    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
+    want[7, 1] = want[35, 2] = True
+    clean = b.query.clone()
+    clean[7, 1] = clean[35, 2] = 0
+    kw = {}
+    if pre:
+        q, s = quantize_query(b.query, kv)
+        assert torch.isnan(s[7, 1]) and torch.isnan(s[35, 2]) and torch.isfinite(s[~want.to(device)]).all()
+        kw = dict(q_quant=q, q_scale=s)
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
+    prefill_attention(*args_of(b), out=out, config=SMALL, **kw)
+    ref = reference.attention_reference_quantized(clean, *args_of(b)[1:])
+    _assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, DEFAULT_PV[kv])], kv)
+
+
+# --------------------------------------------------------------------------- unchecked bad metadata
+def _clear_error_flags():
+    try:
+        check_errors()
+    except DeviceMetadataError:
+        pass
+
+
+def _bad_metadata_cases(b):
+    """name -> (block_table, seq_lens, query_start_loc, bad sequence, error words): one
+    sequence's metadata out of range (sequence 1, or 2 for the query range)."""
+    bt, sl, qsl = b.block_table, b.seq_lens, b.query_start_loc
+    capacity = bt.shape[1] * b.cache.block_size
+
+    def with_(t, index, value):
+        t = t.clone()
+        t[index] = value
+        return t
+
+    return {
+        "block id too large": (with_(bt, (1, 1), 10 ** 6), sl, qsl, 1, "block id"),
+        "block id negative": (with_(bt, (1, 0), -3), sl, qsl, 1, "block id"),
+        "seq_len beyond table": (bt, with_(sl, 1, capacity + 40), qsl, 1, "seq_len"),
+        "seq_len negative": (bt, with_(sl, 1, -5), qsl, 1, "seq_len"),
+        "seq_len below q_len": (bt, with_(sl, 1, 3), qsl, 1, "query range"),
+        "query range past num_tokens": (bt, sl, with_(qsl, 3, int(qsl[3]) + 50), 2, "query range"),
+    }
+
+
+_BAD_CASES = list(_bad_metadata_cases(batch([30, 40, 25], [12, 21, 9])).keys())
+
+
+@pytest.mark.parametrize("case", _BAD_CASES)
+@pytest.mark.parametrize("kv", ["int8", "fp8", "bf16"])
+def test_unchecked_bad_metadata_stays_in_bounds(case, kv, device, monkeypatch):
+    """With value checks off, out-of-range metadata of one sequence makes that sequence's
+    rows NaN (and only those: the others match the reference), leaves the cache and every
+    other element untouched, and raises a device flag that check_errors() turns into an
+    error naming the sequence."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    _clear_error_flags()
+    b = testing.make_paged_batch([30, 40, 25], [12, 21, 9], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                 kv_dtype=kv, seed=31, device=device)
+    bt, sl, qsl, bad_seq, words = _bad_metadata_cases(b)[case]
+    before = [t.clone() for t in (b.cache.key, b.cache.value)]
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
+    prefill_attention(b.query, b.cache, bt, sl, qsl, out=out, config=SMALL)
+    starts = b.query_start_loc.tolist()
+    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
+    want[starts[bad_seq]:starts[bad_seq + 1]] = True
+    ref = reference.attention_reference_quantized(*args_of(b))
+    _assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, DEFAULT_PV[kv])], case)
+    for t, t0 in zip((b.cache.key, b.cache.value), before):
+        assert torch.equal(t.view(torch.uint8), t0.view(torch.uint8))
+    with pytest.raises(DeviceMetadataError, match=f"{words}.*index {bad_seq};"):
+        check_errors(device)
+    check_errors(device)  # cleared
+
+
+def test_unchecked_bad_metadata_with_the_dense_grid(device, monkeypatch):
+    """The max_query_len grid (sequences x tiles) takes the same in-kernel checks."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    _clear_error_flags()
+    b = batch([30, 40, 25], [12, 21, 9], seed=32, device=device)
+    bt, sl, qsl, bad_seq, words = _bad_metadata_cases(b)["block id too large"]
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
+    prefill_attention(b.query, b.cache, bt, sl, qsl, out=out, config=SMALL, max_query_len=21)
+    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
+    want[12:33] = True
+    _assert_nan_exactly(out, reference.attention_reference_quantized(*args_of(b)), want,
+                        TOL_QUANTIZED[("int8", "bf16")], "dense grid")
+    with pytest.raises(DeviceMetadataError, match="index 1;"):
+        check_errors(device)
+
+
 # --------------------------------------------------------------------------- bad input
 def _with_value(cache, value):
     """A shallow copy of ``cache`` whose V storage is ``value`` (data shared)."""
@@ -284,10 +428,47 @@ def test_bad_input_raises_before_launch(case, monkeypatch):
     assert torch.isnan(out.float()).all()
 
 
-def test_non_power_of_two_head_dim_refused():
-    b = batch([20], [10], d=80, hq=2, hkv=1)
-    with pytest.raises(ValueError, match="power-of-two head_dim"):
-        prefill_attention(*args_of(b))
+KV_PV = [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16"), ("bf16", "bf16")]
+
+
+@pytest.mark.parametrize("d", [80, 96, 112, 160, 192])
+@pytest.mark.parametrize("kv,pv", KV_PV, ids=[f"{kv}_pv{pv}" for kv, pv in KV_PV])
+def test_head_dims_that_are_not_powers_of_two(d, kv, pv, device):
+    """head_dim 80..192: the tile is padded to the next power of two with masks on the
+    head_dim axis; every element of the output is written and matches both references."""
+    b = batch([37, 20], [23, 20], hq=6, hkv=2, d=d, kv=kv, seed=d, device=device)
+    run_and_check(b, pv=pv, name=f"D{d}")
+
+
+@pytest.mark.parametrize("d,config,pv", [
+    (80, PrefillConfig(block_m=32, block_n=32, dv=32, num_warps=4, num_stages=1), "int8"),  # 3 of 4 chunks live
+    (80, PrefillConfig(block_m=32, block_n=32, dv=64, v_late=True, num_warps=4, num_stages=1), "bf16"),
+    (160, PrefillConfig(block_m=16, block_n=32, dv=64, v_late=True, num_warps=4, num_stages=1), "int8"),
+    (192, PrefillConfig(block_m=16, block_n=16, dv=64, p_shift=True, num_warps=4, num_stages=1), "int8"),
+    (96, PrefillConfig(block_m=32, block_n=32, dv=64, v_flat=True, num_warps=4, num_stages=1), "bf16"),
+    (112, PrefillConfig(block_m=16, block_n=64, dv=32, v_flat=True, v_late=True, num_warps=4, num_stages=1),
+     "int8"),
+], ids=["d80_dv32", "d80_pv16_late", "d160_dv64_late", "d192_shift", "d96_flat", "d112_flat_late"])
+def test_padded_head_dim_kernel_variants(d, config, pv, device):
+    """Padded head_dims with PV column chunks partly or wholly past head_dim, late V
+    loads, shifted int8 P and flat V page runs."""
+    b = batch([97, 5], [60, 5], hq=4, hkv=2, d=d, bs=16, seed=d + 1, device=device)
+    run_and_check(b, config=config, pv=pv, name=f"D{d}")
+
+
+def test_padded_head_dim_stale_slots_and_poisoned_neighbours(device):
+    """At D 80 the masked channel lanes of K and V never reach the output: NaN bytes in
+    every stale slot stay out (fp8 / bf16 data poisoned, see _poison_then_write)."""
+    for kv, pv in (("fp8", "fp8"), ("bf16", "bf16"), ("fp8", "bf16")):
+        b = testing.make_paged_batch([37, 50, 9], [20, 9, 9], num_q_heads=4, num_kv_heads=2, head_dim=80,
+                                     block_size=16, kv_dtype=kv, seed=19, device=device, writer=_poison_then_write)
+        out = run_and_check(b, pv=pv, config=replace(SMALL, block_n=32))
+        assert torch.isfinite(out.float()).all()
+
+
+def test_head_dim_not_a_multiple_of_16_is_refused_by_the_cache():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        batch([20], [10], d=72, hq=2, hkv=1)
 
 
 # --------------------------------------------------------------------------- GPU
@@ -302,6 +483,46 @@ def test_gpu_default_config(kv):
     key = (kv, DEFAULT_PV[kv])
     testing.assert_close_verbose(out, ref, rel_l2=TOL_REFERENCE[key])
     assert math.isfinite(float(out.float().abs().max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("d,kv,pv", [(96, "int8", None), (96, "fp8", None), (96, "bf16", None),
+                                     (192, "int8", "int8"), (160, "fp8", "fp8"), (80, "int8", None)],
+                         ids=["d96_int8", "d96_fp8", "d96_bf16", "d192_int8_pv8", "d160_fp8_pv8", "d80_int8"])
+def test_gpu_padded_head_dims(d, kv, pv):
+    """Default GPU tiles at head_dims that are not powers of two (padded, masked)."""
+    b = batch([1500, 300], [700, 300], hq=16, hkv=4, d=d, kv=kv, seed=d, device="cuda")
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+    prefill_attention(*args_of(b), out=out, pv_mode=pv)
+    key = (kv, pv or DEFAULT_PV[kv])
+    testing.assert_close_verbose(out, reference.attention_reference(*args_of(b)), rel_l2=TOL_REFERENCE[key])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_default_tiles_poisoned_token_query_and_bad_block_id():
+    """Default GPU tiles (value checks off, the GPU default): a poisoned K token, an inf
+    query row and an out-of-range block id each make exactly their rows NaN; the flag
+    names the bad sequence."""
+    _clear_error_flags()
+    b = testing.make_paged_batch([700, 900, 300], [300, 500, 300], num_q_heads=24, num_kv_heads=4, head_dim=256,
+                                 seed=5, device="cuda", writer=_poisoning_writer([(600, 2, 11, "k")], float("nan")))
+    b.query[50, 3, 0] = float("inf")
+    bt = b.block_table.clone()
+    bt[2, 3] = 10 ** 6
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+    prefill_attention(b.query, b.cache, bt, b.seq_lens, b.query_start_loc, out=out)
+    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
+    want[600 - 400:300, 12:18] = True  # sequence 0: prefix 400, token 600 of KV head 2
+    want[50, 3] = True
+    want[800:] = True  # sequence 2
+    clean = b.query.clone()
+    clean[50, 3] = 0
+    ref = reference.attention_reference_quantized(clean, *args_of(b)[1:])
+    _assert_nan_exactly(out, ref, want, 0.012, "default tiles")
+    with pytest.raises(DeviceMetadataError, match="block id.*index 2;"):
+        check_errors("cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from _ids import cases
 from int8attn import reference
 from int8attn.cache import PagedKVCache
+from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.kernels.quantize import _amax_rows, _quantize, _quantize_rows, _row_scale
 from int8attn.ops.producer import apply_rope_torch, quantize_query, rope_quantize_and_write
 from int8attn.ops.write import write_kv
@@ -22,6 +23,16 @@ from int8attn.testing import make_keys, make_normal, poisoned_like
 
 def bits(t):
     return t.detach().cpu().contiguous().view(torch.uint8)
+
+
+def same_bits(a, b) -> bool:
+    """Byte equality where any NaN equals any NaN (payloads differ between conversions)."""
+    if a.is_floating_point() and a.element_size() > 1:
+        a_nan, b_nan = torch.isnan(a.float()).cpu(), torch.isnan(b.float()).cpu()
+        if not torch.equal(a_nan, b_nan):
+            return False
+        a, b = a.cpu().masked_fill(a_nan, 0), b.cpu().masked_fill(b_nan, 0)
+    return torch.equal(bits(a), bits(b))
 
 
 # --------------------------------------------------------------------------- quantize_query
@@ -126,6 +137,24 @@ def test_quantize_query_matches_reference_property(t, h, d, log_scale, kv_dtype,
     assert torch.equal(bits(scale), bits(ref_s))
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize("d", [64, 80])
+def test_quantize_query_non_finite_rows_get_nan_scale(kv_dtype, d, gen, device):
+    """A row with an inf / NaN: scale NaN and codes 0 (so its attention output is NaN);
+    the other rows are untouched by it, bit for bit as the reference."""
+    q = make_normal((5, 3, d), generator=gen).to(device)
+    q[0, 1, 2] = float("inf")
+    q[3, 0, d - 1] = float("nan")
+    q[4, 2, 0] = float("-inf")
+    out, scale = quantize_query(q, kv_dtype)
+    ref_q, ref_s = reference.quantize_rows(q.cpu(), kv_dtype)
+    assert torch.equal(bits(out), bits(ref_q)) and torch.equal(bits(scale), bits(ref_s))
+    bad = torch.zeros(5, 3, dtype=torch.bool)
+    bad[0, 1] = bad[3, 0] = bad[4, 2] = True
+    assert torch.isnan(scale.cpu()[bad]).all() and torch.isfinite(scale.cpu()[~bad]).all()
+    assert (out.cpu()[bad].float() == 0).all()
+
+
 def test_quantize_query_out_and_views(gen, device):
     """out= is written in full (poisoned first); a strided query (a view of fused QKV)."""
     qkv = make_normal((17, 12, 128), generator=gen).to(device)
@@ -226,6 +255,9 @@ def check_quantized_rows(got_q, got_s, want, kv_dtype, what):
         (17, 8, 2, 128, 64, "bf16"),
         (17, 4, 1, 256, 128, "bf16"),
         (9, 6, 3, 80, 48, "int8"),  # head_dim not a power of two, heads not a multiple of the tile: masked
+        (9, 4, 2, 96, 96, "fp8"),
+        (9, 4, 1, 192, 64, "bf16"),
+        (17, 6, 2, 112, 112, "int8"),
         (9, 4, 4, 64, 2, "fp8"),  # one rotated pair
     ],
 )
@@ -336,7 +368,93 @@ def test_producer_all_padding_first_write_leaves_mean_unset(gen, device):
     assert cache.key_mean is None
 
 
-def test_producer_bad_inputs_leave_cache_unchanged(gen, device):
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
+def test_producer_non_finite_rows(kv_dtype, gen, device):
+    """Q rows with an inf / NaN come out NaN (scale NaN, codes 0; bf16 NaN), K / V rows
+    with one are stored poisoned as write_kv stores them, the first-write mean comes
+    from the finite rows, and every other row is as without them."""
+    n, hq, hkv, d, rot = 9, 4, 2, 64, 32
+    cache, q, k, v, pos, cos_sin, slots = make_step(n, hq, hkv, d, rot, kv_dtype, gen, device, fused_qkv=False)
+    q[1, 3, 0] = float("nan")
+    k[2, 0, 40] = float("inf")  # past the rotary part
+    v[6, 1, 3] = float("nan")
+    unfused = copy.deepcopy(cache)
+    out_q, out_s = rope_quantize_and_write(q, k, v, pos, cos_sin, cache, slots)
+    k_rope = apply_rope_torch(k, pos, cos_sin)
+    write_kv(unfused, k_rope, v, slots)
+    ref_q, ref_s = quantize_query(apply_rope_torch(q, pos, cos_sin), kv_dtype)
+    assert same_bits(out_q, ref_q)
+    for a, b in ((cache.key, unfused.key), (cache.value, unfused.value)):
+        assert same_bits(a, b)
+    if kv_dtype == "bf16":
+        # bf16 Q is RoPE'd as given: the NaN reaches its channel and the rotation partner
+        assert torch.isnan(out_q[1, 3].float()).sum() == 2 and torch.isnan(out_q.float()).sum() == 2
+        return
+    assert torch.equal(bits(out_s), bits(ref_s))
+    assert torch.isnan(out_s[1, 3]) and torch.isfinite(out_s).sum() == n * hq - 1
+    assert torch.equal(bits(cache.key_scale), bits(unfused.key_scale))
+    assert torch.equal(bits(cache.key_mean), bits(unfused.key_mean)) and torch.isfinite(cache.key_mean).all()
+    blk, off = slots.long() // cache.block_size, slots.long() % cache.block_size
+    for t, h in ((2, 0), (6, 1)):
+        if slots[t] >= 0:
+            assert torch.isnan(cache.key_scale[blk[t], h, off[t]])
+
+
+def _clear_error_flags():
+    try:
+        check_errors()
+    except DeviceMetadataError:
+        pass
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
+def test_producer_unchecked_bad_positions_and_slots(kv_dtype, gen, device, monkeypatch):
+    """With value checks off: a position outside the cos/sin table gives that token a NaN
+    Q and a poisoned K/V (never an address outside the table), a slot outside the cache is
+    skipped, every other byte is as the unfused sequence writes it, and check_errors()
+    names the first bad token."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    _clear_error_flags()
+    n, hq, hkv, d, rot, max_pos = 9, 4, 2, 64, 32, 64
+    cache, q, k, v, pos, cos_sin, slots = make_step(n, hq, hkv, d, rot, kv_dtype, gen, device, pad=False,
+                                                    fused_qkv=False, max_pos=max_pos)
+    bad_pos = pos.clone()
+    bad_pos[3] = max_pos
+    bad_pos[6] = -1
+    pos_ok = (bad_pos >= 0) & (bad_pos < max_pos)
+    bad_slots = slots.clone()
+    bad_slots[7] = cache.num_slots + 1
+    unfused = copy.deepcopy(cache)
+    out_q, out_s = rope_quantize_and_write(q, k, v, bad_pos, cos_sin, cache, bad_slots)
+    with pytest.raises(DeviceMetadataError, match="slot outside.*position outside.*index 3;"):
+        check_errors(device)
+    clamped = torch.where(pos_ok, bad_pos, 0)
+    nan_rows = torch.where(pos_ok[:, None, None], 0.0, float("nan"))
+    write_kv(unfused, apply_rope_torch(k, clamped, cos_sin) + nan_rows, v,
+             torch.where(bad_slots < cache.num_slots, bad_slots, -1))
+    ref_q, ref_s = quantize_query(apply_rope_torch(q, clamped, cos_sin) + nan_rows, kv_dtype)
+    assert same_bits(out_q, ref_q)
+    for a, b in ((cache.key, unfused.key), (cache.value, unfused.value)):
+        assert same_bits(a, b)
+    if kv_dtype == "bf16":
+        assert torch.isnan(out_q[[3, 6]].float()).all()
+        return
+    assert same_bits(out_s, ref_s) and torch.isnan(out_s[[3, 6]]).all() and torch.isfinite(out_s).sum() == 7 * hq
+    assert same_bits(cache.key_scale, unfused.key_scale) and same_bits(cache.value_scale, unfused.value_scale)
+    assert same_bits(cache.key_mean, unfused.key_mean) and torch.isfinite(cache.key_mean).all()
+
+
+def test_producer_duplicate_slots_refused(gen, device, monkeypatch):
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")
+    cache, q, k, v, pos, cos_sin, slots = make_step(9, 4, 2, 64, 32, "int8", gen, device, pad=False)
+    slots[8] = slots[0]
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] and slot_mapping\[8\]"):
+        rope_quantize_and_write(q, k, v, pos, cos_sin, cache, slots)
+    assert cache.key_mean is None
+
+
+def test_producer_bad_inputs_leave_cache_unchanged(gen, device, monkeypatch):
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")  # the slot / position checks (off by default on a GPU)
     cache, q, k, v, pos, cos_sin, slots = make_step(9, 8, 2, 64, 32, "int8", gen, device)
     before = copy.deepcopy(cache)
     bad = [

@@ -9,6 +9,7 @@ import torch
 from _ids import cases
 from int8attn import reference
 from int8attn.cache import BlockAllocator, PagedKVCache
+from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.ops.write import write_kv
 from int8attn.testing import make_keys, make_normal
 
@@ -19,6 +20,13 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_same_bits(a, b, what):
+    """Byte equality, except that any NaN equals any NaN (payloads differ between the
+    kernels' conversions and PyTorch's, and between backends)."""
+    if a.is_floating_point() and a.element_size() > 1:
+        a_nan, b_nan = torch.isnan(a.float()).cpu(), torch.isnan(b.float()).cpu()
+        if not torch.equal(a_nan, b_nan):
+            raise AssertionError(f"{what}: NaN at {(a_nan != b_nan).nonzero()[:5].tolist()} differs")
+        a, b = a.cpu().masked_fill(a_nan, 0), b.cpu().masked_fill(b_nan, 0)
     if not torch.equal(bits(a), bits(b)):
         diff = (bits(a) != bits(b)).nonzero()[:5].tolist()
         raise AssertionError(f"{what} differs from the reference at byte indices {diff}")
@@ -97,6 +105,10 @@ def make_case(n, num_kv_heads, head_dim, kv_dtype, block_size=16, gen=None, devi
         (17, 4, 128, 16, "bf16"),
         (17, 2, 256, 8, "bf16"),
         (9, 2, 80, 16, "fp8"),  # head_dim not a power of two: masked lanes
+        (17, 2, 96, 16, "int8"),
+        (9, 3, 160, 8, "fp8"),
+        (17, 1, 192, 16, "bf16"),
+        (16, 2, 112, 16, "int8"),
     ],
 )
 def test_write_kv_bit_exact_vs_reference(n, num_kv_heads, head_dim, block_size, kv_dtype, gen, device):
@@ -274,6 +286,77 @@ def test_key_smoothing_reduces_int8_error_on_outlier_keys(device):
     assert errs["first_write"] < 0.6 * errs["none"], errs
 
 
+# --------------------------------------------------------------------------- non-finite input
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
+def test_non_finite_rows_are_stored_poisoned(kv_dtype, gen, device):
+    """A (token, head) with an inf / NaN in K or V: key scale NaN and key codes 0 (bf16: a
+    NaN key row), value codes 0 with scale 1 (bf16: zeros), bit for bit as the reference;
+    every other row is quantized as usual and untouched slots keep their bytes."""
+    cache, key, value, slots = make_case(17, 3, 80, kv_dtype, 8, gen, device, smoothing="none")
+    key[2, 1, 7] = float("nan")
+    value[5, 0, 79] = float("inf")
+    key[9, 2, 0] = float("-inf")
+    value[9, 2, 1] = float("nan")
+    before = copy.deepcopy(cache)
+    write_kv(cache, key, value, slots)
+    assert_caches_equal(cache, reference_write(before, key, value, slots))
+    blk, off = slots.long() // cache.block_size, slots.long() % cache.block_size
+    poisoned = [(2, 1), (5, 0), (9, 2)]
+    for t, h in poisoned:
+        if cache.quantized:
+            assert torch.isnan(cache.key_scale[blk[t], h, off[t]]) and cache.value_scale[blk[t], h, off[t]] == 1
+            assert (cache.key[blk[t], h, off[t]].float() == 0).all()
+        else:
+            assert torch.isnan(cache.key[blk[t], h, off[t]].float()).all()
+        assert (cache.value_rows[blk[t], h, off[t]].float() == 0).all()
+    if cache.quantized:
+        ks = cache.key_scale[blk, :, off].clone()
+        for t, h in poisoned:
+            ks[t, h] = 1.0
+        assert torch.isfinite(ks).all() and torch.isfinite(cache.value_scale).all()
+
+
+def test_first_write_mean_comes_from_finite_rows(gen, device):
+    """A NaN / inf in the first write does not reach cache.key_mean (the mean of that head
+    is taken over its finite rows), so a later clean sequence is quantized as well as
+    without the bad rows: its attention error against the float64 reference of its raw
+    keys is what it is when the first write is clean."""
+    n, m, hkv, d = 40, 37, 2, 128
+    keys = make_keys(n + m, hkv, d, generator=gen).to(device)  # one layer: shared outlier channels
+    values = make_normal((n + m, hkv, d), generator=gen).to(device)
+    query = make_normal((5, 4, d), generator=gen).to(device)
+    table = torch.tensor([[4, 5, 6]], dtype=torch.int32, device=device)
+    lens = torch.tensor([m], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    exact = reference.attend(query.cpu(), keys[n:].cpu(), values[n:].cpu(), m - 5, d ** -0.5)
+    errors = {}
+    for poisoned in (False, True):
+        cache = PagedKVCache(8, 16, hkv, d, kv_dtype="int8", device=device)
+        key, value = keys[:n].clone(), values[:n].clone()
+        if poisoned:
+            key[3, 0, 5] = float("nan")
+            value[4, 1, 0] = float("inf")  # a V-only problem poisons the token, not the K statistics
+            key[6, 1, 9] = float("inf")
+        write_kv(cache, key, value, torch.arange(n, device=device))
+        finite = torch.isfinite(key.float()).all(-1)
+        want = torch.stack([key[finite[:, h], h].float().mean(0) for h in range(hkv)])
+        torch.testing.assert_close(cache.key_mean, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(cache.key_mean.cpu(),
+                                   reference.key_mean_reference(key.cpu(), torch.arange(n)), rtol=0, atol=0)
+        write_kv(cache, keys[n:], values[n:], torch.arange(64, 64 + m, device=device))  # pages 4..6
+        out = reference.attention_reference(query, cache, table, lens, qsl)
+        errors[poisoned] = reference.error_stats(out, exact)["rel_l2"]
+    assert errors[True] < 0.03 and errors[True] < 1.2 * errors[False], errors
+
+
+def test_first_write_with_no_finite_row_leaves_the_mean_unset(gen, device):
+    cache, key, value, slots = make_case(5, 2, 64, "int8", 8, gen, device)
+    key[:, :, 0] = float("nan")
+    write_kv(cache, key, value, slots)
+    assert cache.key_mean is None
+    assert torch.isnan(cache.key_scale[slots.long() // 8, :, slots.long() % 8]).all()
+
+
 # --------------------------------------------------------------------------- rejected input
 def _bad_calls(cache, key, value, slots):
     n, hkv, d = key.shape
@@ -293,7 +376,8 @@ def _bad_calls(cache, key, value, slots):
     yield "device", ValueError, (cache, key.to("meta"), value.to("meta"), slots.to("meta"))
 
 
-def test_bad_inputs_raise_before_launch_and_leave_cache_unchanged(gen, device):
+def test_bad_inputs_raise_before_launch_and_leave_cache_unchanged(gen, device, monkeypatch):
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")  # the slot checks (off by default on a GPU)
     cache, key, value, slots = make_case(9, 2, 64, "int8", 8, gen, device)
     before = copy.deepcopy(cache)
     for what, exc, args in _bad_calls(cache, key, value, slots):
@@ -303,6 +387,63 @@ def test_bad_inputs_raise_before_launch_and_leave_cache_unchanged(gen, device):
             write_kv(*args)
         assert_caches_equal(cache, before)
         assert cache.key_mean is None, what
+
+
+def test_duplicate_slots_are_refused_when_values_are_checked(gen, device, monkeypatch):
+    """Two tokens of one call to the same slot: a clear error naming both and the slot,
+    before the cache is touched (padding -1 may repeat)."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")
+    cache, key, value, slots = make_case(9, 2, 64, "int8", 8, gen, device, pad_every=4)
+    slots[7] = slots[2]
+    before = copy.deepcopy(cache)
+    with pytest.raises(ValueError, match=rf"slot_mapping\[2\] and slot_mapping\[7\] are both slot {int(slots[2])}"):
+        write_kv(cache, key, value, slots)
+    assert_caches_equal(cache, before)
+    slots[7] = -1  # several padding tokens are fine
+    write_kv(cache, key, value, slots)
+    assert_caches_equal(cache, reference_write(before, key, value, slots, cache))
+
+
+def _clear_error_flags():
+    try:
+        check_errors()
+    except DeviceMetadataError:
+        pass
+
+
+@pytest.mark.parametrize("kv_dtype,launch", [("int8", None), ("fp8", {"KV_TOKENS": 1, "BLOCK_HKV": 2}),
+                                             ("bf16", None), ("int8", {"KV_TOKENS": 8, "BLOCK_HKV": 1})],
+                         ids=["int8", "fp8_one_token", "bf16", "int8_whole_pages"])
+def test_unchecked_bad_slots_are_skipped_and_flagged(kv_dtype, launch, gen, device, monkeypatch):
+    """With value checks off, slots outside [-1, num_slots) are skipped (no byte outside
+    the written slots changes), the other tokens are written exactly, and check_errors()
+    names the first bad token."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    _clear_error_flags()
+    cache, key, value, _ = make_case(40, 2, 64, kv_dtype, 8, gen, device, smoothing="none")
+    slots = torch.arange(8, 48, device=device)  # whole pages from page 1 on
+    bad = slots.clone()
+    bad[5] = cache.num_slots
+    bad[11] = -2
+    bad[30] = 10 ** 9
+    before = copy.deepcopy(cache)
+    write_kv(cache, key, value, bad, _launch=launch)
+    assert_caches_equal(cache, reference_write(before, key, value, torch.where((bad >= 0) & (bad < cache.num_slots),
+                                                                                bad, -1)))
+    with pytest.raises(DeviceMetadataError, match="slot outside.*index 5;"):
+        check_errors(device)
+
+
+def test_checked_call_reports_earlier_flags(gen, device, monkeypatch):
+    """A later call that runs its value checks raises what an unchecked kernel flagged."""
+    _clear_error_flags()
+    cache, key, value, slots = make_case(9, 2, 64, "int8", 8, gen, device)
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    write_kv(cache, key, value, torch.where(slots == slots[4], cache.num_slots + 3, slots))
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")
+    with pytest.raises(DeviceMetadataError, match="index 4;"):
+        write_kv(cache, key, value, slots)
+    write_kv(cache, key, value, slots)  # flags cleared
 
 
 def test_non_contiguous_last_dim_message(gen, device):

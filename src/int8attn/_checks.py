@@ -414,14 +414,43 @@ def _raise_bad_slot(slot_mapping, cache) -> None:
     )
 
 
+def _slot_duplicated(slot_mapping) -> torch.Tensor:
+    """True (a device bool) when a slot other than -1 appears twice (sort: no host sync)."""
+    s = slot_mapping.sort().values
+    return ((s[1:] == s[:-1]) & (s[1:] >= 0)).any()
+
+
+def _raise_duplicate_slot(slot_mapping) -> None:
+    s = slot_mapping.sort().values
+    slot = int(s[1:][(s[1:] == s[:-1]) & (s[1:] >= 0)][0])
+    first, second = (slot_mapping == slot).nonzero().flatten()[:2].tolist()
+    raise ValueError(
+        f"slot_mapping[{first}] and slot_mapping[{second}] are both slot {slot}: a write stores each slot at "
+        "most once (which of two writes to one slot would win is unspecified)"
+    )
+
+
+def check_slot_values(slot_mapping, cache, extra=None) -> list:
+    """The value checks of a write's slots in one host sync: every slot in [-1, num_slots)
+    and no slot other than -1 twice; ``extra`` (device bools) are read back in the same
+    sync and returned. Also raises what earlier kernels on the device flagged."""
+    bad, dup, *rest = torch.stack([_slot_bad(slot_mapping, cache).any(), _slot_duplicated(slot_mapping),
+                                   *(extra or [])]).tolist()
+    if bad:
+        _raise_bad_slot(slot_mapping, cache)
+    if dup:
+        _raise_duplicate_slot(slot_mapping)
+    check_errors(cache.device)
+    return rest
+
+
 def check_slot_mapping(slot_mapping, num_tokens: int, cache, values: bool = True) -> None:
     """slot_mapping [N] int32 / int64 on the cache's device; with ``values`` (and value
-    checks enabled) every slot in [-1, num_slots)."""
+    checks enabled for the device) :func:`check_slot_values`."""
     check_tensor("slot_mapping", slot_mapping, dtypes=INDEX_DTYPES, shape=(num_tokens,), device=cache.device,
                  last_dim_contiguous=False)
-    if values and value_checks_enabled() and num_tokens > 0:
-        if bool(_slot_bad(slot_mapping, cache).any()):
-            _raise_bad_slot(slot_mapping, cache)
+    if values and value_checks_enabled(cache.device) and num_tokens > 0:
+        check_slot_values(slot_mapping, cache)
 
 
 def check_write_inputs(cache, key, value, slot_mapping) -> None:
@@ -429,7 +458,8 @@ def check_write_inputs(cache, key, value, slot_mapping) -> None:
 
     key, value [N, Hkv, D] bf16 (fp16 / fp32 accepted), same shape, last dim contiguous,
     Hkv == cache.num_kv_heads, D == cache.head_dim; slot_mapping [N] int32 / int64 with
-    values in [-1, cache.num_slots) (value check); all on the cache's device.
+    values in [-1, cache.num_slots) and no slot but -1 twice (value checks); all on the
+    cache's device.
     """
     check_cache(cache)
     check_kv(key, value, cache)
@@ -492,11 +522,9 @@ def check_producer_inputs(query, key, value, positions, cos_sin_cache, cache, sl
     elif out_q_scale is not None:
         raise ValueError("out_q_scale must be None for a bf16 cache (its query is not scaled)")
     check_slot_mapping(slot_mapping, n, cache, values=False)
-    if value_checks_enabled() and n > 0:
+    if value_checks_enabled(dev) and n > 0:
         pos_bad = (positions < 0) | (positions >= max_pos)
-        slot_flag, pos_flag = torch.stack([_slot_bad(slot_mapping, cache).any(), pos_bad.any()]).tolist()  # one sync
-        if slot_flag:
-            _raise_bad_slot(slot_mapping, cache)
+        (pos_flag,) = check_slot_values(slot_mapping, cache, [pos_bad.any()])  # one sync
         if pos_flag:
             i = _bad_first(pos_bad)[0]
             raise ValueError(f"positions[{i}]={int(positions[i])} is outside [0, max_position={max_pos})")

@@ -29,6 +29,9 @@ head_dim]`` for every dtype.
 A token at ``slot = block_id * block_size + offset`` of KV head ``h`` sits at
 ``key[block_id, h, offset, :]``, ``value_rows[block_id, h, offset, :]`` and its scales at
 ``key_scale[block_id, h, offset]``, ``value_scale[block_id, h, offset]``.
+A token written with an inf / NaN in its K or V row has ``key_scale`` NaN and key codes 0
+(bf16: a NaN key row) and a zero V row (see :func:`int8attn.write_kv`): the attention
+outputs that read it are NaN, the others untouched.
 Dequantized key: ``key[...] * key_scale[...] + key_mean[h]`` (``key_mean`` only when key
 smoothing is active; see :func:`int8attn.write_kv`). Attention kernels never add
 ``key_mean`` back: ``q . mean`` is the same for every key of a query, so softmax is
@@ -50,7 +53,9 @@ KV_DTYPES = {
 }
 #: storage dtype -> kv_dtype name
 KV_DTYPE_OF_STORAGE = {dtype: name for name, dtype in KV_DTYPES.items()}
-SUPPORTED_HEAD_DIMS = (64, 128, 256)
+#: Every head_dim the cache and the kernels take: multiples of 16 up to 256 (kernels pad
+#: their tiles to the next power of two).
+SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 16))
 KEY_SMOOTHING_MODES = ("auto", "none", "first_write")
 
 
@@ -76,7 +81,7 @@ class PagedKVCache:
         num_blocks: number of physical pages.
         block_size: tokens per page, a power of two >= 8.
         num_kv_heads: KV heads stored.
-        head_dim: any multiple of 16 from 16 to 256.
+        head_dim: any multiple of 16 from 16 to 256 (``SUPPORTED_HEAD_DIMS``).
         kv_dtype: "int8" (default), "fp8" (e4m3) or "bf16".
         device: where the storage lives: a CUDA GPU (default), or the CPU when the kernels run in
             Triton's interpreter (``TRITON_INTERPRET=1`` set before int8attn is imported).

@@ -40,7 +40,7 @@ from .kernels._errors import (
 ERROR_NAMES = {
     ERR_BLOCK_ID: "a block id outside [0, num_blocks)",
     ERR_SEQ_LEN: "a seq_len below 0 or beyond what its block-table row can hold",
-    ERR_QUERY_LEN: "a query length (query_start_loc) below 0 or above its seq_len",
+    ERR_QUERY_LEN: "a query range (query_start_loc) outside [0, num_tokens], decreasing, or longer than its seq_len",
     ERR_SLOT: "a slot outside [-1, num_blocks * block_size)",
     ERR_POSITION: "a position outside the cos/sin cache",
 }

@@ -21,7 +21,13 @@ Quantization (per row = per (token, head), symmetric, fp32 arithmetic, as the ke
 * fp8 (e4m3): ``s = amax / 448``, ``inv = 448 / amax``, ``q = fp8_rne(clamp(x * inv, +-448))``;
 * an all-zero row gets ``s = inv = 1``, and so does a row with ``amax < qmax * 2**-126``
   (a subnormal scale): its codes are 0;
+* a row holding an inf or NaN gets ``s = NaN`` and codes 0;
 * bf16: stored as is, no scale.
+
+Non-finite K / V (:func:`write_kv_reference`): a (token, KV head) whose K or V row holds an
+inf or NaN is stored poisoned -- key scale NaN, key codes 0 (bf16: a NaN key row), value
+codes 0 with scale 1 (bf16: a zero value row) -- so exactly the queries that read the token
+get NaN. The key-smoothing mean is taken over finite rows only.
 """
 
 from __future__ import annotations
@@ -43,8 +49,8 @@ def quantize_rows(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.T
     448 for fp8): int8 ``q = sign(r) * floor(|r| + 0.5)`` clamped to +-127 with
     ``r = x * inv``; fp8 ``q = e4m3_rne(clamp(x * inv, +-448))``. An all-zero row gets
     ``s = inv = 1``, and so does a row with ``amax < qmax * 2**-126``, whose scale would be
-    subnormal (GPUs flush subnormals in the division): its codes are 0, and no row gives
-    inf or NaN. Both divisions are tensor / tensor, so they round correctly on CPU and
+    subnormal (GPUs flush subnormals in the division): its codes are 0. A row holding an
+    inf or NaN gets scale NaN and codes 0 (bf16 rows are returned as given). Both divisions are tensor / tensor, so they round correctly on CPU and
     CUDA alike (CUDA turns a division by a Python scalar into a multiplication).
 
     Returns ``(q, scale)`` with ``q`` of the storage dtype and ``scale`` float32 of shape
@@ -59,11 +65,14 @@ def quantize_rows(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.T
     else:
         raise ValueError(f"unknown kv_dtype {kv_dtype!r}")
     xf = x.to(torch.float32)
+    finite = torch.isfinite(xf).all(dim=-1)
+    xf = torch.where(finite.unsqueeze(-1), xf, 0.0)
     amax = xf.abs().amax(dim=-1)
     qmax_t = torch.full_like(amax, qmax)
     quantized = amax >= qmax * 2.0 ** -126  # the others count as all-zero rows
     one = torch.ones_like(amax)
     scale = torch.where(quantized, amax / qmax_t, one)
+    scale = torch.where(finite, scale, float("nan"))
     inv = torch.where(quantized, qmax_t / torch.where(quantized, amax, one), one)
     r = xf * inv.unsqueeze(-1)
     if kv_dtype == "int8":
@@ -82,12 +91,20 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor
 
 def key_mean_reference(key: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Key-smoothing offset taken from a first write: mean over the written (slot >= 0)
-    tokens, per (KV head, channel), float32 [num_kv_heads, head_dim]."""
+    tokens whose row of the head holds no inf / NaN, per (KV head, channel), float32
+    [num_kv_heads, head_dim] (a head without a finite row: 0). None when no written row
+    is finite (the mean then waits for a later write)."""
     valid = slot_mapping.to(key.device) >= 0
     k = key[valid].to(torch.float32)
     if k.shape[0] == 0:
         return torch.zeros(key.shape[1:], dtype=torch.float32, device=key.device)
-    return k.mean(dim=0)
+    finite = torch.isfinite(k).all(dim=-1)
+    if bool(finite.all()):
+        return k.mean(dim=0)
+    count = finite.sum(dim=0)
+    if not bool(count.any()):
+        return None
+    return torch.where(finite[..., None], k, 0.0).sum(dim=0) / count.clamp(min=1).to(torch.float32)[:, None]
 
 
 # --------------------------------------------------------------------------- paged cache
@@ -103,10 +120,15 @@ def write_kv_reference(cache, key: torch.Tensor, value: torch.Tensor, slot_mappi
     key = key.to(torch.float32)
     if cache.key_mean is not None:
         key = key - cache.key_mean
+    value = value.to(torch.float32)
+    # a (token, head) with an inf / NaN in K or V: NaN key row (scale NaN, codes 0), zero V row
+    finite = (torch.isfinite(key).all(dim=-1) & torch.isfinite(value).all(dim=-1)).unsqueeze(-1)
+    key = torch.where(finite, key, float("nan"))
+    value = torch.where(finite, value, 0.0)
     slots = slots[valid]
     blk, off = slots // cache.block_size, slots % cache.block_size
     for src, data, scale in ((key, cache.key, cache.key_scale), (value, cache.value_rows, cache.value_scale)):
-        q, s = quantize_rows(src[valid].to(torch.float32), cache.kv_dtype)
+        q, s = quantize_rows(src[valid], cache.kv_dtype)
         data[blk, :, off] = q.to(data.device)
         if scale is not None:
             scale[blk, :, off] = s.to(scale.device)

@@ -39,11 +39,23 @@ Per KV tile:
   ``acc = acc * (alpha * r_old / r_new) + pv`` (alpha the online softmax rescale; for
   fp16 P, ``r_old == r_new``); for 8-bit P, ``r`` is bounded below by
   ``max(sV) * 2**-20 / levels`` so the units never run away on tiles with negligible weight.
-* ``DV``: the PV product and accumulator are split in ``HEAD_DIM // DV`` column chunks
+* head_dim: any multiple of 16 up to 256; the head_dim axis of Q, K and the output is a
+  ``BLOCK_D = next_power_of_2(HEAD_DIM)`` tile whose lanes past HEAD_DIM load as 0 and are
+  not stored (QK over the padded lanes adds 0; PV chunks wholly past HEAD_DIM are skipped).
+* ``DV``: the PV product and accumulator are split in ``cdiv(HEAD_DIM, DV)`` column chunks
   (one dot each), which bounds the live int32 PV tile at head_dim 256. ``V_LATE`` loads
   each V chunk right before its dot instead of before QK: at head_dim 256 the V tile
   otherwise stays live across QK and softmax next to the 128-register accumulator and
   the compiler spills inside the loop.
+
+Non-finite input: a poisoned token (a K or V row with an inf / NaN, see
+:func:`int8attn.write_kv`) has key scale NaN (bf16: a NaN key row) and a zero V row, so
+its scores are NaN exactly in the rows that see it -- the causal mask turns the others
+into -inf, and V, which meets P = 0 there, carries no NaN. A query row with an inf / NaN
+has q_scale NaN (or, bf16, row_scale NaN). A NaN score never enters the running max (the
+rows of a program share the lazy-rescale test), its p is NaN, so l is NaN and the
+output row NaN; a row's P quantization, PV dot row and accumulator involve no other
+row, so no NaN crosses to another row.
 
 Tensor layouts (last dims unit stride, other strides passed explicitly):
 
@@ -56,7 +68,8 @@ Tensor layouts (last dims unit stride, other strides passed explicitly):
   K and V share the block and head strides; e4m3 data passed as uint8;
   key_scale/value_scale [num_blocks, Hkv, PAGE] fp32 (unused for bf16);
 * block_table [num_seqs, max_blocks] int32; seq_lens [num_seqs] int32;
-  query_start_loc [num_seqs + 1] int32;
+  query_start_loc [num_seqs + 1] int32 (none of them trusted: see ``_prefill_kernel``);
+  flags: :func:`int8attn.errors.error_flags` of the device;
 * out [T, Hq, D] (bf16, or the query's dtype).
 
 Grid: (query tiles, Hkv). With ``SEARCH`` the query tiles are numbered as in vLLM's
@@ -72,8 +85,9 @@ sequence start first. Programs whose tile holds no token, or whose sequence has
 import triton
 import triton.language as tl
 
+from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN, _raise_error
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
-from .quantize import _amax_rows, _quantize, _round_to_e4m3_grid, _row_scale
+from .quantize import _finite_rows, _quantize_rows, _round_to_e4m3_grid
 
 #: 1.5 * 2**23 as fp32, and its bit pattern: x + MAGIC_F has the integer round(x) in its
 #: low mantissa bits for |x| < 2**22.
@@ -89,6 +103,8 @@ LAZY_TAU = tl.constexpr(4.0)
 #: fp16 P unit (8-bit caches, 16-bit PV) over the first KV tile's largest V scale: with
 #: p <= 16, P = p * sV / unit <= sV / max(sV of the first tile).
 P_UNIT_MARGIN = tl.constexpr(16.0)
+#: Block-table entries checked per step of the block-id scan.
+SCAN_BLOCKS = tl.constexpr(256)
 
 
 @triton.jit
@@ -117,7 +133,7 @@ def _as_storage(x, KV_KIND: tl.constexpr):
 
 @triton.jit
 def _load_v(v_ptr, row_off, page_base, slot0, col0, offs_dv, offs_slot, in_seq, tile_valid,
-            BLOCK_N: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+            BLOCK_N: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
             MASKED: tl.constexpr, KV_KIND: tl.constexpr, V_TRANSPOSED: tl.constexpr, V_FLAT: tl.constexpr):
     """Columns ``[col0, col0 + DV)`` of the tile's V as the [BLOCK_N, DV] PV operand.
 
@@ -130,7 +146,8 @@ def _load_v(v_ptr, row_off, page_base, slot0, col0, offs_dv, offs_slot, in_seq, 
     Keys past the sequence (``MASKED`` tiles) read valid memory -- a stale slot of the
     last page, or block 0 for pages past the end -- and meet P = 0; only e4m3 needs them
     zeroed (stale bytes may be NaN, and NaN * 0 = NaN in the dot). The zeroing is a
-    select after the load: a per-key load mask would split the contiguous runs."""
+    select after the load: a per-key load mask would split the contiguous runs.
+    Channels past HEAD_DIM (the last chunk of a padded head_dim) are masked, loaded as 0."""
     if V_TRANSPOSED:
         if V_FLAT and BLOCK_N >= PAGE:
             # ``V_FLAT``: the DV channel rows of a page are one run of DV * PAGE bytes; as a
@@ -141,18 +158,27 @@ def _load_v(v_ptr, row_off, page_base, slot0, col0, offs_dv, offs_slot, in_seq, 
             # 16-bit PV operand N-major, with 16-bit stores (sm_90, Triton 3.6).
             NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
             flat = tl.arange(0, DV * PAGE)
-            vt = tl.load(v_ptr + page_base[:, None] + col0 * PAGE + flat[None, :])
+            if HEAD_DIM % DV:
+                vt = tl.load(v_ptr + page_base[:, None] + col0 * PAGE + flat[None, :],
+                             mask=(flat < (HEAD_DIM - col0) * PAGE)[None, :], other=0)
+            else:
+                vt = tl.load(v_ptr + page_base[:, None] + col0 * PAGE + flat[None, :])
             vt = tl.reshape(vt, (NUM_PAGES, DV, PAGE))
         else:
             addr = (page_base[:, None, None] + (col0 + offs_dv)[None, :, None] * PAGE
                     + (slot0 + offs_slot)[None, None, :])
-            vt = tl.load(v_ptr + addr)
+            if HEAD_DIM % DV:
+                vt = tl.load(v_ptr + addr, mask=((col0 + offs_dv) < HEAD_DIM)[None, :, None], other=0)
+            else:
+                vt = tl.load(v_ptr + addr)
         if MASKED and KV_KIND == KIND_FP8:
             vt = tl.where(tile_valid[:, None, :], vt, 0)
         v = tl.reshape(tl.permute(vt, (0, 2, 1)), (BLOCK_N, DV))
     else:
         ptrs = v_ptr + row_off[:, None] + (col0 + offs_dv)[None, :]
-        if MASKED:
+        if HEAD_DIM % DV:
+            v = tl.load(ptrs, mask=in_seq[:, None] & ((col0 + offs_dv) < HEAD_DIM)[None, :], other=0)
+        elif MASKED:
             v = tl.load(ptrs, mask=in_seq[:, None], other=0)
         else:
             v = tl.load(ptrs)
@@ -213,12 +239,16 @@ def _attend_tile(
     q, row_scale, row_limit, kv_end, inv_unit,
     bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
     offs_n, offs_d, offs_dv,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
     PAGE: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
     MASKED: tl.constexpr, V_LATE: tl.constexpr, V_TRANSPOSED: tl.constexpr, V_FLAT: tl.constexpr,
     CVT_ASM: tl.constexpr, LAZY: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """One KV tile of keys ``[start, start + BLOCK_N)`` folded into the running state."""
+    """One KV tile of keys ``[start, start + BLOCK_N)`` folded into the running state.
+
+    The head_dim axis is BLOCK_D wide (HEAD_DIM padded to a power of two; padded lanes
+    of Q and K load as 0) and the PV product runs in the ``cdiv(HEAD_DIM, DV)`` column
+    chunks that hold real channels (NUM_DV); chunks wholly past HEAD_DIM are not computed."""
     pos = start + offs_n
     in_seq = pos < kv_end
     if MASKED:
@@ -228,7 +258,7 @@ def _attend_tile(
     slot = pos % PAGE
     row_off = blk * stride_cb + data_head + slot * HEAD_DIM
     scale_off = blk * stride_sb + scale_head + slot
-    NUM_DV: tl.constexpr = HEAD_DIM // DV
+    NUM_DV: tl.constexpr = (HEAD_DIM + DV - 1) // DV
     # Transposed V pages are gathered per page: the tile covers NUM_PAGES whole pages
     # (BLOCK_N >= PAGE) or one run of BLOCK_N slots inside a page (BLOCK_N < PAGE); tiles
     # start at multiples of BLOCK_N, so both are exact (PAGE and BLOCK_N powers of two).
@@ -252,21 +282,26 @@ def _attend_tile(
     # registers across QK and softmax).
     if not V_LATE:
         v0 = _load_v(v_ptr, row_off, page_base, slot0, 0, offs_dv, offs_slot, in_seq, tile_valid,
-                     BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                     BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         if NUM_DV > 1:
             v1 = _load_v(v_ptr, row_off, page_base, slot0, DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                         BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         else:
             v1 = v0
         if NUM_DV > 2:
             v2 = _load_v(v_ptr, row_off, page_base, slot0, 2 * DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
-            v3 = _load_v(v_ptr, row_off, page_base, slot0, 3 * DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                         BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         else:
             v2 = v0
+        if NUM_DV > 3:
+            v3 = _load_v(v_ptr, row_off, page_base, slot0, 3 * DV, offs_dv, offs_slot, in_seq, tile_valid,
+                         BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+        else:
             v3 = v0
-    if MASKED:
+    if HEAD_DIM != BLOCK_D:
+        k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None] & (offs_d < HEAD_DIM)[None, :],
+                    other=0)
+    elif MASKED:
         k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0)
     else:
         k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :])
@@ -297,7 +332,11 @@ def _attend_tile(
         t = tl.where(pos[None, :] <= row_limit[:, None], t, float("-inf"))
 
     # ---- online softmax (base 2)
-    m_new = tl.maximum(m_i, tl.max(t, 1) * row_scale)
+    # A NaN score (a poisoned key or query, see the module docstring) must not reach the
+    # running max: the rows share the lazy-rescale test below, and a GPU max skips NaN
+    # where the interpreter's keeps it. Its p is NaN either way.
+    tile_max = tl.max(t, 1) * row_scale
+    m_new = tl.maximum(m_i, tl.where(tile_max == tile_max, tile_max, NEG_BIG))
     if LAZY:
         # 16-bit PV: rescale the accumulator only when some row's running max grew by more
         # than LAZY_TAU (one scalar test per tile instead of an FMUL per accumulator
@@ -311,6 +350,7 @@ def _attend_tile(
                 acc1 = acc1 * alpha[:, None]
             if NUM_DV > 2:
                 acc2 = acc2 * alpha[:, None]
+            if NUM_DV > 3:
                 acc3 = acc3 * alpha[:, None]
             m_i = m_new
         m_new = m_i
@@ -368,43 +408,48 @@ def _attend_tile(
 
     if V_LATE:
         v0 = _load_v(v_ptr, row_off, page_base, slot0, 0, offs_dv, offs_slot, in_seq, tile_valid,
-                     BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                     BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
     acc0 = _pv_chunk(acc0, p_op, factor, v0, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     if NUM_DV > 1:
         if V_LATE:
             v1 = _load_v(v_ptr, row_off, page_base, slot0, DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                         BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         acc1 = _pv_chunk(acc1, p_op, factor, v1, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     if NUM_DV > 2:
         if V_LATE:
             v2 = _load_v(v_ptr, row_off, page_base, slot0, 2 * DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                         BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         acc2 = _pv_chunk(acc2, p_op, factor, v2, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
+    if NUM_DV > 3:
         if V_LATE:
             v3 = _load_v(v_ptr, row_off, page_base, slot0, 3 * DV, offs_dv, offs_slot, in_seq, tile_valid,
-                         BLOCK_N, DV, PAGE, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
+                         BLOCK_N, DV, PAGE, HEAD_DIM, MASKED, KV_KIND, V_TRANSPOSED, V_FLAT)
         acc3 = _pv_chunk(acc3, p_op, factor, v3, BLOCK_M, DV, KV_KIND, PV_KIND, P_SHIFT, CVT_ASM, LAZY, INTERPRET)
     return m_new, l_i, r_i, acc0, acc1, acc2, acc3
 
 
 @triton.jit
-def _store_chunk(out_ptr, out_rows, col0, offs_dv, acc, norm, row_valid):
+def _store_chunk(out_ptr, out_rows, col0, offs_dv, acc, norm, row_valid, HEAD_DIM: tl.constexpr,
+                 DV: tl.constexpr):
     o = acc * norm[:, None]
-    tl.store(out_ptr + out_rows[:, None] + (col0 + offs_dv)[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=row_valid[:, None])
+    if HEAD_DIM % DV:
+        mask = row_valid[:, None] & ((col0 + offs_dv) < HEAD_DIM)[None, :]
+    else:
+        mask = row_valid[:, None]
+    tl.store(out_ptr + out_rows[:, None] + (col0 + offs_dv)[None, :], o.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, q_scale_ptr, out_ptr,
     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
-    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    qk_scale, num_seqs, min_query_len, tiles_per_seq, num_tiles,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr, flags_ptr,
+    qk_scale, num_seqs, num_tokens, num_blocks, max_blocks, min_query_len, tiles_per_seq, num_tiles,
     stride_qt, stride_qh, stride_qst, stride_qsh,
     stride_ot, stride_oh,
     stride_cb, stride_ch, stride_sb, stride_sh,
     stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
     Q_QUANTIZED: tl.constexpr, SEARCH: tl.constexpr, V_LATE: tl.constexpr, V_TRANSPOSED: tl.constexpr,
@@ -413,22 +458,43 @@ def _prefill_kernel(
     tile = num_tiles - 1 - tl.program_id(0)  # longest tiles first
     kv_head = tl.program_id(1)
     if SEARCH:
-        seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+        seq = tl.maximum(_find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q), 0)
         q_start = tl.load(query_start_loc_ptr + seq)
         q_tile = tile - (q_start // BLOCK_Q + seq)
     else:
         seq = tile // tiles_per_seq
         q_tile = tile % tiles_per_seq
         q_start = tl.load(query_start_loc_ptr + seq)
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if (q_len <= min_query_len) | (q_tile * BLOCK_Q >= q_len):
-        return
+    q_end = tl.load(query_start_loc_ptr + seq + 1)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # Metadata is not trusted (host value checks may be off): a sequence whose query range
+    # leaves [0, num_tokens] or exceeds its seq_len, whose seq_len is negative or beyond
+    # its block-table row, or whose block-table entries below seq_len leave [0,
+    # num_blocks), reads nothing, gets NaN rows (within the clamped query range) and
+    # raises an error flag naming it. The clamps keep every address in its tensor.
+    bad_q = (q_start < 0) | (q_end < q_start) | (q_end > num_tokens) | (q_end - q_start > seq_len)
+    bad_len = (seq_len < 0) | (seq_len > max_blocks * PAGE)
+    _raise_error(flags_ptr, tl.where(bad_q, ERR_QUERY_LEN, 0) | tl.where(bad_len, ERR_SEQ_LEN, 0), seq,
+                 bad_q | bad_len)
+    q_start = tl.minimum(tl.maximum(q_start, 0), num_tokens)
+    q_len = tl.maximum(tl.minimum(q_end, num_tokens) - q_start, 0)
+    if (q_len <= min_query_len) | (q_tile < 0) | (q_tile * BLOCK_Q >= q_len):
+        return
+    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
+    # every program of the sequence scans the same entries, so all of its rows agree
+    num_cols = tl.where(bad_q | bad_len, 0, tl.cdiv(seq_len, PAGE))
+    num_bad = tl.zeros([], tl.int32)
+    for col0 in range(0, num_cols, SCAN_BLOCKS):
+        cols = col0 + tl.arange(0, SCAN_BLOCKS)
+        ids = tl.load(bt_row + cols, mask=cols < num_cols, other=0)
+        num_bad += tl.sum(((ids < 0) | (ids >= num_blocks)).to(tl.int32), 0)
+    _raise_error(flags_ptr, ERR_BLOCK_ID, seq, num_bad > 0)
+    bad = bad_q | bad_len | (num_bad > 0)
     ctx = seq_len - q_len
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, DV)
     row_tok = offs_m // GROUP
     row_head = kv_head * GROUP + offs_m % GROUP
@@ -437,32 +503,32 @@ def _prefill_kernel(
     q_row = (q_start + tok).to(tl.int64)
 
     q = tl.load(q_ptr + q_row[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None], other=0)
+                mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0)
+    # A query row with an inf / NaN gets row_scale NaN (its q_scale is NaN), so every
+    # score of the row, and its output row, is NaN.
     if KV_KIND == KIND_BF16:
+        x = q.to(tl.float32)
+        row_scale = tl.where(_finite_rows(x), qk_scale, float("nan"))
         if INTERPRET:
-            q = q.to(tl.float32)
+            q = x
         else:
             q = q.to(tl.bfloat16)
-        row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
     elif Q_QUANTIZED:
         q = _as_storage(q, KV_KIND)
         q_scale = tl.load(q_scale_ptr + q_row * stride_qst + row_head * stride_qsh, mask=row_valid, other=1.0)
         row_scale = q_scale * qk_scale
     else:
-        x = q.to(tl.float32)
-        q_scale = _row_scale(_amax_rows(x), KV_KIND)
-        q = _quantize(x, q_scale, KV_KIND, INTERPRET)
+        q, q_scale = _quantize_rows(q.to(tl.float32), KV_KIND, INTERPRET)
         row_scale = q_scale * qk_scale
 
     # Keys [0, full_end) are visible to every row of the tile; [full_end, kv_end) is the
     # diagonal band; nothing past the last row's position is visited.
     first_tok = q_tile * BLOCK_Q
     last_tok = tl.minimum(q_len, first_tok + BLOCK_Q) - 1
-    kv_end = ctx + last_tok + 1
-    full_end = ((ctx + first_tok + 1) // BLOCK_N) * BLOCK_N
+    kv_end = tl.where(bad, 0, ctx + last_tok + 1)
+    full_end = tl.where(bad, 0, ((ctx + first_tok + 1) // BLOCK_N) * BLOCK_N)
     row_limit = tl.minimum(ctx + tok, kv_end - 1)
 
-    bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     data_head = kv_head.to(tl.int64) * stride_ch
     scale_head = kv_head.to(tl.int64) * stride_sh
 
@@ -497,7 +563,7 @@ def _prefill_kernel(
             q, row_scale, row_limit, kv_end, inv_unit,
             bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
             offs_n, offs_d, offs_dv,
-            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, V_TRANSPOSED, V_FLAT,
+            BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, V_TRANSPOSED, V_FLAT,
             CVT_ASM, LAZY, INTERPRET)
     for start in range(full_end, kv_end, BLOCK_N):
         m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
@@ -505,15 +571,18 @@ def _prefill_kernel(
             q, row_scale, row_limit, kv_end, inv_unit,
             bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
             offs_n, offs_d, offs_dv,
-            BLOCK_M, BLOCK_N, HEAD_DIM, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED, V_FLAT,
+            BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED, V_FLAT,
             CVT_ASM, LAZY, INTERPRET)
 
-    norm = tl.where(l_i > 0.0, r_i / l_i, 0.0)
+    # l_i is 0 only for rows that saw no key; NaN (a poisoned key or query) stays NaN
+    norm = tl.where(l_i == 0.0, 0.0, r_i / l_i)
+    norm = tl.where(bad, float("nan"), norm)
     out_rows = q_row * stride_ot + row_head * stride_oh
-    NUM_DV: tl.constexpr = HEAD_DIM // DV
-    _store_chunk(out_ptr, out_rows, 0, offs_dv, acc0, norm, row_valid)
+    NUM_DV: tl.constexpr = (HEAD_DIM + DV - 1) // DV
+    _store_chunk(out_ptr, out_rows, 0, offs_dv, acc0, norm, row_valid, HEAD_DIM, DV)
     if NUM_DV > 1:
-        _store_chunk(out_ptr, out_rows, DV, offs_dv, acc1, norm, row_valid)
+        _store_chunk(out_ptr, out_rows, DV, offs_dv, acc1, norm, row_valid, HEAD_DIM, DV)
     if NUM_DV > 2:
-        _store_chunk(out_ptr, out_rows, 2 * DV, offs_dv, acc2, norm, row_valid)
-        _store_chunk(out_ptr, out_rows, 3 * DV, offs_dv, acc3, norm, row_valid)
+        _store_chunk(out_ptr, out_rows, 2 * DV, offs_dv, acc2, norm, row_valid, HEAD_DIM, DV)
+    if NUM_DV > 3:
+        _store_chunk(out_ptr, out_rows, 3 * DV, offs_dv, acc3, norm, row_valid, HEAD_DIM, DV)

@@ -13,12 +13,19 @@ symmetric, in fp32, bit for bit as :func:`int8attn.reference.quantize_rows`:
 
 An all-zero row gets ``s = inv = 1``, and so does a row with ``amax < qmax * 2**-126``
 (its scale would be subnormal, which GPUs flush to zero in the division): its codes come
-out 0 (int8) / +-0 (fp8), and no row ever produces inf or NaN. ``s`` and ``inv`` are
+out 0 (int8) / +-0 (fp8). A row holding an inf or NaN gets ``s = NaN`` and codes 0: the
+non-finite value is not lost, every product with the row's scale is NaN (the policy of
+:func:`int8attn.write_kv`); only such a row ever produces a NaN scale. ``s`` and ``inv`` are
 computed once per row with ``tl.math.div_rn`` (IEEE round-to-nearest; Triton's plain ``/``
 on fp32 is an approximate division on NVIDIA GPUs), then each element costs one multiply.
 ``inv`` is the correctly rounded ``qmax / amax``, not ``1 / s``.
 
 Entry point for other kernels: ``_quantize_rows(x, KIND, INTERPRET) -> (codes, scales)``.
+
+Bad metadata never forms an address: the write kernels skip a slot outside ``[-1,
+num_slots)`` and the producer clamps a position outside the cos/sin table (that token's
+K/V is stored poisoned -- key scale NaN -- and its Q is NaN), and both raise a device error
+flag (:mod:`int8attn.errors`) naming the first such token.
 
 Kernels whose result must match a PyTorch fp32 computation bit for bit (RoPE) are launched
 with ``enable_fp_fusion=False``: a fused multiply-add rounds once where PyTorch rounds twice.
@@ -30,6 +37,7 @@ helpers).
 import triton
 import triton.language as tl
 
+from ._errors import ERR_POSITION, ERR_SLOT, NO_INDEX, _raise_error
 from .codes import KIND_BF16, KIND_INT8
 
 #: Smallest row maximum quantized as such, qmax * 2**-126: below it the scale would be
@@ -38,6 +46,7 @@ _MIN_AMAX_INT8 = tl.constexpr(127.0 * 2.0 ** -126)
 _MIN_AMAX_FP8 = tl.constexpr(448.0 * 2.0 ** -126)
 #: The fp32 sign bit as an int32.
 _SIGN_BIT = tl.constexpr(-2147483648)
+_NAN = tl.constexpr(float("nan"))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -145,15 +154,37 @@ def _amax_rows(x):
 
 
 @triton.jit
+def _finite_rows(x):
+    """True for the rows of fp32 ``x`` [R, C] that hold no inf / NaN: ``x * 0`` is 0 for a
+    finite value and NaN otherwise, and a sum propagates NaN on every backend (a max
+    reduction may skip it on the GPU)."""
+    return tl.sum(x * 0.0, axis=1) == 0.0
+
+
+@triton.jit
 def _quantize_rows(x, KIND: tl.constexpr, INTERPRET: tl.constexpr):
     """Quantize fp32 rows ``x`` [R, C] (whole rows; masked lanes hold 0).
 
     Returns ``(q, scale)``: codes of the storage dtype [R, C] and fp32 scales [R] (ones
-    for bf16). The entry point for kernels that quantize (attention kernels included).
+    for bf16). A row with an inf / NaN gets scale NaN and codes 0 (bf16: stored as
+    given). The entry point for kernels that quantize (attention kernels included).
     """
-    amax = _amax_rows(x)
-    q = _quantize_with_inv(x, _row_inv(amax, KIND), KIND, INTERPRET)
-    return q, _row_scale(amax, KIND)
+    return _quantize_checked_rows(x, _finite_rows(x), KIND, INTERPRET)
+
+
+@triton.jit
+def _quantize_checked_rows(x, finite, KIND: tl.constexpr, INTERPRET: tl.constexpr):
+    """:func:`_quantize_rows` with the finite rows ``finite`` [R] known: rows marked
+    False get scale NaN and codes 0 (bf16: ``x`` stored as given)."""
+    if KIND == KIND_BF16:
+        scale = tl.full([x.shape[0]], 1.0, tl.float32)
+        q = _quantize_with_inv(x, scale, KIND, INTERPRET)
+    else:
+        x = tl.where(finite[:, None], x, 0.0)
+        amax = _amax_rows(x)
+        q = _quantize_with_inv(x, _row_inv(amax, KIND), KIND, INTERPRET)
+        scale = tl.where(finite, _row_scale(amax, KIND), _NAN)
+    return q, scale
 
 
 @triton.jit
@@ -218,7 +249,7 @@ def _quantize_query_kernel(
 # --------------------------------------------------------------------------- K/V rows
 @triton.jit
 def _store_rows_to_cache(
-    x, heads, heads_ok, mask, d, blk, off,
+    x, finite, heads, heads_ok, mask, d, blk, off,
     data_ptr, scale_ptr,
     stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
     BLOCK_SIZE: tl.constexpr, TRANSPOSED: tl.constexpr,
@@ -227,10 +258,11 @@ def _store_rows_to_cache(
     """Quantize fp32 rows ``x`` [BLOCK_H, BLOCK_D] (one per KV head; masked lanes hold 0)
     and store the rows with their scales at page ``blk``, offset ``off``; ``heads_ok``
     [BLOCK_H] and ``mask`` [BLOCK_H, BLOCK_D] mark the rows and lanes that exist (unused
-    when FULL). TRANSPOSED: the page is [head_dim, BLOCK_SIZE] (8-bit V; channel ``d`` of
-    the row at ``d * BLOCK_SIZE + off``), otherwise [BLOCK_SIZE, head_dim] (row stride
+    when FULL); rows not ``finite`` [BLOCK_H] get scale NaN and codes 0 (bf16: ``x`` as
+    given). TRANSPOSED: the page is [head_dim, BLOCK_SIZE] (8-bit V; channel ``d`` of the
+    row at ``d * BLOCK_SIZE + off``), otherwise [BLOCK_SIZE, head_dim] (row stride
     ``stride_co``)."""
-    q, scale = _quantize_rows(x, KIND, INTERPRET)
+    q, scale = _quantize_checked_rows(x, finite, KIND, INTERPRET)
     if KIND != KIND_BF16:
         scale_ptrs = scale_ptr + blk * stride_sb + heads * stride_sh + off * stride_so
         if FULL:
@@ -286,7 +318,7 @@ def _load_rows_rope(row_ptr, mask, d, cos_sin_row, ROTARY_DIM: tl.constexpr, BLO
 
 @triton.jit
 def _write_kv_tokens(
-    tok0, num_tokens, slot_ptr, pos_ptr, cos_sin_ptr,
+    tok0, num_tokens, num_slots, max_position, slot_ptr, pos_ptr, cos_sin_ptr, flags_ptr,
     k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
     num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
@@ -306,6 +338,14 @@ def _write_kv_tokens(
     BLOCK_T neighbouring slots of a channel together (one token per program wrote
     ``head_dim`` separate bytes per head). K and V tiles are both loaded before either is
     quantized, so their latencies overlap.
+
+    Non-finite input (the policy of :func:`int8attn.write_kv`): a (token, head) whose K or
+    V row holds an inf / NaN -- or, with ROTATE, whose position is outside [0,
+    max_position) -- is stored poisoned: key scale NaN and key codes 0 (bf16: a NaN key
+    row), value codes 0 with scale 1 (bf16: a zero row). The NaN then reaches exactly the
+    scores of the queries that read the token, and V, which meets P = 0 in the queries
+    that do not, carries none. Metadata: a slot outside [-1, num_slots) is skipped and a
+    bad slot or position raises ERR_SLOT / ERR_POSITION for the first such token.
     """
     ROWS: tl.constexpr = BLOCK_HKV * BLOCK_T
     r = tl.arange(0, ROWS)
@@ -313,17 +353,27 @@ def _write_kv_tokens(
     head_in_block = r // BLOCK_T
     live = tok < num_tokens
     slot = tl.load(slot_ptr + tok, mask=live, other=-1).to(tl.int64)
+    slot_bad = (slot < -1) | (slot >= num_slots)
+    _raise_error(flags_ptr, ERR_SLOT, tl.min(tl.where(slot_bad, tok, NO_INDEX)).to(tl.int32),
+                 tl.max(slot_bad.to(tl.int32)) > 0)
+    slot = tl.where(slot_bad, -1, slot)
     blk = tl.where(slot >= 0, slot, 0) // BLOCK_SIZE
     off = tl.where(slot >= 0, slot, 0) % BLOCK_SIZE
     d = tl.arange(0, BLOCK_D)
+    pos_ok = r >= 0
     if ROTATE:
         pos = tl.load(pos_ptr + tok, mask=slot >= 0, other=0).to(tl.int64)
-        cos_sin_rows = (cos_sin_ptr + pos * ROTARY_DIM)[:, None]
+        pos_ok = (pos >= 0) & (pos < max_position)
+        pos_bad = (slot >= 0) & ~pos_ok
+        _raise_error(flags_ptr, ERR_POSITION, tl.min(tl.where(pos_bad, tok, NO_INDEX)).to(tl.int32),
+                     tl.max(pos_bad.to(tl.int32)) > 0)
+        cos_sin_rows = (cos_sin_ptr + tl.where(pos_ok, pos, 0) * ROTARY_DIM)[:, None]
     # A tile that is exactly one page of consecutive slots (prefill writes from a page
     # boundary) stores each channel's BLOCK_SIZE bytes as one aligned 16-byte run.
     WHOLE_PAGE_PATH: tl.constexpr = (BLOCK_HKV == 1) and (BLOCK_T == BLOCK_SIZE) and (KIND != KIND_BF16)
     slot0 = tl.load(slot_ptr + tok0, mask=tok0 < num_tokens, other=-1).to(tl.int64)
     whole_page = (slot0 >= 0) & (slot0 % BLOCK_SIZE == 0) & (tl.sum((slot != slot0 + r).to(tl.int32), axis=0) == 0)
+    all_rows = r >= 0
     for h0 in range(0, num_kv_heads, BLOCK_HKV):
         heads = h0 + head_in_block
         rows_ok = (slot >= 0) & (heads < num_kv_heads)
@@ -336,7 +386,11 @@ def _write_kv_tokens(
         v = _load_tile(v_ptr + (tok * stride_vt + heads * stride_vh)[:, None] + d[None, :], mask, False)
         if HAS_MEAN:
             k = k - _load_tile(mean_ptr + (heads * HEAD_DIM)[:, None] + d[None, :], mask, False)
-        _store_rows_to_cache(k, heads, rows_ok, mask, d, blk, off, kcache_ptr, kscale_ptr,
+        # rows of skipped tokens are all 0 here (finite), their position reads as 0
+        finite = _finite_rows(k) & _finite_rows(v) & pos_ok
+        k = tl.where(finite[:, None], k, _NAN)
+        v = tl.where(finite[:, None], v, 0.0)
+        _store_rows_to_cache(k, finite, heads, rows_ok, mask, d, blk, off, kcache_ptr, kscale_ptr,
                              stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
                              BLOCK_SIZE, False, False, KIND, INTERPRET)
         # 8-bit V pages are stored transposed (see int8attn.cache)
@@ -344,7 +398,7 @@ def _write_kv_tokens(
             _store_page_transposed(v, h0, slot0 // BLOCK_SIZE, vcache_ptr, vscale_ptr, stride_cb, stride_ch,
                                    stride_sb, stride_sh, stride_so, BLOCK_SIZE, HEAD_DIM, BLOCK_D, KIND, INTERPRET)
         else:
-            _store_rows_to_cache(v, heads, rows_ok, mask, d, blk, off, vcache_ptr, vscale_ptr,
+            _store_rows_to_cache(v, all_rows, heads, rows_ok, mask, d, blk, off, vcache_ptr, vscale_ptr,
                                  stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
                                  BLOCK_SIZE, KIND != KIND_BF16, False, KIND, INTERPRET)
 
@@ -353,14 +407,14 @@ def _write_kv_tokens(
 def _store_page_transposed(x, head, blk, data_ptr, scale_ptr, stride_cb, stride_ch, stride_sb, stride_sh, stride_so,
                            BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                            KIND: tl.constexpr, INTERPRET: tl.constexpr):
-    """Quantize the BLOCK_SIZE rows ``x`` [BLOCK_SIZE, BLOCK_D] of one head that fill page
-    ``blk`` in slot order and store them as the transposed page [head_dim, BLOCK_SIZE]
-    with their scales. Row ``r`` of channel ``d`` lands at ``d * BLOCK_SIZE + r``: the
-    compiler sees BLOCK_SIZE contiguous, 16-byte aligned bytes per channel (page starts
-    are multiples of 16 for head_dim >= 16) and stores each run with one vector store
-    (the register transpose goes through shared memory)."""
-    q, scale = _quantize_rows(x, KIND, INTERPRET)
+    """Quantize the BLOCK_SIZE finite rows ``x`` [BLOCK_SIZE, BLOCK_D] of one head that
+    fill page ``blk`` in slot order and store them as the transposed page [head_dim,
+    BLOCK_SIZE] with their scales. Row ``r`` of channel ``d`` lands at ``d * BLOCK_SIZE +
+    r``: the compiler sees BLOCK_SIZE contiguous, 16-byte aligned bytes per channel (page
+    starts are multiples of 16 for head_dim >= 16) and stores each run with one vector
+    store (the register transpose goes through shared memory)."""
     r = tl.arange(0, BLOCK_SIZE)
+    q, scale = _quantize_checked_rows(x, r >= 0, KIND, INTERPRET)
     d = tl.arange(0, BLOCK_D)
     tl.store(scale_ptr + blk * stride_sb + head * stride_sh + r * stride_so, scale)
     page = tl.multiple_of(blk * stride_cb + head * stride_ch, 16)
@@ -374,9 +428,9 @@ def _store_page_transposed(x, head, blk, data_ptr, scale_ptr, stride_cb, stride_
 # --------------------------------------------------------------------------- write_kv
 @triton.jit
 def _write_kv_kernel(
-    key_ptr, value_ptr, slot_ptr,
+    key_ptr, value_ptr, slot_ptr, flags_ptr,
     kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
-    num_tokens, num_kv_heads,
+    num_tokens, num_slots, num_kv_heads,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ch, stride_co,
     stride_sb, stride_sh, stride_so,
@@ -384,7 +438,8 @@ def _write_kv_kernel(
     BLOCK_HKV: tl.constexpr, KIND: tl.constexpr, HAS_MEAN: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """KV_TOKENS new tokens per program: quantize their K and V rows (all KV heads,
-    BLOCK_HKV at a time) into the page of each token's slot (-1: skipped).
+    BLOCK_HKV at a time) into the page of each token's slot (-1: skipped; outside [-1,
+    num_slots): skipped and ERR_SLOT raised in ``flags``).
 
     key/value [N, Hkv, D]; slot [N]; key cache [num_blocks, Hkv, block_size, D] (strides
     cb/ch/co, unit stride on D), value cache the same for bf16 and [num_blocks, Hkv, D,
@@ -393,7 +448,7 @@ def _write_kv_kernel(
     HAS_MEAN.
     """
     tok0 = tl.program_id(0).to(tl.int64) * KV_TOKENS
-    _write_kv_tokens(tok0, num_tokens, slot_ptr, slot_ptr, slot_ptr,  # no RoPE: no positions, no table
+    _write_kv_tokens(tok0, num_tokens, num_slots, 0, slot_ptr, slot_ptr, slot_ptr, flags_ptr,  # no RoPE
                      key_ptr, value_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
                      num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
@@ -404,10 +459,10 @@ def _write_kv_kernel(
 # --------------------------------------------------------------------------- fused producer
 @triton.jit
 def _rope_quantize_write_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, flags_ptr,
     q_out_ptr, q_scale_ptr,
     kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
-    num_tokens, num_q_heads, num_kv_heads,
+    num_tokens, num_slots, max_position, num_q_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_qst, stride_qsh,
     stride_cb, stride_ch, stride_co,
@@ -429,7 +484,9 @@ def _rope_quantize_write_kernel(
     BLOCK_HQ and HEAD_DIM == BLOCK_D (no masks).
 
     cos_sin [max_position, ROTARY_DIM] fp32 contiguous: cos of the ROTARY_DIM/2
-    frequencies, then sin. Launched with ``enable_fp_fusion=False`` so RoPE rounds as
+    frequencies, then sin. A position outside [0, max_position) reads row 0 instead, the
+    token's Q comes out NaN (scale NaN, codes 0; bf16: NaN) and its K/V is stored
+    poisoned, and the first Q head group's program raises ERR_POSITION. Launched with ``enable_fp_fusion=False`` so RoPE rounds as
     PyTorch's fp32 ``x1 * cos - x2 * sin`` does.
     """
     group = tl.program_id(1)
@@ -440,9 +497,13 @@ def _rope_quantize_write_kernel(
         for i in tl.static_range(TOKENS_PER_PROGRAM):
             tok = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM + i
             if tok < num_tokens:
-                cos_sin_row = cos_sin_ptr + tl.load(pos_ptr + tok).to(tl.int64) * ROTARY_DIM
+                pos = tl.load(pos_ptr + tok).to(tl.int64)
+                pos_ok = (pos >= 0) & (pos < max_position)
+                _raise_error(flags_ptr, ERR_POSITION, tok.to(tl.int32), (group == 1) & ~pos_ok)
+                cos_sin_row = cos_sin_ptr + tl.where(pos_ok, pos, 0) * ROTARY_DIM
                 y = _load_rows_rope(q_ptr + tok * stride_qt + heads * stride_qh, mask, d, cos_sin_row,
                                     ROTARY_DIM, BLOCK_D, FULL_Q)
+                y = tl.where(pos_ok, y, _NAN)
                 q, scale = _quantize_rows(y, KIND, INTERPRET)
                 out_row = tok * stride_ot + heads * stride_oh
                 _store_tile(q_out_ptr + out_row[:, None] + d[None, :], q, mask, FULL_Q)
@@ -451,7 +512,7 @@ def _rope_quantize_write_kernel(
     else:
         tok0 = tl.program_id(0).to(tl.int64) * KV_TOKENS
         if tok0 < num_tokens:
-            _write_kv_tokens(tok0, num_tokens, slot_ptr, pos_ptr, cos_sin_ptr,
+            _write_kv_tokens(tok0, num_tokens, num_slots, max_position, slot_ptr, pos_ptr, cos_sin_ptr, flags_ptr,
                              k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
                              num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
                              stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,

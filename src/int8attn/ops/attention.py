@@ -371,10 +371,8 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     metadata that reaches the kernels unchecked never moves an address outside the cache,
     workspace or output: the affected sequences' rows are NaN and a device error flag is
     raised, which :func:`int8attn.check_errors` (and every checked call) turns into
-    :class:`int8attn.DeviceMetadataError` naming the sequence. A decode-only batch
-    (``T <= MAX_DECODE_QUERY_LEN``, or a plan without prefill) takes any head_dim that is
-    a multiple of 16 up to 256; a launch that may reach the prefill kernel needs a power
-    of two.
+    :class:`int8attn.DeviceMetadataError` naming the sequence. Decode and prefill take any
+    head_dim that is a multiple of 16 from 16 to 256.
     """
     if plan is not None:
         if not isinstance(plan, AttentionPlan):

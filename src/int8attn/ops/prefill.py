@@ -21,6 +21,7 @@ import triton
 from .. import _checks, launches
 from ..cache import PagedKVCache
 from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
+from ..errors import error_flags
 from ..kernels.prefill import _prefill_kernel
 from ..runtime import device_guard, interpret_mode
 
@@ -68,6 +69,8 @@ def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> PrefillConfig:
     small tiles."""
     if interpret_mode():
         return PrefillConfig(block_m=32, block_n=32, dv=None, num_warps=4, num_stages=1)
+    # the kernel's tiles span head_dim padded to a power of two: choose for that width
+    head_dim = triton.next_power_of_2(head_dim)
     if kv_dtype == "bf16":
         if head_dim > 128:
             return PrefillConfig(block_m=128, block_n=64, dv=head_dim, num_warps=8, num_stages=2)
@@ -104,7 +107,7 @@ def resolve_pv_mode(kv_dtype: str, pv_mode: str | None) -> str:
 
 def check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) -> None:
     """The non-tensor arguments of a prefill call (cache, softmax_scale, query-length bounds)."""
-    _checks.check_kernel_options(cache, softmax_scale, "prefill_attention")
+    _checks.check_kernel_options(cache, softmax_scale, "prefill_attention", any_multiple_of_16=True)
     if not _checks.is_int(min_query_len):
         raise ValueError(f"min_query_len must be an int >= 0, got {min_query_len!r}")
     if max_query_len is not None and not _checks.is_int(max_query_len):
@@ -113,8 +116,9 @@ def check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) ->
 
 def check_config(config: PrefillConfig, head_dim: int, group: int, pv_mode: str | None = None) -> PrefillConfig:
     """``config`` checked against the cache's head_dim, the GQA group and the PV mode
-    (ValueError / TypeError), completed as the launch uses it (``dv``, ``block_m``)."""
-    d = head_dim
+    (ValueError / TypeError), completed as the launch uses it (``dv``, ``block_m``). ``dv``
+    splits the head_dim tile: head_dim padded to a power of two."""
+    d = triton.next_power_of_2(head_dim)
     dv = config.dv or d
     for name in ("p_shift", "v_late", "lazy_rescale", "v_flat"):
         if not isinstance(getattr(config, name), bool):
@@ -129,7 +133,8 @@ def check_config(config: PrefillConfig, head_dim: int, group: int, pv_mode: str 
     if not interpret_mode():  # the CPU tests run smaller 8-bit PV tiles under the interpreter
         _checks.check_pv_tile_keys(config.block_n, pv_mode)
     if d % dv or d // dv not in (1, 2, 4):
-        raise ValueError(f"dv={dv} must split head_dim={d} into 1, 2 or 4 chunks")
+        raise ValueError(f"dv={dv} must split the head_dim tile of {d} (head_dim {head_dim} padded to a "
+                         "power of two) into 1, 2 or 4 chunks")
     block_m = max(config.block_m, triton.next_power_of_2(group))
     return replace(config, dv=dv, block_m=block_m)
 
@@ -143,8 +148,9 @@ def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, s
         query: [T, Hq, D] bf16 (fp16 / fp32 accepted), last dim contiguous. Query token j
             of sequence s sits at position ``seq_lens[s] - q_len_s + j`` and sees every
             cached key at a position <= its own.
-        cache: :class:`int8attn.PagedKVCache` ("int8", "fp8" or "bf16"); head_dim a power
-            of two in [16, 256]; the chunk's own K/V must already be in the cache.
+        cache: :class:`int8attn.PagedKVCache` ("int8", "fp8" or "bf16"); any head_dim
+            the cache takes (a multiple of 16 up to 256: the kernel pads its tile to the
+            next power of two); the chunk's own K/V must already be in the cache.
         block_table: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32 (new tokens
             included); query_start_loc: [num_seqs + 1] int32 (cumulative q_lens).
         softmax_scale: defaults to ``head_dim ** -0.5``.
@@ -239,13 +245,14 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
         compiled = _prefill_kernel[(num_tiles, cache.num_kv_heads)](
             q_in, q_scale_in, out,
             key, value, k_scale, v_scale,
-            block_table, seq_lens, query_start_loc,
-            qk_scale, num_seqs, min_query_len, max(tiles_per_seq, 1), num_tiles,
+            block_table, seq_lens, query_start_loc, error_flags(cache.device),
+            qk_scale, num_seqs, num_tokens, cache.num_blocks, block_table.shape[1], min_query_len,
+            max(tiles_per_seq, 1), num_tiles,
             q_in.stride(0), q_in.stride(1), q_scale_strides[0], q_scale_strides[1],
             out.stride(0), out.stride(1),
             cache.key.stride(0), cache.key.stride(1), scale_strides[0], scale_strides[1],
             block_table.stride(0),
-            GROUP=group, HEAD_DIM=head_dim, DV=config.dv, PAGE=cache.block_size,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), DV=config.dv, PAGE=cache.block_size,
             BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
             KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[pv_mode], P_SHIFT=bool(config.p_shift),
             Q_QUANTIZED=q_quantized or not cache.quantized, SEARCH=search, V_LATE=bool(config.v_late),

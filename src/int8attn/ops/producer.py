@@ -16,6 +16,7 @@ import triton
 
 from .. import _checks, launches
 from ..cache import KV_DTYPES, PagedKVCache
+from ..errors import error_flags
 from ..kernels.codes import KV_KIND
 from ..kernels.quantize import _quantize_query_kernel, _rope_quantize_write_kernel
 from ..runtime import TILE_ELEMS, default_num_warps, device_guard, full_tiles, heads_per_program, interpret_mode
@@ -118,7 +119,8 @@ def rope_quantize_and_write(
             rotary_dim even and <= D: partial rotary rotates only the first rotary_dim
             channels (NeoX pairing: channel i with i + rotary_dim/2).
         cache: the paged cache; slot_mapping: [N] as for :func:`int8attn.write_kv`
-            (-1 skips the K/V write of a padding token; its Q is still emitted).
+            (-1 skips the K/V write of a padding token; its Q is still emitted; each
+            slot at most once).
         out_q, out_q_scale: optional outputs.
 
     Effect and result: RoPE'd K (minus ``cache.key_mean`` when smoothing) and V are
@@ -126,6 +128,12 @@ def rope_quantize_and_write(
     the fp32 RoPE arithmetic); returns ``(q_out, q_scale)``: RoPE'd Q quantized per
     (token, head) for the cache's dtype -- int8 / float8_e4m3fn [N, Hq, D] and fp32
     [N, Hq] -- or, for a bf16 cache, RoPE'd bf16 Q and None.
+
+    Non-finite input and unchecked metadata follow :func:`int8attn.write_kv`: a K / V row
+    with an inf / NaN is stored poisoned, a Q row with one gets scale NaN (bf16: NaN
+    values); a position outside ``[0, max_position)`` (value checks off) reads no table
+    row, gives the token a NaN Q and a poisoned K/V and raises a device flag, as does a
+    slot outside the cache (skipped).
     """
     _checks.check_producer_inputs(query, key, value, positions, cos_sin_cache, cache, slot_mapping,
                                   out_q, out_q_scale)
@@ -164,10 +172,10 @@ def rope_quantize_and_write(
     grid = (rows, triton.cdiv(num_q_heads, launch["BLOCK_HQ"]) + 1)
     with device_guard(cache.device):
         compiled = _rope_quantize_write_kernel[grid](
-            query, key, value, positions, cos_sin_cache, slot_mapping,
+            query, key, value, positions, cos_sin_cache, slot_mapping, error_flags(cache.device),
             out_q, qscale,
             cache.key, cache.value, kscale, vscale, mean,
-            num_tokens, num_q_heads, cache.num_kv_heads,
+            num_tokens, cache.num_slots, cos_sin_cache.shape[0], num_q_heads, cache.num_kv_heads,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             out_q.stride(0), out_q.stride(1), qscale_strides[0], qscale_strides[1],
             cache.key.stride(0), cache.key.stride(1), cache.key.stride(2),
@@ -184,6 +192,11 @@ def rope_quantize_and_write(
 
 
 def _first_write_mean_after_rope(cache, key, positions, cos_sin_cache, slot_mapping) -> None:
+    """The first-write mean of the RoPE'd keys; a token whose position is outside the
+    cos/sin table (unchecked metadata) counts as a non-finite row, as the kernel stores it."""
     from .write import key_mean_of_first_write
 
-    key_mean_of_first_write(cache, apply_rope_torch(key, positions, cos_sin_cache), slot_mapping)
+    pos_ok = (positions >= 0) & (positions < cos_sin_cache.shape[0])
+    rope = apply_rope_torch(key, torch.where(pos_ok, positions, 0), cos_sin_cache)
+    rope = torch.where(pos_ok[:, None, None], rope, float("nan"))
+    key_mean_of_first_write(cache, rope, slot_mapping)

@@ -7,6 +7,7 @@ import triton
 
 from .. import _checks, launches
 from ..cache import PagedKVCache
+from ..errors import error_flags
 from ..kernels.codes import KV_KIND
 from ..kernels.quantize import _write_kv_kernel
 from ..runtime import device_guard, heads_per_program, interpret_mode
@@ -35,13 +36,31 @@ def write_kv_tile(num_tokens: int, num_kv_heads: int, head_dim: int, block_size:
     return {"KV_TOKENS": tokens, "BLOCK_HKV": 1}
 
 
+def finite_row_mean(key: torch.Tensor) -> torch.Tensor | None:
+    """Per (KV head, channel) fp32 mean of ``key`` [N, Hkv, D] over the tokens whose row
+    of that head holds no inf / NaN (a head without such a row gets 0); None when no row
+    is finite. With every row finite it is ``key.float().mean(0)``. The same computation
+    as :func:`int8attn.reference.key_mean_reference`."""
+    k = key.to(torch.float32)
+    finite = torch.isfinite(k).all(dim=-1)  # [N, Hkv]
+    count = finite.sum(dim=0)
+    all_finite, any_finite = torch.stack([finite.all(), count.any()]).tolist()  # one sync
+    if all_finite:
+        return k.mean(dim=0)
+    if not any_finite:
+        return None
+    total = torch.where(finite[..., None], k, 0.0).sum(dim=0)
+    return total / count.clamp(min=1).to(torch.float32)[:, None]
+
+
 def key_mean_of_first_write(cache: PagedKVCache, key: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Set ``cache.key_mean`` from this write when the cache smooths keys "first_write"
-    and has no mean yet: per (KV head, channel) mean of the written (slot >= 0) keys, in
-    fp32 -- the same computation as :func:`int8attn.reference.key_mean_reference`.
+    and has no mean yet: per (KV head, channel) mean of the written keys (slot in
+    ``[0, num_slots)``) whose row holds no inf / NaN, in fp32 (:func:`finite_row_mean`).
 
-    A write with no valid token (all padding, e.g. a warm-up run) leaves the mean unset,
-    so it is taken from the first write of real tokens. Needs a host sync, once per cache.
+    A write with no such token (all padding, e.g. a warm-up run, or nothing finite) leaves
+    the mean unset, so it is taken from the first write of real tokens. Needs a host
+    sync, once per cache.
     """
     if cache.key_smoothing != "first_write" or cache.key_mean is not None:
         return
@@ -50,10 +69,12 @@ def key_mean_of_first_write(cache: PagedKVCache, key: torch.Tensor, slot_mapping
             "key smoothing 'first_write' takes cache.key_mean from the first write, which needs a host "
             "sync: write real tokens eagerly (or call cache.set_key_mean) before capturing a CUDA graph"
         )
-    valid = slot_mapping >= 0
+    valid = (slot_mapping >= 0) & (slot_mapping < cache.num_slots)
     if not bool(valid.any()):
         return
-    cache.set_key_mean(key[valid].to(torch.float32).mean(dim=0))
+    mean = finite_row_mean(key[valid])
+    if mean is not None:
+        cache.set_key_mean(mean)
 
 
 def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
@@ -65,7 +86,8 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
         key, value: [N, num_kv_heads, head_dim] bf16 (fp16 / fp32 accepted), unit
             stride on head_dim.
         slot_mapping: [N] int32 / int64; ``slot = block_id * block_size + offset``;
-            -1 skips the token (padding).
+            -1 skips the token (padding). Each slot at most once per call: value checks
+            refuse a repeated slot; without them which of the writes lands is unspecified.
 
     Per (token, KV head) symmetric quantization (int8: scale ``amax/127``, codes
     ``x * (127/amax)`` rounded half away from zero; fp8 e4m3: ``amax/448`` and
@@ -75,7 +97,22 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
     from the keys before quantizing; with ``key_smoothing="first_write"`` and no mean
     yet, the mean of this write's valid keys becomes ``cache.key_mean`` first.
 
-    Bad input raises ``TypeError`` / ``ValueError`` before the cache is touched.
+    Non-finite input propagates, it is never turned into finite numbers: a (token, KV
+    head) whose K or V row holds an inf or NaN is stored poisoned -- key scale NaN with
+    key codes 0 (bf16 cache: a NaN key row), value codes 0 with scale 1 (bf16: a zero
+    row) -- so every attention output row that reads the token is NaN and no other is
+    (a causally masked query, another sequence or another KV head stays finite and
+    correct; the V row carries no NaN because queries that do not see the token meet it
+    with P = 0). Statistics never come from such rows: the "first_write" key mean is
+    taken over the finite rows.
+
+    Bad input raises ``TypeError`` / ``ValueError`` before the cache is touched. Value
+    checks (slots in range, no repeated slot) read the device back, so they run on CPU
+    tensors and on a GPU only with ``INT8ATTN_CHECK_VALUES=1`` (see
+    :func:`int8attn._checks.value_checks_enabled`); without them the kernel still never
+    writes outside the cache: a slot outside ``[-1, num_slots)`` is skipped and raises a
+    device flag that :func:`int8attn.check_errors` (or the next checked call) reports,
+    naming the token.
     ``_launch`` overrides the launch configuration (``TOKENS_PER_PROGRAM``, ``num_warps``;
     benchmarks only).
     """
@@ -95,9 +132,9 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
     launch.update(_launch or {})
     with device_guard(cache.device):
         compiled = _write_kv_kernel[(triton.cdiv(num_tokens, launch["KV_TOKENS"]),)](
-            key, value, slot_mapping,
+            key, value, slot_mapping, error_flags(cache.device),
             cache.key, cache.value, kscale, vscale, mean,
-            num_tokens, cache.num_kv_heads,
+            num_tokens, cache.num_slots, cache.num_kv_heads,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             cache.key.stride(0), cache.key.stride(1), cache.key.stride(2),
             sscale[0], sscale[1], sscale[2],

@@ -1,0 +1,158 @@
+"""Bad-metadata cases for compute-sanitizer: prefill, write_kv and the producer with value
+checks off and one sequence / token out of range, so only the kernels' own clamps stand
+between the metadata and memory.
+
+Run on the GPU, one op per sanitizer process (a process stops at its first error report)::
+
+    for op in prefill write producer; do
+        INT8ATTN_CHECK_VALUES=0 compute-sanitizer --tool memcheck --error-exitcode 1 \\
+            python benchmarks/memcheck_cases.py --op $op || echo "memcheck FAILED: $op"
+    done
+
+Every case also checks what the CPU tests check: the affected outputs NaN, the others
+finite, ``check_errors()`` raising naming the index; a case that does not prints FAIL and
+the script exits 1. Without a GPU it runs the same cases under Triton's interpreter
+(small shapes, no sanitizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+os.environ["INT8ATTN_CHECK_VALUES"] = "0"
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from int8attn import reference, testing  # noqa: E402
+from int8attn.cache import PagedKVCache  # noqa: E402
+from int8attn.errors import DeviceMetadataError, check_errors  # noqa: E402
+from int8attn.ops.prefill import prefill_attention  # noqa: E402
+from int8attn.ops.producer import rope_quantize_and_write  # noqa: E402
+from int8attn.ops.write import write_kv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FAILURES: list[str] = []
+
+
+def expect(ok: bool, what: str) -> None:
+    print(("ok   " if ok else "FAIL ") + what, flush=True)
+    if not ok:
+        FAILURES.append(what)
+
+
+def expect_flag(index: int, what: str) -> None:
+    try:
+        check_errors(DEVICE)
+    except DeviceMetadataError as e:
+        expect(f"index {index};" in str(e), f"{what}: flag names index {index} ({e})")
+        return
+    expect(False, f"{what}: no flag raised")
+
+
+def prefill_cases() -> None:
+    # GPU: a long prefix and real head counts; interpreter: small
+    big = DEVICE == "cuda"
+    seq_lens, q_lens = ([900, 1500, 700], [300, 600, 200]) if big else ([30, 40, 25], [12, 21, 9])
+    for kv in ("int8", "fp8", "bf16"):
+        b = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=8 if big else 4, num_kv_heads=2,
+                                     head_dim=128 if big else 64, kv_dtype=kv, seed=3, device=DEVICE)
+        starts = b.query_start_loc.tolist()
+        capacity = b.block_table.shape[1] * b.cache.block_size
+        cases = {
+            "block id 10**6": (("bt", (1, 1), 10 ** 6), 1),
+            "block id -3": (("bt", (1, 0), -3), 1),
+            "block id num_blocks": (("bt", (1, 2), b.cache.num_blocks), 1),
+            "seq_len beyond table": (("sl", 1, capacity + 4096), 1),
+            "seq_len negative": (("sl", 1, -7), 1),
+            "seq_len below q_len": (("sl", 1, 3), 1),
+            "qsl end past num_tokens": (("qsl", 3, starts[3] + 10 ** 6), 2),
+            "qsl start negative": (("qsl", 0, -50), 0),
+        }
+        ref = reference.attention_reference(b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+        for name, ((which, index, value), bad_seq) in cases.items():
+            bt, sl, qsl = b.block_table.clone(), b.seq_lens.clone(), b.query_start_loc.clone()
+            {"bt": bt, "sl": sl, "qsl": qsl}[which][index] = value
+            # the dense grid (max_query_len given) for the first case, the searched one for all
+            for max_query_len in ((None, max(q_lens)) if name == "block id 10**6" else (None,)):
+                out = torch.full(b.query.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
+                prefill_attention(b.query, b.cache, bt, sl, qsl, out=out, max_query_len=max_query_len)
+                nan_rows = torch.isnan(out.float()).any(-1).any(-1).cpu()
+                want = torch.zeros(b.query.shape[0], dtype=torch.bool)
+                want[starts[bad_seq]:starts[bad_seq + 1]] = True
+                what = f"prefill {kv} {name} grid={'dense' if max_query_len else 'searched'}"
+                if which == "qsl" and bad_seq == 0:
+                    # the searched grid maps tiles from the (broken) offsets: only the flag
+                    # and the other sequences' rows are defined
+                    keep = ~want
+                    ok = not nan_rows[keep].any()
+                else:
+                    ok = torch.equal(nan_rows, want)
+                expect(ok, f"{what}: NaN rows exactly the bad sequence's")
+                err = reference.error_stats(out.cpu()[~want], ref[~want])["rel_l2"]
+                expect(err < 0.05, f"{what}: other rows rel-L2 {err:.4f}")
+                expect_flag(bad_seq, what)
+
+
+def write_cases() -> None:
+    for kv in ("int8", "fp8", "bf16"):
+        for n in (1, 17, 4096 if DEVICE == "cuda" else 64):
+            cache = PagedKVCache(n // 16 + 4, 16, 4, 128, kv_dtype=kv, device=DEVICE)
+            key = testing.make_keys(n, 4, 128, device=DEVICE)
+            value = testing.make_normal((n, 4, 128), device=DEVICE)
+            slots = torch.arange(n, device=DEVICE)
+            for name, bad_value in (("slot num_slots", cache.num_slots), ("slot -2", -2), ("slot 2**40", 2 ** 40)):
+                bad = slots.clone()
+                bad[n // 2] = bad_value
+                # the last 3 pages hold no slot of the write: they must stay as they were
+                before = [t[-3:].clone() for t in (cache.key, cache.value)]
+                write_kv(cache, key, value, bad)
+                what = f"write_kv {kv} n={n} {name}"
+                expect(all(torch.equal(t[-3:].view(torch.uint8), t0.view(torch.uint8))
+                           for t, t0 in zip((cache.key, cache.value), before)), f"{what}: pages not written unchanged")
+                expect_flag(n // 2, what)
+
+
+def producer_cases() -> None:
+    for kv in ("int8", "fp8", "bf16"):
+        n, max_pos = (4096, 8192) if DEVICE == "cuda" else (33, 64)
+        cache = PagedKVCache(n // 16 + 4, 16, 4, 128, kv_dtype=kv, device=DEVICE)
+        q = testing.make_normal((n, 24, 128), device=DEVICE)
+        k = testing.make_keys(n, 4, 128, device=DEVICE)
+        v = testing.make_normal((n, 4, 128), device=DEVICE)
+        cos_sin = reference.rope_cos_sin_cache(max_pos, 64, device=DEVICE)
+        pos = torch.arange(n, device=DEVICE) % max_pos
+        slots = torch.arange(n, device=DEVICE)
+        for name, (which, value) in {"position max_pos": ("pos", max_pos), "position -1": ("pos", -1),
+                                     "position 2**40": ("pos", 2 ** 40), "slot num_slots": ("slot", cache.num_slots),
+                                     "slot 2**40": ("slot", 2 ** 40)}.items():
+            p, s = pos.clone(), slots.clone()
+            (p if which == "pos" else s)[n // 3] = value
+            out_q, out_s = rope_quantize_and_write(q, k, v, p, cos_sin, cache, s)
+            what = f"producer {kv} {name}"
+            if which == "pos":
+                bad_q = torch.isnan(out_q.float()).any(-1).any(-1) if out_s is None else torch.isnan(out_s).any(-1)
+                want = torch.zeros(n, dtype=torch.bool)
+                want[n // 3] = True
+                expect(torch.equal(bad_q.cpu(), want), f"{what}: NaN Q exactly for the bad token")
+            expect_flag(n // 3, what)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--op", choices=("prefill", "write", "producer", "all"), default="all")
+    args = ap.parse_args()
+    ops = ("prefill", "write", "producer") if args.op == "all" else (args.op,)
+    for op in ops:
+        {"prefill": prefill_cases, "write": write_cases, "producer": producer_cases}[op]()
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    print(f"{len(FAILURES)} failure(s)" + (": " + "; ".join(FAILURES) if FAILURES else ""))
+    return 1 if FAILURES else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""Accuracy of int8attn's caches inside real pretrained models, to the eye of the model.
+
+For each model and text: perplexity, top-1 agreement with the unmodified model (SDPA, no
+cache, one forward) and mean KL(unmodified || variant) per token, teacher-forced over
+``--tokens`` tokens: the first ``tokens - decode`` by chunked prefill (``--chunk`` tokens
+per step, so later chunks attend over a cached prefix), the last ``--decode`` one token per
+step (decode kernels). Metrics are given over all positions and over the decode positions.
+
+Variants (``--variants``):
+
+* ``int8`` (int8attn default: INT8 K/V, key smoothing, Q rounded to INT8, decode PV 8-bit,
+  prefill PV bf16), ``int8-nosmooth``, ``fp8``, ``bf16`` (the BF16 cache);
+* ``naive``: vLLM's ``int8_per_token_head`` -- per-(token, head) INT8 K and V, Q exact,
+  attention otherwise exact: always emulated;
+* lever variants (emulation only): ``int8+mig`` (per-(KV head, channel) scale migrated
+  between K and Q, alpha 0.5, calibrated on the first write), ``int8+mig+sink1``.
+
+Paths (``--path``): ``kernels`` runs the transformers integration (``Int8PagedCache`` and the
+``"int8attn"`` attention: the real kernels; under Triton's interpreter on a CPU, which is
+slow: ~8 min for 512 tokens x 30 layers); ``emulation`` runs the plain-PyTorch float64
+emulation of the same roundings (``int8attn.emulation``) through the ``"int8attn_emulated"``
+attention -- fast on a CPU; rows say which path produced them. ``auto``: kernels on a GPU,
+emulation on a CPU. Models whose layers the integration refuses (Gemma's sliding-window
+layers) run emulated.
+
+    python benchmarks/real_models.py --model smollm2 --text pydoc --tokens 2048 --decode 64
+    python benchmarks/real_models.py --model /tmp/w/SmolLM2-135M-Instruct.Q4_1.gguf ...   # split parts .partNN ok
+
+``--stage DIR`` writes what another machine needs into DIR instead (the model's GGUF cut into
+<= 50 MiB parts, and the ``gguf`` package), see BENCHMARKS.md for the two-call H200 recipe.
+Rows: benchmarks/results/real_models.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import torch  # noqa: E402
+
+from int8attn.bench import Recorder  # noqa: E402
+from int8attn.emulation import Variant, cache_variant  # noqa: E402
+from int8attn.integrations.transformers import Int8PagedCache, cache_argument_name, pretrained, register  # noqa: E402
+from int8attn.integrations.transformers.emulated import (  # noqa: E402
+    EmulatedCache, emulated_cache, register_emulated)
+
+KERNEL_VARIANTS = {  # name -> Int8PagedCache options
+    "int8": dict(kv_dtype="int8"),
+    "int8-nosmooth": dict(kv_dtype="int8", key_smoothing="none"),
+    "fp8": dict(kv_dtype="fp8"),
+    "bf16": dict(kv_dtype="bf16"),
+}
+
+
+def emulated_variant(name: str) -> tuple[Variant, Variant]:
+    """(prefill, decode) roundings of a variant."""
+    if name == "naive":
+        v = Variant("naive", kv="int8")
+        return v, v
+    if name in ("int8", "int8-nosmooth"):
+        sm = name == "int8"
+        return cache_variant("int8", "bf16", smoothing=sm), cache_variant("int8", "int8", smoothing=sm)
+    if name == "fp8":
+        return cache_variant("fp8", "bf16"), cache_variant("fp8", "fp8")
+    if name == "bf16":
+        v = cache_variant("bf16")
+        return v, v
+    levers = {"int8+mig": dict(migrate=0.5), "int8+mig+sink1": dict(migrate=0.5, sinks=1),
+              "int8+sink1": dict(sinks=1)}
+    if name in levers:
+        return cache_variant("int8", "bf16", **levers[name]), cache_variant("int8", "int8", **levers[name])
+    raise ValueError(f"unknown variant {name!r}")
+
+
+@torch.no_grad()
+def run_variant(model, ids: torch.Tensor, name: str, path: str, chunk: int, decode: int) -> torch.Tensor:
+    """Logits [T, vocab] float32 of the teacher-forced run (chunked prefill, then decode)."""
+    from transformers import DynamicCache
+
+    total = ids.shape[1]
+    prefill = total - decode
+    if path == "kernels":
+        model.set_attn_implementation(register())
+        cache = Int8PagedCache(model.config, max_batch_size=1, max_cache_len=total, **KERNEL_VARIANTS[name])
+        ctx = torch.no_grad()
+    else:
+        model.set_attn_implementation(register_emulated())
+        cache = DynamicCache()
+        pre, dec = emulated_variant(name)
+        ctx = emulated_cache(EmulatedCache(prefill=pre, decode=dec, block_n=_decode_block_n(model, name)))
+    kw = {cache_argument_name(model): cache}
+    steps = [(s, min(s + chunk, prefill)) for s in range(0, prefill, chunk)] + [(p, p + 1) for p in range(prefill, total)]
+    logits = []
+    with ctx:
+        for s, e in steps:
+            logits.append(model(input_ids=ids[:, s:e], use_cache=True, **kw).logits[0].float().cpu())
+    return torch.cat(logits)
+
+
+def _decode_block_n(model, name: str) -> int:
+    from int8attn.integrations.transformers.capture import decode_block_n
+
+    cfg = model.config.get_text_config(decoder=True)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = "fp8" if name == "fp8" else "int8"
+    return decode_block_n(kv, head_dim, pv_mode="fp8" if kv == "fp8" else "int8")
+
+
+def metrics(logits: torch.Tensor, ref: torch.Tensor, ids: torch.Tensor, positions: slice) -> dict:
+    """Over logit rows ``positions`` (row i predicts token i + 1; the slice ends at T - 1 at the
+    latest): perplexity of the next tokens, top-1 agreement with ``ref`` and mean
+    KL(ref || logits), in float64."""
+    lp = torch.log_softmax(logits[positions].double(), -1)
+    lr = torch.log_softmax(ref[positions].double(), -1)
+    target = ids[0].cpu()[positions.start + 1: positions.stop + 1]
+    nll = -lp.gather(-1, target[:, None]).mean().item()
+    return {
+        "ppl": math.exp(nll),
+        "top1": (lp.argmax(-1) == lr.argmax(-1)).double().mean().item(),
+        "kl": (lr.exp() * (lr - lp)).sum(-1).mean().item(),
+        "positions": lp.shape[0],
+    }
+
+
+def stage(model: str, out_dir: Path, part_mb: int) -> None:
+    path = pretrained.gguf_path(model)
+    parts = pretrained.split_file(path, out_dir, part_mb)
+    import gguf
+
+    dst = out_dir / "py" / "gguf"
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(Path(gguf.__file__).parent, dst, ignore=shutil.ignore_patterns("__pycache__"))
+    for p in parts:
+        print(f"{p}  {p.stat().st_size / 2**20:.1f} MiB")
+    print(f"{dst}  (the gguf package; put {out_dir / 'py'} on PYTHONPATH where gguf is not installed)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2", help=f"one of {sorted(pretrained.MODELS)} or a GGUF path")
+    ap.add_argument("--text", default="pydoc", choices=pretrained.TEXTS)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--chunk", type=int, default=512, help="prefill tokens per step")
+    ap.add_argument("--decode", type=int, default=64, help="last tokens run one per step")
+    ap.add_argument("--variants", default="int8,int8-nosmooth,fp8,bf16,naive")
+    ap.add_argument("--path", default="auto", choices=("auto", "kernels", "emulation"))
+    ap.add_argument("--num-layers", type=int, default=None, help="keep only the first N layers")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                    help="model dtype (default: bfloat16 on a GPU, float32 on a CPU)")
+    ap.add_argument("--stage", default=None, metavar="DIR", help="only split the GGUF (and copy gguf) into DIR")
+    ap.add_argument("--part-mb", type=int, default=45)
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args(argv)
+    if args.stage:
+        stage(args.model, Path(args.stage), args.part_mb)
+        return 0
+    if not 0 <= args.decode < args.tokens:
+        ap.error("--decode must be in [0, tokens)")
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device == "cuda" else torch.float32)
+    torch.set_grad_enabled(False)
+    t0 = time.time()
+    model, tok = pretrained.load_model(args.model, dtype=dtype, device=device, num_layers=args.num_layers)
+    ids = pretrained.text_tokens(tok, args.text, args.tokens).to(device)
+    weights = str(pretrained.gguf_path(args.model))
+    ref = model(input_ids=ids, use_cache=False).logits[0].float().cpu()
+    print(f"# {args.model} ({weights}), {args.text}, {args.tokens} tokens ({args.tokens - args.decode} prefill in "
+          f"chunks of {args.chunk}, {args.decode} decode), {device} {dtype}: loaded + reference in "
+          f"{time.time() - t0:.0f} s", flush=True)
+    rec = Recorder("real_models")
+    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
+    sliding = any(t != "full_attention" for t in layer_types)
+    common = dict(bench="real_models", model=args.model, weights=Path(weights).name, text=args.text,
+                  tokens=args.tokens, chunk=args.chunk, decode=args.decode, num_layers=args.num_layers,
+                  model_dtype=str(dtype).replace("torch.", ""))
+    all_pos, dec_pos = slice(0, args.tokens - 1), slice(args.tokens - 1 - args.decode, args.tokens - 1)
+    base = metrics(ref, ref, ids, all_pos)
+    rec.add(**common, variant="unmodified", path="sdpa", **{f"all_{k}": v for k, v in base.items()})
+    print(f"{'variant':16s} {'path':10s} {'ppl':>9s} {'top1':>7s} {'KL':>10s} | decode: {'top1':>7s} {'KL':>10s}  s")
+    print(f"{'unmodified':16s} {'sdpa':10s} {base['ppl']:9.4f}")
+    for name in args.variants.split(","):
+        path = args.path
+        if path == "auto":
+            path = "kernels" if device == "cuda" else "emulation"
+        if name not in KERNEL_VARIANTS or sliding:
+            path = "emulation"
+        t1 = time.time()
+        logits = run_variant(model, ids, name, path, args.chunk, args.decode)
+        m_all = metrics(logits, ref, ids, all_pos)
+        m_dec = metrics(logits, ref, ids, dec_pos) if args.decode else {}
+        secs = time.time() - t1
+        label = path if path == "emulation" else ("kernels (interpreter)" if device == "cpu" else "kernels")
+        rec.add(**common, variant=name, path=label, seconds=secs, **{f"all_{k}": v for k, v in m_all.items()},
+                **{f"decode_{k}": v for k, v in m_dec.items()})
+        print(f"{name:16s} {path:10s} {m_all['ppl']:9.4f} {m_all['top1']:7.4f} {m_all['kl']:10.3e} | "
+              f"{m_dec.get('top1', float('nan')):7.4f} {m_dec.get('kl', float('nan')):10.3e}  {secs:.0f}", flush=True)
+    if not args.no_record:
+        print(f"# rows -> {rec.save()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
