@@ -124,15 +124,43 @@ def _args(b):
     return b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc
 
 
-def test_auto_routes_to_portable_where_hopper_does_not_apply(device):
+def _ran(fn) -> str:
+    """Which prefill kernel ``fn()`` launched, from the launch record (a new record per launch)."""
+    names = {"_prefill_hopper_kernel": "hopper", "_prefill_hopper_pipe_kernel": "hopper", "_prefill_kernel": "portable"}
+    before = {k: launches.last(k) for k in names}
+    fn()
+    ran = {names[k] for k in names if launches.last(k) is not before[k]}
+    assert len(ran) == 1, ran
+    return ran.pop()
+
+
+@pytest.mark.parametrize("pv", [pytest.param(None, id="pv-default"), pytest.param("int8", id="pv-int8")])
+def test_auto_routes_by_measured_routes(device, pv, monkeypatch):
+    """"auto": the Hopper kernel only on AUTO_ROUTES where it applies; the portable kernel
+    elsewhere (CPU interpreter, other GPUs, routes measured slower)."""
+    monkeypatch.delenv(hop.KERNEL_ENV, raising=False)
     b = _batch([20], [20], hq=4, hkv=2, d=64, device=device)
+    resolved = "bf16" if pv is None else pv
+    applies = hop.unsupported_reason(b.cache, 4, resolved) is None
     if device == "cpu":
-        assert hop.unsupported_reason(b.cache, 4, None) is not None
-    out = hop.prefill(*_args(b), kernel="auto")
-    want = prefill_attention(*_args(b))
-    assert hop.last_kernel == ("hopper" if hop.unsupported_reason(b.cache, 4, None) is None else "portable")
-    if hop.last_kernel == "portable":
-        assert torch.equal(out, want)
+        assert not applies
+    want = "hopper" if applies and ("int8", resolved) in hop.AUTO_ROUTES else "portable"
+    assert hop.choose(b.cache, 4, resolved) == want
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
+    assert _ran(lambda: hop.prefill(*_args(b), kernel="auto", pv_mode=pv, out=out)) == want
+    if want == "portable":
+        assert torch.equal(out, prefill_attention(*_args(b), pv_mode=pv))
+
+
+def test_environment_variable_picks_the_kernel(monkeypatch):
+    b = _batch([20], [20], hq=4, hkv=2, d=64, kv="bf16")
+    monkeypatch.setenv(hop.KERNEL_ENV, "hopper")  # prefers Hopper where it applies: not a bf16 cache
+    assert hop.choose(b.cache, 4, "bf16") == "portable"
+    monkeypatch.setenv(hop.KERNEL_ENV, "portable")
+    assert hop.choose(b.cache, 4, "bf16") == "portable"
+    monkeypatch.setenv(hop.KERNEL_ENV, "fastest")
+    with pytest.raises(ValueError, match=hop.KERNEL_ENV):
+        hop.choose(b.cache, 4, "bf16")
 
 
 def test_forcing_hopper_where_it_does_not_apply_raises_before_launch():
@@ -215,9 +243,8 @@ def _reference_rows(b, rows_per_seq: int):
 def _check(b, pv, *, rows_per_seq=48, config=None):
     kv = b.cache.kv_dtype
     out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
-    hop.prefill(*_args(b), kernel="hopper", out=out, pv_mode=pv, config=config)
+    assert _ran(lambda: hop.prefill(*_args(b), kernel="hopper", out=out, pv_mode=pv, config=config)) == "hopper"
     torch.cuda.synchronize()
-    assert hop.last_kernel == "hopper"
     assert torch.isfinite(out.float()).all(), "rows left unwritten (NaN poison) or non-finite output"
     portable = prefill_attention(*_args(b), pv_mode=pv)
     testing.assert_close_verbose(out, portable, rel_l2=2 * TOL_QUANTIZED[(kv, pv)], name="hopper vs portable")
@@ -338,3 +365,59 @@ def test_gpu_pipelined(case, kv, pv):
     before = launches.last("_prefill_hopper_pipe_kernel")
     _check(b, pv, rows_per_seq=rows, config=config)
     assert launches.last("_prefill_hopper_pipe_kernel") is not before, "the pipelined kernel did not run"
+
+
+# --------------------------------------------------------------------------- attention() routing
+def test_attention_rejects_forced_hopper_where_it_does_not_apply_before_any_launch():
+    import int8attn
+
+    b = _batch([40, 90], [4, 60], hq=8, hkv=2, d=64, kv="int8", seed=2)
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="Hopper prefill kernel does not apply"):
+        int8attn.attention(*_args(b), out=out, prefill_kernel="hopper")
+    assert torch.isnan(out.float()).all()  # nothing ran
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        int8attn.attention(*_args(b), prefill_kernel="triton")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 8, prefill_kernel="triton")
+
+
+def test_plan_records_the_prefill_kernel(monkeypatch):
+    import int8attn
+
+    monkeypatch.delenv(hop.KERNEL_ENV, raising=False)
+    b = _batch([40, 90], [4, 60], hq=8, hkv=2, d=64, kv="int8", seed=2)
+    plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 8)
+    assert plan.prefill_kernel == "portable"  # the interpreter
+    want = int8attn.attention(*_args(b))
+    assert _ran(lambda: plan.run(*_args(b))) == "portable"
+    assert torch.equal(plan.run(*_args(b)), want)
+
+
+@pytest.mark.parametrize("how", ["argument", "plan", "environment-op"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_attention_routes_prefill_to_hopper(how, monkeypatch):
+    """attention(), plan_attention and the int8attn::attention op run the Hopper kernel when
+    asked (argument / plan / INT8ATTN_PREFILL_KERNEL), with the portable kernel's result."""
+    import int8attn
+    from int8attn.ops import library
+
+    monkeypatch.delenv(hop.KERNEL_ENV, raising=False)
+    b = _batch([40, 300, 2000], [4, 300, 333], hq=32, hkv=8, d=128, kv="fp8", seed=9, device="cuda")
+    want = int8attn.attention(*_args(b), pv_mode="fp8", prefill_kernel="portable")
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+    if how == "argument":
+        ran = _ran(lambda: int8attn.attention(*_args(b), out=out, pv_mode="fp8", prefill_kernel="hopper"))
+    elif how == "plan":
+        plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 32, pv_mode="fp8",
+                                       prefill_kernel="hopper")
+        assert plan.prefill_kernel == "hopper"
+        ran = _ran(lambda: plan.run(*_args(b), out=out))
+    else:
+        monkeypatch.setenv(hop.KERNEL_ENV, "hopper")
+        ran = _ran(lambda: library.attention(*_args(b), out=out, pv_mode="fp8"))
+    torch.cuda.synchronize()
+    assert ran == "hopper"
+    assert torch.isfinite(out.float()).all()
+    testing.assert_close_verbose(out, want, rel_l2=2 * TOL_QUANTIZED[("fp8", "fp8")], name="hopper vs portable")
