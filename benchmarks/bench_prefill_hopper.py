@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sys
 import traceback
 from dataclasses import replace
 
@@ -52,13 +54,17 @@ def _record(rec, **row):
 
 
 def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
-    """(label, config) of the Hopper kernel to time per route: the synchronous default, and
-    for 8-bit PV the pipelined config and its 3-stage variant."""
-    out = [("hopper", hop.default_config(kv_dtype, d, pv))]
+    """(label, config) of the Hopper kernel to time per route: the synchronous default; for
+    8-bit PV also the pipelined config; each of those with block_m 64 too (one warpgroup
+    per program: two programs per SM run unsynchronised, where 128 rows share one CTA
+    barrier per KV tile)."""
+    sync = hop.default_config(kv_dtype, d, pv)
+    out = [("hopper", sync)]
     pipe = hop.pipelined_config(kv_dtype, d) if pv != "bf16" else None
+    if pv != "bf16":
+        out.append(("hopper-m64", replace(sync, block_m=64)))
     if pipe is not None:
-        out.append(("hopper-pipe", pipe))
-        out.append(("hopper-pipe-s3", replace(pipe, stages=3)))
+        out += [("hopper-pipe", pipe), ("hopper-pipe-m64", replace(pipe, block_m=64))]
     return out
 
 
@@ -189,13 +195,22 @@ def main():
     opts = ap.parse_args()
     path = os.path.join(opts.out, "prefill_hopper.jsonl") if opts.out else None
     rec = bench.Recorder("prefill_hopper", path)
-    import sys
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
         bench_gemm_floor(rec)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         _record(rec, bench="prefill_hopper", kernel="gluon_wgmma_s8_gemm", error=repr(e)[:400])
+    # a timeout's SIGTERM still prints the table and saves the rows measured so far
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        run_all(rec, opts)
+    finally:
+        print_table(rec.rows)
+        print("rows ->", rec.save())
+
+
+def run_all(rec, opts) -> None:
     for shape in SHAPES:
         for prefix in (PREFIXES[:1] if opts.quick else PREFIXES):
             for kv in (("int8",) if opts.quick else ("int8", "fp8")):
@@ -207,8 +222,6 @@ def main():
                 torch.cuda.empty_cache()
             bench_bf16_peers(rec, shape, prefix)
             torch.cuda.empty_cache()
-    print_table(rec.rows)
-    print("rows ->", rec.save())
 
 
 if __name__ == "__main__":
