@@ -401,6 +401,24 @@ def test_plan_records_the_prefill_kernel(monkeypatch):
     assert torch.equal(plan.run(*_args(b)), want)
 
 
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_auto_takes_hopper_only_for_checked_metadata(monkeypatch):
+    """"auto" on an AUTO_ROUTES route: a plan (metadata values checked once) runs the
+    Hopper kernel; an unplanned call with value checks off (the GPU default) the portable
+    kernel, which validates metadata on the device."""
+    import int8attn
+
+    monkeypatch.delenv(hop.KERNEL_ENV, raising=False)
+    monkeypatch.delenv("INT8ATTN_CHECK_VALUES", raising=False)
+    assert ("fp8", "fp8") in hop.AUTO_ROUTES
+    b = _batch([40, 300, 2000], [4, 300, 333], hq=32, hkv=8, d=128, kv="fp8", seed=9, device="cuda")
+    plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 32, pv_mode="fp8")
+    assert plan.prefill_kernel == "hopper"
+    assert _ran(lambda: plan.run(*_args(b))) == "hopper"
+    assert _ran(lambda: int8attn.attention(*_args(b), pv_mode="fp8")) == "portable"
+
+
 @pytest.mark.parametrize("how", ["argument", "plan", "environment-op"])
 @pytest.mark.gpu
 @needs_sm90

@@ -8,9 +8,9 @@ Per KV tile ``j`` each warpgroup runs (FlashAttention-3's intra-warpgroup overla
    ``PV(j - 1)`` is still running on the tensor cores;
 2. wait for ``PV(j - 1)`` and fold it into the accumulator (int8 PV: ``acc * f + o - M``;
    fp8 PV accumulates inside the MMA, scaled by ``f`` as it is issued);
-3. refill the ring stage of tile ``j - 2`` with tile ``j + STAGES - 2`` (every thread finished
-   ``PV(j - 2)`` before the barrier of step 3 at ``j - 1``), wait for tile ``j + 1``'s copies,
-   one CTA barrier;
+3. wait for tile ``j + 1``'s copies, one CTA barrier, refill the ring stage of tile ``j - 2``
+   with tile ``j + STAGES - 2`` (every thread finished ``PV(j - 2)`` before the barrier at
+   ``j - 1``; with 3 stages the refill precedes the wait);
 4. issue ``QK(j + 1)`` then ``PV(j)``, both asynchronous, and wait only for ``QK(j + 1)``
    (``warpgroup_mma_wait(NUM_DV)``): ``PV(j)`` overlaps the next softmax.
 
@@ -219,7 +219,8 @@ def _prefill_hopper_pipe_kernel(
         factor = gl.convert_layout(alpha * (r_i / r_new), PV_ROW)
         r_i = r_new
         if PV_KIND == PV_FP8:
-            p_op = gl.convert_layout(gl.minimum(pv * inv_r[:, None], 448.0).to(gl.float8e4nv), P_LAYOUT)
+            # pv * inv_r <= 448 up to rounding; the e4m3 conversion saturates (satfinite)
+            p_op = gl.convert_layout((pv * inv_r[:, None]).to(gl.float8e4nv), P_LAYOUT)
         else:
             u = pv * inv_r[:, None] + MAGIC_F
             p_op = gl.convert_layout(u.to(gl.int32, bitcast=True).to(gl.int8), P_LAYOUT)
@@ -238,23 +239,35 @@ def _prefill_hopper_pipe_kernel(
             acc2 = _fold_pv(acc2, o2, f_prev, PV_KIND)
             acc3 = _fold_pv(acc3, o3, f_prev, PV_KIND)
 
-        # ---- 3. refill the stage of tile j - 2, wait for tile j + 1
+        # ---- 3. tile j + 1 landed (every thread's copies: one CTA barrier), then refill the
+        # stage of tile j - 2 with tile j + STAGES - 2 (every thread finished PV(j - 2) before
+        # the barrier at j - 1). With 4+ stages the refill follows the barrier, which then
+        # also orders it after every read of that stage (no second barrier).
         nxt = j + STAGES - 2
-        if (j >= 1) & (nxt < num_kv_tiles):
-            _issue_tile(nxt, k_ring.index(nxt % STAGES), v_ring.index(nxt % STAGES), k_ptr, v_ptr, bt_row,
-                        data_head, stride_cb, last_page, HEAD_DIM, PAGE, BLOCK_N, LOAD_K, LOAD_V)
-        if j >= 1:
-            async_copy.commit_group()
-        # committed groups after tile j + 1's: tiles j + 2 .. j + STAGES - 2
-        async_copy.wait_group(STAGES - 3)
-        fence_async_shared()
         v_buf = v_ring.index(j % STAGES)
+        if STAGES >= 4:
+            # committed after tile j + 1's group: tiles j + 2 .. j + STAGES - 3
+            async_copy.wait_group(STAGES - 4)
+        else:
+            if (j >= 1) & (nxt < num_kv_tiles):
+                _issue_tile(nxt, k_ring.index(nxt % STAGES), v_ring.index(nxt % STAGES), k_ptr, v_ptr, bt_row,
+                            data_head, stride_cb, last_page, HEAD_DIM, PAGE, BLOCK_N, LOAD_K, LOAD_V)
+            if j >= 1:
+                async_copy.commit_group()
+            async_copy.wait_group(0)
+        fence_async_shared()
         if KV_KIND == KIND_FP8:
             if start + BLOCK_N > kv_end:
-                _gc.cta_barrier()
+                # tile j's copies are visible since the barrier at j - 1
                 _zero_tail_keys(v_buf, start, kv_end, HEAD_DIM, BLOCK_N, LOAD_V)
                 fence_async_shared()
         _gc.cta_barrier()
+        if STAGES >= 4:
+            if (j >= 1) & (nxt < num_kv_tiles):
+                _issue_tile(nxt, k_ring.index(nxt % STAGES), v_ring.index(nxt % STAGES), k_ptr, v_ptr, bt_row,
+                            data_head, stride_cb, last_page, HEAD_DIM, PAGE, BLOCK_N, LOAD_K, LOAD_V)
+            if j >= 1:
+                async_copy.commit_group()
 
         # ---- 4. QK(j + 1) and PV(j), asynchronous; wait for QK(j + 1) only (groups retire in
         # order). The PV results come back as tensors still being written: their next use

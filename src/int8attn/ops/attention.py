@@ -67,9 +67,10 @@ def _checked_default_config(kv_dtype: str, head_dim: int, pv_mode: str, group: i
     return _prefill.check_config(config_fn(kv_dtype, head_dim, pv_mode), head_dim, group)
 
 
-def _prefill_route(cache: PagedKVCache, pv_mode: str, num_q_heads: int, kernel: str | None) -> tuple:
+def _prefill_route(cache: PagedKVCache, pv_mode: str, num_q_heads: int, kernel: str | None,
+                   metadata_checked: bool) -> tuple:
     """(kernel, checked config) of this batch's prefill launch: "hopper" or "portable"."""
-    if _hopper.choose(cache, num_q_heads, pv_mode, kernel) == "hopper":
+    if _hopper.choose(cache, num_q_heads, pv_mode, kernel, metadata_checked=metadata_checked) == "hopper":
         return "hopper", _hopper.route_config(cache, num_q_heads, pv_mode)
     return "portable", _prefill_config(cache, pv_mode, num_q_heads // cache.num_kv_heads)
 
@@ -337,7 +338,9 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     if has_prefill:
         prefill_pv = _prefill.resolve_pv_mode(cache.kv_dtype, pv_mode)
         _prefill.check_prefill_options(cache, None, 0, max_query_len)
-        prefill_kernel_name, prefill_config = _prefill_route(cache, prefill_pv, num_q_heads, prefill_kernel)
+        # plan runs use checked metadata (runs with other metadata tensors are checked in full)
+        prefill_kernel_name, prefill_config = _prefill_route(cache, prefill_pv, num_q_heads, prefill_kernel,
+                                                             values_checked)
     else:
         _hopper.requested_kernel(prefill_kernel)  # a bad name fails here too
     launches = tuple(name for name, used in (("decode", has_decode), ("prefill", has_prefill)) if used)
@@ -385,8 +388,9 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
             PV; prefill: 16-bit PV, see :data:`int8attn.ops.prefill.DEFAULT_PV`).
         prefill_kernel: "auto" | "hopper" | "portable" (None: ``INT8ATTN_PREFILL_KERNEL``,
             default "auto"): the prefill kernel, see :mod:`int8attn.ops.prefill_hopper`
-            ("hopper" where it cannot run raises ValueError before any launch). With a
-            plan, pass it to :func:`plan_attention`.
+            ("hopper" where it cannot run raises ValueError before any launch; "auto"
+            takes the Hopper kernel only for metadata checked on the host, e.g. a plan's).
+            With a plan, pass it to :func:`plan_attention`.
 
     Query token j of sequence s sits at position ``seq_lens[s] - q_len_s + j`` and attends
     to every cached key at a position <= its own. Returns ``out`` [T, Hq, D] bf16; rows of
@@ -424,7 +428,8 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
         return out
     prefill_config = None
     if num_tokens > MAX_DECODE_QUERY_LEN:
-        prefill_kernel, prefill_config = _prefill_route(cache, prefill_pv, query.shape[1], prefill_kernel)
+        prefill_kernel, prefill_config = _prefill_route(cache, prefill_pv, query.shape[1], prefill_kernel,
+                                                        _checks.value_checks_enabled(cache.device))
     _decode.run_decode(decode_plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                  q_quant, q_scale, None)
     if prefill_config is not None:

@@ -17,7 +17,10 @@ variable (same values; default "auto"). "portable" always runs the Triton kernel
 "hopper" runs the Hopper kernel wherever :func:`unsupported_reason` allows (forced by
 argument: a clear ValueError where it does not apply; by the environment: the portable
 kernel there); "auto" runs it only on the routes of :data:`AUTO_ROUTES`, those measured
-correct and at least as fast as the portable kernel on the H200. The launch record
+correct and at least as fast as the portable kernel on the H200, and only for metadata
+whose values were checked on the host (a plan, or value checks on): the Hopper kernels
+trust ``block_table`` / ``seq_lens`` / ``query_start_loc``, where the portable kernel
+clamps bad values, writes NaN rows and raises a device error flag. The launch record
 (:mod:`int8attn.launches`) names the kernel that ran: ``_prefill_hopper_kernel``,
 ``_prefill_hopper_pipe_kernel`` or the portable ``_prefill_kernel``.
 """
@@ -104,9 +107,11 @@ def requested_kernel(kernel: str | None = None) -> tuple[str, bool]:
     return kernel, forced
 
 
-def choose(cache, num_q_heads: int, pv_mode: str, kernel: str | None = None) -> str:
+def choose(cache, num_q_heads: int, pv_mode: str, kernel: str | None = None, *,
+           metadata_checked: bool = True) -> str:
     """"hopper" or "portable" for a prefill launch of this cache / heads / resolved PV mode
-    (see the module docstring); ValueError where ``kernel="hopper"`` cannot run."""
+    (see the module docstring; ``metadata_checked``: the metadata values were checked on
+    the host, which "auto" requires); ValueError where ``kernel="hopper"`` cannot run."""
     kernel, forced = requested_kernel(kernel)
     if kernel == "portable":
         return "portable"
@@ -115,7 +120,7 @@ def choose(cache, num_q_heads: int, pv_mode: str, kernel: str | None = None) -> 
         if kernel == "hopper" and forced:
             raise ValueError(f"the Hopper prefill kernel does not apply: {reason}")
         return "portable"
-    if kernel == "hopper" or (cache.kv_dtype, pv_mode) in AUTO_ROUTES:
+    if kernel == "hopper" or (metadata_checked and (cache.kv_dtype, pv_mode) in AUTO_ROUTES):
         return "hopper"
     return "portable"
 
@@ -284,7 +289,7 @@ def prefill(query, cache, block_table, seq_lens, query_start_loc, *, kernel: str
         except (ValueError, AttributeError):
             pv_mode = None  # the launcher raises the clear error
         which = "portable" if pv_mode is None and kernel != "hopper" else \
-            choose(cache, query.shape[1], pv_mode, kernel)
+            choose(cache, query.shape[1], pv_mode, kernel, metadata_checked=_checks.value_checks_enabled(cache.device))
     if which == "hopper":
         return prefill_attention_hopper(query, cache, block_table, seq_lens, query_start_loc, config=config,
                                         **kwargs)
