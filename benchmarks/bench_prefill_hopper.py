@@ -55,16 +55,16 @@ def _record(rec, **row):
 
 def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     """(label, config) of the Hopper kernel to time per route: the synchronous default; for
-    8-bit PV also the pipelined config; each of those with block_m 64 too (one warpgroup
-    per program: two programs per SM run unsynchronised, where 128 rows share one CTA
-    barrier per KV tile)."""
+    8-bit PV the pipelined config too, and block_m 64 (one warpgroup per program: two
+    programs per SM run unsynchronised, where 128 rows share one CTA barrier per KV tile)
+    of the pipelined config, or of the synchronous one where no pipelined config exists."""
     sync = hop.default_config(kv_dtype, d, pv)
     out = [("hopper", sync)]
     pipe = hop.pipelined_config(kv_dtype, d) if pv != "bf16" else None
-    if pv != "bf16":
-        out.append(("hopper-m64", replace(sync, block_m=64)))
     if pipe is not None:
         out += [("hopper-pipe", pipe), ("hopper-pipe-m64", replace(pipe, block_m=64))]
+    elif pv != "bf16":  # 8-bit PV without a pipelined config (int8 at D256)
+        out.append(("hopper-m64", replace(sync, block_m=64)))
     return out
 
 
