@@ -111,7 +111,7 @@ def test_query_bounds_out_of_range(device):
     out = testing.poisoned_like(batch.query)
     decode_attention(batch.query, batch.cache, batch.block_table, sl, batch.query_start_loc, out=out, num_splits=2)
     _expect(batch, out, ref, bad=[0], tol=0.015)
-    assert "query length" in _raises_naming(0)
+    assert "query range" in _raises_naming(0)
     # the last sequence's bound moved past the end of the query (its tokens are rows 4..7)
     qsl = batch.query_start_loc.clone()
     qsl[-1] = qsl[-2] + 6  # q_len 6 (<= 8, a decode sequence) running past num_tokens = 8

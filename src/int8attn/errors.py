@@ -63,6 +63,8 @@ def _key(device: torch.device) -> tuple:
 def error_flags(device) -> torch.Tensor:
     """The int32 flag buffer of ``device`` (allocated on first use, outside any capture)."""
     key = _key(device)
+    if key[0] == "meta":  # fake tensors (torch.compile tracing) run no kernel: nothing to flag
+        return torch.empty(3, dtype=torch.int32, device="meta")
     flags = _FLAGS.get(key)
     if flags is None:
         with _LOCK:
