@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Every GPU test file in parallel pytest shards (compilation dominates their time; the GPU box
+# has 16 cores), with compute-sanitizer memcheck over the bad-metadata cases alongside, from
+# the repo root:
+#
+#   OUT=/some/dir bash benchmarks/gpu_tests.sh            # SHARDS=8 LIMIT=240 by default
+#
+# No -x: every failure is listed. Writes $OUT/tests.log (all shards, failures first) and
+# $OUT/memcheck.log ("ERROR SUMMARY: 0 errors" per run expected).
+set -u
+export PYTHONPATH=src:benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/int8attn_gpu_tests}
+SHARDS=${SHARDS:-8}
+LIMIT=${LIMIT:-240}
+mkdir -p "$OUT"
+tmp=$(mktemp -d)
+files=${FILES:-$(ls tests/test_*.py)}
+python3 -m pytest --collect-only -q -p no:cacheprovider -m "gpu or not gpu" $files 2>/dev/null | grep "::" >"$tmp/ids"
+echo "$(wc -l <"$tmp/ids") tests in $SHARDS shards (limit ${LIMIT}s)" | tee "$OUT/tests.log"
+split -n "r/$SHARDS" -d "$tmp/ids" "$tmp/ids."
+SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+(
+  timeout "$LIMIT" "$SAN" --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+    tests/test_decode_safety.py 2>&1 | tail -4
+  for op in write producer prefill; do
+    INT8ATTN_CHECK_VALUES=0 timeout 90 "$SAN" --tool memcheck --error-exitcode 9 \
+      python3 benchmarks/memcheck_cases.py --op $op 2>&1 | tail -3
+  done
+) >"$OUT/memcheck.log" 2>&1 &
+san=$!
+for f in "$tmp"/ids.??; do
+  timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short $(cat "$f") >"$f.log" 2>&1 &
+done
+wait
+for f in "$tmp"/ids.??.log; do grep -E "^(FAILED|ERROR) " "$f"; done | tee -a "$OUT/tests.log"
+for f in "$tmp"/ids.??.log; do echo "--- shard $f: $(tail -1 "$f")"; done | tee -a "$OUT/tests.log"
+for f in "$tmp"/ids.??.log; do cat "$f"; done >>"$OUT/tests.log"
+wait $san 2>/dev/null
+grep -h "ERROR SUMMARY\|failure" "$OUT/memcheck.log"
