@@ -27,14 +27,14 @@ import threading
 
 import torch
 
-from .kernels._errors import (
-    ERR_BLOCK_ID,
-    ERR_POSITION,
-    ERR_QUERY_LEN,
-    ERR_SEQ_LEN,
-    ERR_SLOT,
-    NO_INDEX,
-)
+from .kernels import _errors as _bits
+
+ERR_BLOCK_ID = _bits.ERR_BLOCK_ID.value
+ERR_SEQ_LEN = _bits.ERR_SEQ_LEN.value
+ERR_QUERY_LEN = _bits.ERR_QUERY_LEN.value
+ERR_SLOT = _bits.ERR_SLOT.value
+ERR_POSITION = _bits.ERR_POSITION.value
+NO_INDEX = _bits.NO_INDEX.value
 
 #: Bit -> what it means, in the order messages list them.
 ERROR_NAMES = {

@@ -75,9 +75,9 @@ from ._errors import _raise_error
 from .quantize import _round_to_e4m3_grid
 
 # Device error bits (int8attn.errors) as constexpr globals for the jitted code.
-ERR_BLOCK_ID = tl.constexpr(_errors.ERR_BLOCK_ID)
-ERR_SEQ_LEN = tl.constexpr(_errors.ERR_SEQ_LEN)
-ERR_QUERY_LEN = tl.constexpr(_errors.ERR_QUERY_LEN)
+ERR_BLOCK_ID = _errors.ERR_BLOCK_ID
+ERR_SEQ_LEN = _errors.ERR_SEQ_LEN
+ERR_QUERY_LEN = _errors.ERR_QUERY_LEN
 
 #: Running-max start value: finite, so a row that sees no key in a tile keeps
 #: ``exp2(-inf - NEG_BIG) = 0`` instead of ``exp2(-inf + inf) = NaN``.
