@@ -2,10 +2,11 @@
 
 Value checks on the host (block ids in range, lengths within the block table, slots within
 the cache) read the device back, so serving loops skip them (CUDA-graph capture,
-``INT8ATTN_CHECK_VALUES=0``, or a plan checked once). The kernels never trust that
-metadata instead: every block id, length and slot is clamped or masked in-kernel before
-it forms an address, the output of a sequence whose metadata is out of range is NaN, and
-the kernel raises a flag here. Nothing is read back until the host asks:
+``INT8ATTN_CHECK_VALUES=0``, or a plan checked once). The prefill, write_kv and producer
+kernels never trust that metadata: every block id, length, slot and position is clamped
+or masked in-kernel before it forms an address, the output of a sequence whose metadata
+is out of range is NaN (a bad slot is skipped), and the kernel raises a flag here. (The
+decode kernel still relies on the host checks.) Nothing is read back until the host asks:
 :func:`check_errors` (also called by ``plan_attention`` and by every call that runs its
 value checks) turns a raised flag into :class:`DeviceMetadataError` naming the first
 sequence (or token) and what was wrong, and clears the flags.

@@ -285,6 +285,8 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
         raise ValueError(f"num_q_heads must be a positive multiple of the cache's {cache.num_kv_heads} KV heads, "
                          f"got {num_q_heads!r}")
     _checks.check_kernel_options(cache, None, "attention", any_multiple_of_16=True)
+    if has_decode is not False:  # the decode kernel needs a power-of-two head_dim
+        _decode.check_decode_options(cache, None, None)
     dev = cache.device
     _checks.check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
     num_seqs = block_table.shape[0]
@@ -397,15 +399,15 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     sequences with q_len 0 do not exist, every other row is written.
 
     Checks: types, shapes, strides and devices always, before any launch. Value checks
-    (block ids, lengths, ``query_start_loc``; a device read-back) run without a plan only
-    when :func:`int8attn._checks.value_checks_enabled` says so for the cache's device: on
-    a GPU only with ``INT8ATTN_CHECK_VALUES=1``, so by default an unplanned call never
-    synchronises; :func:`plan_attention` always checks them (one sync per batch). Bad
-    metadata that reaches the kernels unchecked never moves an address outside the cache,
-    workspace or output: the affected sequences' rows are NaN and a device error flag is
-    raised, which :func:`int8attn.check_errors` (and every checked call) turns into
-    :class:`int8attn.DeviceMetadataError` naming the sequence. Decode and prefill take any
-    head_dim that is a multiple of 16 from 16 to 256.
+    (block ids, lengths, ``query_start_loc``; a device read-back) run by default and in
+    :func:`plan_attention` (one sync per batch, shared by every layer's run); they are
+    skipped with ``INT8ATTN_CHECK_VALUES=0`` and under CUDA-graph capture. The prefill
+    kernel never moves an address outside its tensors whatever the metadata (the affected
+    sequences' rows are NaN and a device error flag is raised, which
+    :func:`int8attn.check_errors` turns into :class:`int8attn.DeviceMetadataError`); the
+    decode kernel trusts metadata that skipped the checks. Prefill takes any head_dim
+    that is a multiple of 16 from 16 to 256; decode (and so an unplanned call, which may
+    launch it) needs a power of two.
     """
     if plan is not None:
         if not isinstance(plan, AttentionPlan):
