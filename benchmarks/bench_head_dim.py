@@ -38,8 +38,8 @@ def run_case(kv: str, d: int, rec: bench.Recorder, device: str, chunk: int, pref
     written = bool(torch.isfinite(out.float()).all())
     rows = 32
     k, v = reference.gather_kv(b.cache, b.block_table[0].cpu(), prefix + chunk)
-    want = reference.attend(b.query[-rows:].cpu(), k, v, prefix + chunk - rows, d ** -0.5)
-    err = reference.error_stats(out[-rows:], want)["rel_l2"]
+    want = reference.attend(b.query[-rows:].cpu(), k.cpu(), v.cpu(), prefix + chunk - rows, d ** -0.5)
+    err = reference.error_stats(out[-rows:].cpu(), want)["rel_l2"]
     us = bench.time_eager(lambda: prefill_attention(*args, out=out)) if device == "cuda" else float("nan")
     flops = 4 * d * HQ * (chunk * prefix + chunk * (chunk + 1) / 2)
     row = rec.add(op="prefill_head_dim", kv_dtype=kv, head_dim=d, num_q_heads=HQ, num_kv_heads=HKV,
