@@ -432,10 +432,11 @@ def qk_scale_of(softmax_scale, head_dim: int) -> float:
 
 
 @functools.lru_cache(maxsize=256)  # (tokens, heads, head_dim, kv dtype) shapes of planned decodes
-def _query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dtype: str, interpret: bool):
+def _query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dtype: str, interpret: bool,
+                  has_lam: bool = False):
     """Memoized :func:`int8attn.ops.producer.quantize_query_launch` (``interpret`` keys the
-    INTERPRET flag it bakes in)."""
-    return quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype)
+    INTERPRET flag it bakes in; ``has_lam``: the cache migrates channels)."""
+    return quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype, has_lam=has_lam)
 
 
 _WORKSPACES: dict = {}
@@ -507,7 +508,7 @@ class DecodeLaunch:
     __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_guard", "_part_acc",
                  "_part_ml", "_counters", "_flags", "_split_grid", "_split_args", "_split_constexprs", "_merge_grid",
                  "_merge_args", "_merge_constexprs", "_quantize_kernel", "_split_kernel", "_merge_kernel",
-                 "_quantize_args", "_quantize_key")
+                 "_quantize_args", "_quantize_key", "_quantize_lam", "_quantize_kernel_lam", "_query_dims")
 
     def __init__(self, plan: DecodePlan, cache: PagedKVCache, num_tokens: int, num_q_heads: int, num_seqs: int, *,
                  device, q_strides, q_scale_strides, out_strides, block_table_stride: int, max_blocks: int,
@@ -571,8 +572,9 @@ class DecodeLaunch:
         # recorded in int8attn.launches with the plan: launches.last("_decode_split_kernel")
         self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs,
                                           {"plan": plan}, fixed_args=self._split_args)
-        self._quantize_kernel = self._merge_kernel = None
-        self._quantize_args = self._quantize_key = None
+        self._quantize_kernel = self._merge_kernel = self._quantize_kernel_lam = None
+        self._quantize_args = self._quantize_key = self._quantize_lam = None
+        self._query_dims = (num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
         if quantize:
             self._quantize_kernel = CachedLaunch(_quantize_query_kernel, *self._query_launch)
         self._merge_grid = None
@@ -625,10 +627,18 @@ class DecodeLaunch:
     def _launch(self, query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale):
         if self.quantize:
             q_quant, q_scale = self._q_codes, self._q_scales
-            if self._quantize_key is not query:  # the argument tuple of the last query, reused
-                self._quantize_args = quantize_query_args(query, q_quant, q_scale)
-                self._quantize_key = query
-            self._quantize_kernel(*self._quantize_args)
+            lam = cache.key_channel_scale  # channel migration: Q times lam before rounding
+            if self._quantize_key is not query or self._quantize_lam is not lam:
+                # the argument tuple of the last (query, scale), reused
+                self._quantize_args = quantize_query_args(query, q_quant, q_scale, lam)
+                self._quantize_key, self._quantize_lam = query, lam
+            if lam is None:
+                self._quantize_kernel(*self._quantize_args)
+            else:
+                if self._quantize_kernel_lam is None:
+                    self._quantize_kernel_lam = CachedLaunch(_quantize_query_kernel,
+                                                             *_query_launch(*self._query_dims, True))
+                self._quantize_kernel_lam(*self._quantize_args)
         if cache.quantized:
             split = self._split_kernel(q_quant, q_scale, cache.key, cache.value, cache.key_scale, cache.value_scale,
                                        block_table, seq_lens, query_start_loc, out, self._part_acc, self._part_ml,
