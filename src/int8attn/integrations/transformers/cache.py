@@ -11,7 +11,7 @@ from ._common import _ops, _Step, _to_device, bind
 
 
 #: Int8PagedCache's channel_migration="auto" per kv_dtype (benchmarks/notes/real_models.md).
-DEFAULT_CHANNEL_MIGRATION = {"int8": "none"}
+DEFAULT_CHANNEL_MIGRATION = {"int8": "first_write"}
 
 
 class Int8PagedLayer(CacheLayerMixin):
