@@ -240,3 +240,33 @@ def test_unit_scale_is_bit_identical_to_no_scale(kv_dtype, seq_len, q_len, gen, 
     out_op = library.attention(qry.to(torch.bfloat16), unit, block_table, torch.tensor([seq_len], dtype=torch.int32, device=device),
                                torch.tensor([0, q_len], dtype=torch.int32, device=device))
     assert torch.isfinite(out_op.float()).all()
+
+
+@cases("q_len", [1, 40])
+def test_one_plan_serves_caches_with_and_without_scale(q_len, gen, device):
+    """A step's plan runs every layer: caches with a scale and without alternate through its
+    decode launch (and prefill) and each gives what attention() alone gives."""
+    from int8attn.ops.attention import plan_attention
+
+    hq, hkv, d, seq_len = 6, 2, 64, 57
+    q, k, v = step_data(seq_len, hq, hkv, d, gen, device)
+    blocks = -(-seq_len // 16)
+    block_table = torch.arange(blocks, dtype=torch.int32, device=device)[None]
+    slots = torch.arange(seq_len, device=device)
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, q_len], dtype=torch.int32, device=device)
+    caches = [migrated_cache(blocks, 16, hkv, d, "int8", device, m, q, k, slots)
+              for m in ("first_write", "none", "first_write")]
+    caches[2].set_channel_migration(caches[0].key_channel_scale * 2.0)  # another layer's scale
+    for c in caches:
+        write_kv(c, k, v, slots)
+    qry = q[-q_len:].contiguous()
+    plan = plan_attention(caches[0], block_table, seq_lens, qsl, hq)
+    for c in caches + caches[::-1]:
+        alone = torch.empty(qry.shape, device=device)
+        attention(qry, c, block_table, seq_lens, qsl, None, alone)
+        planned = torch.empty(qry.shape, device=device)
+        attention(qry, c, block_table, seq_lens, qsl, None, planned, plan=plan)
+        assert torch.equal(planned, alone)
+    outs = [attention(qry, c, block_table, seq_lens, qsl, None, torch.empty(qry.shape, device=device)) for c in caches]
+    assert not torch.equal(outs[0], outs[1])  # the scale is used, not a cached launch of another cache
