@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sys
 import traceback
+from dataclasses import replace
 
 import torch
 
@@ -33,7 +36,8 @@ from int8attn.ops.producer import quantize_query
 SHAPES = {"24q4kv_d256": (24, 4, 256), "32q8kv_d128": (32, 8, 128)}
 PREFIXES = (28672, 0)
 CHUNK = 4096
-ROUTES = (("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16"))
+#: (cache, PV) routes timed: the 8-bit PV routes (the pipelined kernel's) and int8 with 16-bit PV
+ROUTES = (("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"))
 
 
 def unmasked_ops(hq: int, d: int, q: int, prefix: int) -> float:
@@ -47,6 +51,21 @@ def _rel_l2(a, b) -> float:
 def _record(rec, **row):
     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     rec.add(**row)
+
+
+def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
+    """(label, config) of the Hopper kernel to time per route: the synchronous default; for
+    8-bit PV the pipelined config too, and block_m 64 (one warpgroup per program: two
+    programs per SM run unsynchronised, where 128 rows share one CTA barrier per KV tile)
+    of the pipelined config, or of the synchronous one where no pipelined config exists."""
+    sync = hop.default_config(kv_dtype, d, pv)
+    out = [("hopper", sync)]
+    pipe = hop.pipelined_config(kv_dtype, d) if pv != "bf16" else None
+    if pipe is not None:
+        out += [("hopper-pipe", pipe), ("hopper-pipe-m64", replace(pipe, block_m=64))]
+    elif pv != "bf16":  # 8-bit PV without a pipelined config (int8 at D256)
+        out.append(("hopper-m64", replace(sync, block_m=64)))
+    return out
 
 
 def bench_case(rec, shape, prefix, kv_dtype, pvs):
@@ -68,18 +87,21 @@ def bench_case(rec, shape, prefix, kv_dtype, pvs):
             traceback.print_exc()
             _record(rec, **base, pv_mode=pv, kernel="portable", error=repr(e)[:400])
             continue
-        try:
-            out = testing.poisoned_like(portable)
-            hop.prefill(*args, kernel="hopper", pv_mode=pv, q_quant=qq, q_scale=qs, out=out)
-            err = _rel_l2(out, portable)
-            us_h = bench.time_eager(lambda: hop.prefill(*args, kernel="hopper", pv_mode=pv, q_quant=qq,
-                                                        q_scale=qs, out=out))
-            _record(rec, **base, pv_mode=pv, kernel="hopper", us=us_h, tops=ops / us_h * 1e-6,
-                    rel_l2_vs_portable=err, speedup_vs_portable=us_p / us_h,
-                    config=str(hop.default_config(kv_dtype, d, pv)))
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            _record(rec, **base, pv_mode=pv, kernel="hopper", error=repr(e)[:400])
+        for label, cfg in hopper_configs(kv_dtype, d, pv):
+            try:
+                out = testing.poisoned_like(portable)
+                run = lambda: hop.prefill(*args, kernel="hopper", pv_mode=pv, q_quant=qq, q_scale=qs,  # noqa: E731
+                                          out=out, config=cfg)
+                run()
+                torch.cuda.synchronize()
+                finite = bool(torch.isfinite(out.float()).all())
+                err = _rel_l2(out, portable)
+                us_h = bench.time_eager(run)
+                _record(rec, **base, pv_mode=pv, kernel=label, us=us_h, tops=ops / us_h * 1e-6,
+                        rel_l2_vs_portable=err, all_written=finite, speedup_vs_portable=us_p / us_h, config=str(cfg))
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                _record(rec, **base, pv_mode=pv, kernel=label, error=repr(e)[:400], config=str(cfg))
     return b
 
 
@@ -137,6 +159,35 @@ def bench_gemm_floor(rec, size: int = 8192):
             tops=2.0 * size ** 3 / us * 1e-6, exact_first_tile=exact)
 
 
+def print_table(rows) -> None:
+    """One line per timed kernel: us, TOP/s, and ratios against the portable kernel on the
+    same route and against SDPA / FA4 BF16 on the same case (all from this run)."""
+    peers = {(r["shape"], r["prefix"], r["kernel"]): r["us"] for r in rows
+             if r.get("kv_dtype") == "bf16 dense" and "us" in r}
+    port = {(r["shape"], r["prefix"], r["kv_dtype"], r["pv_mode"]): r["us"] for r in rows
+            if r.get("kernel") == "portable" and "us" in r}
+    head = f"{'case':<22} {'kv/pv':<10} {'kernel':<15} {'us':>9} {'TOP/s':>7} {'x port':>7} {'x SDPA':>7} " \
+           f"{'x FA4':>7} {'relL2':>7}"
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in rows:
+        if "shape" not in r or "us" not in r or r.get("kernel") == "quantize_query":
+            continue
+        case = f"{r['shape']} p{r['prefix']}"
+        route = "bf16" if r["kv_dtype"] == "bf16 dense" else f"{r['kv_dtype']}/{r['pv_mode']}"
+        p = port.get((r["shape"], r["prefix"], r["kv_dtype"], r.get("pv_mode")))
+        sd = peers.get((r["shape"], r["prefix"], "sdpa_bf16"))
+        fa = peers.get((r["shape"], r["prefix"], "fa4_bf16"))
+        ratio = lambda ref: f"{ref / r['us']:7.2f}" if ref else f"{'-':>7}"  # noqa: E731
+        err = r.get("rel_l2_vs_portable")
+        print(f"{case:<22} {route:<10} {r['kernel']:<15} {r['us']:9.1f} {r.get('tops', 0):7.1f} {ratio(p)} "
+              f"{ratio(sd)} {ratio(fa)} {'' if err is None else format(err, '7.4f')}")
+    for r in rows:
+        if r.get("kernel") == "gluon_wgmma_s8_gemm" and "tops" in r:
+            print(f"s8 wgmma GEMM floor {r['m']}^3: {r['us']:.1f} us, {r['tops']:.0f} TOP/s")
+        if "error" in r:
+            print("error:", {k: r.get(k) for k in ("shape", "prefix", "kv_dtype", "pv_mode", "kernel", "error")})
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="directory of prefill_hopper.jsonl (default benchmarks/results)")
@@ -144,13 +195,22 @@ def main():
     opts = ap.parse_args()
     path = os.path.join(opts.out, "prefill_hopper.jsonl") if opts.out else None
     rec = bench.Recorder("prefill_hopper", path)
-    import sys
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
         bench_gemm_floor(rec)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         _record(rec, bench="prefill_hopper", kernel="gluon_wgmma_s8_gemm", error=repr(e)[:400])
+    # a timeout's SIGTERM still prints the table and saves the rows measured so far
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        run_all(rec, opts)
+    finally:
+        print_table(rec.rows)
+        print("rows ->", rec.save())
+
+
+def run_all(rec, opts) -> None:
     for shape in SHAPES:
         for prefix in (PREFIXES[:1] if opts.quick else PREFIXES):
             for kv in (("int8",) if opts.quick else ("int8", "fp8")):
@@ -162,7 +222,6 @@ def main():
                 torch.cuda.empty_cache()
             bench_bf16_peers(rec, shape, prefix)
             torch.cuda.empty_cache()
-    print("rows ->", rec.save())
 
 
 if __name__ == "__main__":

@@ -377,15 +377,39 @@ def test_plan_first_run_inside_cuda_graph_capture(kv):
 
 
 @pytest.mark.parametrize("d", [pytest.param(96, id="D96"), pytest.param(192, id="D192")])
-def test_decode_batches_take_any_multiple_of_16(device, d):
-    """attention() (planned or not) runs a decode batch at a head_dim that is not a power
-    of two; only a launch that may reach the prefill kernel needs a power of two."""
+def test_non_power_of_two_head_dim_refused_before_launch_where_decode_may_run(device, d):
+    """The decode kernel needs a power-of-two head_dim (the prefill kernel pads any
+    multiple of 16): attention() and plan_attention, which may launch it, refuse such a
+    cache with a clear error before any launch, and leave the output untouched."""
     b = mixed(seq_lens=[17, 97, 123], q_lens=[1, 3, 2], hq=6, hkv=2, d=d, seed=d, device=device)
-    ref = reference.attention_reference_quantized(*args_of(b))
     out = poisoned(b)
-    attention(*args_of(b), out=out)
-    testing.assert_close_verbose(out, ref, rel_l2=0.015, name=f"attention() D{d}")
-    plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 6)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        attention(*args_of(b), out=out)
+    assert torch.isnan(out.float()).all()
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("seq_lens,q_lens", [
+    pytest.param([300, 1000, 77], [1, 1, 1], id="decode_only"),
+    pytest.param([300, 70, 9, 1000] * 4, [1, 4, 9, 1] * 4, id="mixed_T_over_8"),
+])
+def test_unplanned_call_never_synchronizes_by_default(monkeypatch, seq_lens, q_lens):
+    """attention() without a plan on a GPU, value checks at their default (off there):
+    no device synchronization (torch's sync debug mode turns one into an error), and the
+    result is still right."""
+    monkeypatch.delenv("INT8ATTN_CHECK_VALUES", raising=False)
+    b = mixed(seq_lens=seq_lens, q_lens=q_lens, hq=24, hkv=4, d=256, seed=21, device="cuda")
+    assert not _checks.value_checks_enabled(b.cache.device)
+    attention(*args_of(b))  # compiles (first launches) outside the checked window
     out = poisoned(b)
-    plan.run(*args_of(b), out=out)
-    testing.assert_close_verbose(out, ref, rel_l2=0.015, name=f"plan.run D{d}")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            attention(*args_of(b), out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    testing.assert_close_verbose(out, reference.attention_reference_quantized(*args_of(b)), rel_l2=TOL["int8"])

@@ -282,3 +282,16 @@ def test_cpu_tensors_pass_when_the_kernels_are_interpreted(device):
         pytest.skip("kernels compiled in this process")
     _checks.check_kernel_device("cpu")
     _checks.check_cache(attention_args("cpu")["cache"])
+
+
+def test_meta_caches_leave_no_error_flags_behind():
+    """A cache over meta tensors (fake tensors while tracing) gets no flag buffer, so a later
+    check_errors() over every device never tries to read one back."""
+    from int8attn import errors
+
+    meta = PagedKVCache.from_tensors(torch.empty(2, 1, 16, 64, dtype=torch.int8, device="meta"),
+                                     torch.empty(2, 1, 64, 16, dtype=torch.int8, device="meta"),
+                                     torch.empty(2, 1, 16, device="meta"), torch.empty(2, 1, 16, device="meta"))
+    assert meta.device.type == "meta"
+    assert all(key[0] != "meta" for key in errors._FLAGS)
+    errors.check_errors()

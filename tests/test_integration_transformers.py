@@ -59,6 +59,7 @@ def rel_l2(a, b):
 
 
 # --------------------------------------------------------------------------- generate
+@pytest.mark.slow  # 20-25 s per case under the interpreter
 @cases("kv_dtype,bound", [("int8", 0.05), ("bf16", 0.02)])
 def test_generate_end_to_end_matches_sdpa(model, kv_dtype, bound):
     ids = prompt(model, 2, 11)
@@ -124,6 +125,7 @@ def test_reset_then_generate_again_is_identical(model):
     assert torch.equal(first, second)
 
 
+@pytest.mark.slow  # about 20 s under the interpreter
 @torch.inference_mode()
 def test_multi_token_step_and_custom_ops_path(model):
     """A 3-token verification step after a prefill gives the logits of three 1-token steps;

@@ -21,6 +21,8 @@ pytest.importorskip("transformers.distributed")
 
 import int8attn  # noqa: E402
 
+pytestmark = pytest.mark.slow  # about 40 s: two interpreter processes and the one-process reference
+
 WORLD = 2
 LOGITS_REL_L2 = 0.02  # 2x the measured 0.0096
 CACHE_REL_L2 = 0.02  # 2x the measured 0.0087 (layers after the first all-reduce)

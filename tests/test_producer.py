@@ -148,7 +148,11 @@ def test_quantize_query_non_finite_rows_get_nan_scale(kv_dtype, d, gen, device):
     q[4, 2, 0] = float("-inf")
     out, scale = quantize_query(q, kv_dtype)
     ref_q, ref_s = reference.quantize_rows(q.cpu(), kv_dtype)
-    assert torch.equal(bits(out), bits(ref_q)) and torch.equal(bits(scale), bits(ref_s))
+    # NaN payloads and signs differ between devices: NaN positions, then every other bit
+    assert torch.equal(bits(out), bits(ref_q))
+    scale = scale.cpu()
+    assert torch.equal(torch.isnan(scale), torch.isnan(ref_s))
+    assert torch.equal(bits(torch.nan_to_num(scale)), bits(torch.nan_to_num(ref_s)))
     bad = torch.zeros(5, 3, dtype=torch.bool)
     bad[0, 1] = bad[3, 0] = bad[4, 2] = True
     assert torch.isnan(scale.cpu()[bad]).all() and torch.isfinite(scale.cpu()[~bad]).all()

@@ -8,12 +8,11 @@ Two tiers of checks:
 
 * metadata checks (type, dtype, shape, stride, device) cost nothing and always run;
 * value checks (block ids in range, sequence lengths, slots, positions) read device tensors
-  back to the host. On CPU tensors they run by default; on a GPU only with
-  ``INT8ATTN_CHECK_VALUES=1`` (a read-back synchronises the device), never while a CUDA
-  graph is being captured, and never with ``INT8ATTN_CHECK_VALUES=0``. See
-  :func:`value_checks_enabled`. Kernels do not rely on them: they clamp out-of-range
-  metadata, write NaN for the sequences it affects and raise a device error flag
-  (:mod:`int8attn.errors`). A planned batch (:func:`int8attn.plan_attention`) checks
+  back to the host. They run by default, never while a CUDA graph is being captured, and
+  not with ``INT8ATTN_CHECK_VALUES=0``. See :func:`value_checks_enabled`. The prefill,
+  write_kv and producer kernels do not rely on them (they clamp out-of-range metadata,
+  write NaN for the sequences it affects and raise a device error flag,
+  :mod:`int8attn.errors`); the decode kernel does. A planned batch (:func:`int8attn.plan_attention`) checks
   its metadata values once, when it is planned, and its runs read nothing back.
 
 Metadata checks of a cache are remembered (:func:`check_cache`), so a call pays for them
@@ -41,14 +40,15 @@ MAX_QUERY_ROWS = 2 ** 31 - 2 ** 16
 
 # --------------------------------------------------------------------------- policy
 def value_checks_enabled(device: torch.device | None = None) -> bool:
-    """True when checks that read device values back to the host should run.
+    """True when checks that read device values back to the host should run: by default,
+    and with ``INT8ATTN_CHECK_VALUES=1``; not with ``INT8ATTN_CHECK_VALUES=0`` (serving
+    loops that trust their metadata, or plan once), and never while the current CUDA
+    stream captures a graph (a host sync would break the capture). ``device`` is the
+    device the values live on (kept for callers; the policy is the same on every device).
 
-    ``INT8ATTN_CHECK_VALUES=1`` turns them on, ``=0`` off. Unset, they run where reading
-    values back costs no device synchronisation (CPU tensors, Triton's interpreter) and not
-    on a GPU, where the kernels clamp bad metadata themselves and raise device error flags
-    (:func:`int8attn.check_errors`). ``device=None`` keeps them on (callers that have not
-    said which device they read). Never while the current CUDA stream captures a graph (a
-    host sync would break the capture).
+    The prefill, write_kv and producer kernels clamp out-of-range metadata themselves and
+    raise device error flags (:func:`int8attn.check_errors`); the decode kernel relies on
+    these checks (or on a checked plan), so they stay on by default.
     """
     env = os.environ.get("INT8ATTN_CHECK_VALUES", "").strip().lower()
     if env in ("0", "false", "no", "off"):
@@ -59,9 +59,7 @@ def value_checks_enabled(device: torch.device | None = None) -> bool:
                 return False
         except RuntimeError:
             pass
-    if env in ("1", "true", "yes", "on") or device is None:
-        return True
-    return torch.device(device).type != "cuda"
+    return True
 
 
 # --------------------------------------------------------------------------- helpers

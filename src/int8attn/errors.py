@@ -2,10 +2,11 @@
 
 Value checks on the host (block ids in range, lengths within the block table, slots within
 the cache) read the device back, so serving loops skip them (CUDA-graph capture,
-``INT8ATTN_CHECK_VALUES=0``, or a plan checked once). The kernels never trust that
-metadata instead: every block id, length and slot is clamped or masked in-kernel before
-it forms an address, the output of a sequence whose metadata is out of range is NaN, and
-the kernel raises a flag here. Nothing is read back until the host asks:
+``INT8ATTN_CHECK_VALUES=0``, or a plan checked once). The prefill, write_kv and producer
+kernels never trust that metadata: every block id, length, slot and position is clamped
+or masked in-kernel before it forms an address, the output of a sequence whose metadata
+is out of range is NaN (a bad slot is skipped), and the kernel raises a flag here. (The
+decode kernel still relies on the host checks.) Nothing is read back until the host asks:
 :func:`check_errors` (also called by ``plan_attention`` and by every call that runs its
 value checks) turns a raised flag into :class:`DeviceMetadataError` naming the first
 sequence (or token) and what was wrong, and clears the flags.
@@ -27,14 +28,14 @@ import threading
 
 import torch
 
-from .kernels._errors import (
-    ERR_BLOCK_ID,
-    ERR_POSITION,
-    ERR_QUERY_LEN,
-    ERR_SEQ_LEN,
-    ERR_SLOT,
-    NO_INDEX,
-)
+from .kernels import _errors as _bits
+
+ERR_BLOCK_ID = _bits.ERR_BLOCK_ID.value
+ERR_SEQ_LEN = _bits.ERR_SEQ_LEN.value
+ERR_QUERY_LEN = _bits.ERR_QUERY_LEN.value
+ERR_SLOT = _bits.ERR_SLOT.value
+ERR_POSITION = _bits.ERR_POSITION.value
+NO_INDEX = _bits.NO_INDEX.value
 
 #: Bit -> what it means, in the order messages list them.
 ERROR_NAMES = {
@@ -63,6 +64,8 @@ def _key(device: torch.device) -> tuple:
 def error_flags(device) -> torch.Tensor:
     """The int32 flag buffer of ``device`` (allocated on first use, outside any capture)."""
     key = _key(device)
+    if key[0] == "meta":  # fake tensors (torch.compile tracing) run no kernel: nothing to flag
+        return torch.empty(3, dtype=torch.int32, device="meta")
     flags = _FLAGS.get(key)
     if flags is None:
         with _LOCK:

@@ -4,13 +4,15 @@
 import triton
 import triton.language as tl
 
-ERR_BLOCK_ID = 1
-ERR_SEQ_LEN = 2
-ERR_QUERY_LEN = 4
-ERR_SLOT = 8
-ERR_POSITION = 16
+# constexpr: @triton.jit bodies may read only constexpr globals (the interpreter does not
+# enforce it, the compiler does); the host reads ``.value``
+ERR_BLOCK_ID = tl.constexpr(1)
+ERR_SEQ_LEN = tl.constexpr(2)
+ERR_QUERY_LEN = tl.constexpr(4)
+ERR_SLOT = tl.constexpr(8)
+ERR_POSITION = tl.constexpr(16)
 #: flags[1] when no index has been recorded (INT32_MAX).
-NO_INDEX = 2**31 - 1
+NO_INDEX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit

@@ -38,20 +38,9 @@ Splits: a sequence of ``num_tiles = cdiv(seq_len, BLOCK_N)`` tiles is cut into
 at most one; programs with ``split >= n_active`` exit at once. The sizes come from
 ``seq_len`` on the device, so the host never reads lengths. A sequence with one active
 split writes its output directly; otherwise each split writes (running max, sum,
-unnormalized output) per row to the workspace and the splits merge them themselves
-(``FUSED_MERGE``, :func:`_arrive_and_merge`: the last split of a group to arrive at an
-atomic counter combines the group, the last group merger the groups; one launch per call)
-or :func:`_decode_merge_kernel` does, in a second launch. Sequences with ``q_len == 0`` or
-``q_len > MAX_QUERY_LEN`` are skipped (their rows are not written).
-
-Metadata is never trusted: block ids are clamped into [0, num_blocks) before they form an
-address (one min per page) and a running max of the raw ids tells whether one was out of
-range; ``seq_len`` outside [0, max_blocks * PAGE] and query bounds outside [0, num_tokens)
-or longer than ``seq_len`` stop the sequence before any cache address is formed. The rows
-of such a sequence are NaN and a device error flag names it (:mod:`int8attn.errors`).
-
-head_dim: any multiple of 16 up to 256; tiles are ``BLOCK_D = next_power_of_2(HEAD_DIM)``
-channels wide, the extra channels loaded as 0 and never stored.
+unnormalized output) per row to the workspace and :func:`_decode_merge_kernel` combines
+them. Sequences with ``q_len == 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows
+are not written).
 
 Tensor layouts (strides passed explicitly, last dims unit stride):
 
@@ -70,14 +59,7 @@ import triton
 import triton.language as tl
 
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8, PV_INT8_SIGNED
-from . import _errors
-from ._errors import _raise_error
 from .quantize import _round_to_e4m3_grid
-
-# Device error bits (int8attn.errors) as constexpr globals for the jitted code.
-ERR_BLOCK_ID = tl.constexpr(_errors.ERR_BLOCK_ID)
-ERR_SEQ_LEN = tl.constexpr(_errors.ERR_SEQ_LEN)
-ERR_QUERY_LEN = tl.constexpr(_errors.ERR_QUERY_LEN)
 
 #: Running-max start value: finite, so a row that sees no key in a tile keeps
 #: ``exp2(-inf - NEG_BIG) = 0`` instead of ``exp2(-inf + inf) = NaN``.
@@ -106,9 +88,9 @@ def _split_tiles(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
 
 
 # Integer arguments that only index scalars: not specialized, so one compiled kernel
-# serves every split count, batch width and cache size (the vector strides stay specialized).
-_SCALAR_ARGS = ["num_splits", "num_tokens", "num_blocks", "max_blocks", "stride_qst", "stride_qsh", "stride_sb",
-                "stride_sh", "stride_bt", "stride_mt", "stride_mh", "stride_ms", "stride_ct", "stride_ch"]
+# serves every split count and batch width (the vector strides stay specialized).
+_SCALAR_ARGS = ["num_splits", "stride_qst", "stride_qsh", "stride_sb", "stride_sh", "stride_bt",
+                "stride_mt", "stride_mh", "stride_ms"]
 
 
 @triton.jit(do_not_specialize=_SCALAR_ARGS)
@@ -116,8 +98,8 @@ def _decode_split_kernel(
     q_ptr, q_scale_ptr,
     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
-    out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, flags_ptr,
-    qk_scale, num_splits, num_tokens, num_blocks, max_blocks,
+    out_ptr, part_acc_ptr, part_ml_ptr,
+    qk_scale, num_splits,
     stride_qt, stride_qh, stride_qst, stride_qsh,
     stride_cb, stride_ch,
     stride_sb, stride_sh,
@@ -125,13 +107,10 @@ def _decode_split_kernel(
     stride_ot, stride_oh,
     stride_pt, stride_ph, stride_ps,
     stride_mt, stride_mh, stride_ms,
-    stride_ct, stride_cnh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
     MAX_QUERY_LEN: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
     INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr = False,
-    FUSED_MERGE: tl.constexpr = False, MERGE_GROUP: tl.constexpr = 8, MERGE_M: tl.constexpr = 16,
-    MERGE_CHUNK: tl.constexpr = 1,
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -141,22 +120,9 @@ def _decode_split_kernel(
     # part of the exit test so that its load is issued with the query bounds, one memory
     # round trip for both (the compiler sinks a load below an exit that does not use it).
     q_start = tl.load(query_start_loc_ptr + seq)
-    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    q_len = q_end - q_start
-    if (q_len == 0) | (q_len > MAX_QUERY_LEN):
-        return  # nothing to attend, or a prefill sequence (the prefill kernel checks its own)
-    # Metadata is never trusted (value checks may be off): a length the block-table row
-    # cannot hold, or query bounds outside [0, num_tokens) / longer than seq_len, would form
-    # addresses outside the cache, block table or output. Such a sequence's rows are NaN
-    # and the device error flag names it (int8attn.check_errors).
-    len_bad = (seq_len < 0) | (seq_len > max_blocks * PAGE)
-    q_bad = (q_len < 0) | (q_len > seq_len) | (q_start < 0) | (q_end > num_tokens)
-    if len_bad | q_bad:
-        if split == 0:
-            _raise_error(flags_ptr, tl.where(len_bad, ERR_SEQ_LEN, ERR_QUERY_LEN), seq, kv_head == 0)
-            _poison_rows(out_ptr, q_start, q_len, num_tokens, kv_head, stride_ot, stride_oh, GROUP, HEAD_DIM,
-                         BLOCK_D)
+    if (q_len <= 0) | (q_len > MAX_QUERY_LEN) | (seq_len <= 0):
         return
     n_active = _num_active_splits(seq_len, num_splits, BLOCK_N)
     if split >= n_active:
@@ -170,11 +136,6 @@ def _decode_split_kernel(
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     data_head = kv_head.to(tl.int64) * stride_ch
     scale_head = kv_head.to(tl.int64) * stride_sh
-    # Largest block id read so far, as uint32 (a negative id is huge): block ids are
-    # clamped into [0, num_blocks) where they form addresses (one min per page) and this
-    # running max (one max per page) tells at the end whether any was out of range.
-    blk_seen = tl.zeros([BLOCK_N // PAGE], tl.uint32)
-    last_block = (num_blocks - 1).to(tl.uint32)
 
     if q_len <= TOKENS_PER_PASS:
         # The common case: every query token of the sequence fits in one pass, so Q, its
@@ -183,10 +144,10 @@ def _decode_split_kernel(
         tok = (q_start + row_tok).to(tl.int64)
         row_limit = tl.where(row_valid, seq_len - q_len + row_tok, -1)
         q, row_scale = _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_qt, stride_qh,
-                                   stride_qst, stride_qsh, HEAD_DIM, BLOCK_D, BLOCK_M, KV_KIND, INTERPRET)
+                                   stride_qst, stride_qsh, HEAD_DIM, BLOCK_M, KV_KIND, INTERPRET)
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l_i = _zero_sums(BLOCK_N, BLOCK_M, SWAP_AB)
-        acc = _zero_acc(BLOCK_D, BLOCK_M, SWAP_AB)
+        acc = _zero_acc(HEAD_DIM, BLOCK_M, SWAP_AB)
         # Only the sequence's last tile holds slots past seq_len. An fp8 cache zeroes their
         # V (stale e4m3 bytes may be NaN), so that tile is peeled off the loop and the
         # others skip the select; int8 and bf16 tiles take one loop.
@@ -195,32 +156,31 @@ def _decode_split_kernel(
         if KV_KIND == KIND_FP8:
             loop_end = tl.minimum(tile_end, tl.cdiv(seq_len, BLOCK_N) - 1)
         for tile in range(tile_lo, loop_end):
-            m_i, l_i, acc, blk_seen = _attend(q, row_scale, row_limit, m_i, l_i, acc, blk_seen, tile, seq_len, bt_row,
-                                              last_block, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head,
-                                              scale_head, stride_cb, stride_sb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
-                                              BLOCK_M, KV_KIND, PV_KIND, KV_KIND != KIND_FP8, INTERPRET, SWAP_AB)
+            m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
+                                    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                    stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
+                                    KV_KIND != KIND_FP8, INTERPRET, SWAP_AB)
         if KV_KIND == KIND_FP8:
             if loop_end < tile_end:
-                m_i, l_i, acc, blk_seen = _attend(q, row_scale, row_limit, m_i, l_i, acc, blk_seen, tile_end - 1,
-                                                  seq_len, bt_row, last_block, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
-                                                  data_head, scale_head, stride_cb, stride_sb, HEAD_DIM, BLOCK_D,
-                                                  PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB)
-        acc = _poison_if_bad_blocks(acc, blk_seen, last_block, flags_ptr, seq, kv_head)
+                m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_end - 1, seq_len, bt_row,
+                                        k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                        stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND,
+                                        PV_KIND, True, INTERPRET, SWAP_AB)
         _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, _row_sums(l_i, SWAP_AB), tok, row_head, split,
                     n_active, row_valid, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
-                    stride_ms, HEAD_DIM, BLOCK_D, SWAP_AB)
+                    stride_ms, HEAD_DIM, SWAP_AB)
     else:
         # Longer queries: one flat loop over (pass, tile). Two things keep Triton's
         # software pipeline intact (checked in the TTGIR: async waits leave tiles in
         # flight): the tile and pass are pure functions of the induction variable, and
         # the end-of-pass stores are masked stores, not a branch. (A pass loop around
-        # the tile loop makes the INT8 kernel spill registers; a tile index carried
-        # through a select, or an `if` around the stores, leaves every load waited for in
+        # the tile loop made the INT8 kernel spill registers; a tile index carried
+        # through a select, or an `if` around the stores, left every load waited for in
         # its own iteration.)
         num_iters = tl.cdiv(q_len, TOKENS_PER_PASS) * tile_count
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l_i = _zero_sums(BLOCK_N, BLOCK_M, SWAP_AB)
-        acc = _zero_acc(BLOCK_D, BLOCK_M, SWAP_AB)
+        acc = _zero_acc(HEAD_DIM, BLOCK_M, SWAP_AB)
         for it in range(0, num_iters):
             pass_idx = it // tile_count
             tile_idx = it - pass_idx * tile_count
@@ -230,157 +190,22 @@ def _decode_split_kernel(
             # Causal limit of each row: its own position; -1 hides every key from padding rows.
             row_limit = tl.where(row_valid, seq_len - q_len + tok0 + row_tok, -1)
             q, row_scale = _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_qt,
-                                       stride_qh, stride_qst, stride_qsh, HEAD_DIM, BLOCK_D, BLOCK_M, KV_KIND,
-                                       INTERPRET)
+                                       stride_qh, stride_qst, stride_qsh, HEAD_DIM, BLOCK_M, KV_KIND, INTERPRET)
             # A new pass starts from an empty state: alpha = 0 drops the previous pass.
             fresh = tile_idx == 0
             m_i = tl.where(fresh, NEG_BIG, m_i)
             l_i = tl.where(fresh, 0.0, l_i)
             acc = tl.where(fresh, 0.0, acc)
-            m_i, l_i, acc, blk_seen = _attend(q, row_scale, row_limit, m_i, l_i, acc, blk_seen, tile_lo + tile_idx,
-                                              seq_len, bt_row, last_block, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
-                                              data_head, scale_head, stride_cb, stride_sb, HEAD_DIM, BLOCK_D, PAGE,
-                                              BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB)
+            m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_lo + tile_idx, seq_len,
+                                    bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                    stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
+                                    True, INTERPRET, SWAP_AB)
             # Last tile of the pass: its rows go to out (one active split) or to the partials.
             # (tl.where rather than `row_valid & last`: the interpreter mistypes that mask)
             last = tile_idx == tile_count - 1
-            # every block of the split has been read by the end of the first pass
-            blk_bad = tl.max(blk_seen, 0) > last_block
-            _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, tl.where(blk_bad, float("nan"), acc), m_i,
-                        _row_sums(l_i, SWAP_AB), tok, row_head, split, n_active, tl.where(last, row_valid, False),
-                        stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
-                        HEAD_DIM, BLOCK_D, SWAP_AB)
-        _raise_error(flags_ptr, ERR_BLOCK_ID, seq, (tl.max(blk_seen, 0) > last_block) & (kv_head == 0))
-    if FUSED_MERGE:
-        if n_active > 1:
-            _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, q_start, q_len, kv_head, split,
-                              n_active, num_splits, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt,
-                              stride_mh, stride_ms, stride_ct, stride_cnh, GROUP, HEAD_DIM, BLOCK_D, TOKENS_PER_PASS,
-                              MERGE_GROUP, MERGE_M, MERGE_CHUNK)
-
-
-@triton.jit
-def _poison_if_bad_blocks(acc, blk_seen, last_block, flags_ptr, seq, kv_head):
-    """NaN ``acc`` (and raise ERR_BLOCK_ID naming ``seq``) when a block id read was out of range."""
-    blk_bad = tl.max(blk_seen, 0) > last_block
-    _raise_error(flags_ptr, ERR_BLOCK_ID, seq, blk_bad & (kv_head == 0))
-    return tl.where(blk_bad, float("nan"), acc)
-
-
-@triton.jit
-def _poison_rows(out_ptr, q_start, q_len, num_tokens, kv_head, stride_ot, stride_oh, GROUP: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """NaN into the output rows of a sequence with out-of-range metadata (its heads of this
-    KV head; only tokens inside [0, num_tokens); q_len <= MAX_QUERY_LEN here)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    nan = tl.full([BLOCK_D], float("nan"), tl.float32).to(out_ptr.dtype.element_ty)
-    for t in range(0, q_len):
-        tok = q_start + t
-        if (tok >= 0) & (tok < num_tokens):
-            for h in range(0, GROUP):
-                row = out_ptr + tok.to(tl.int64) * stride_ot + (kv_head * GROUP + h).to(tl.int64) * stride_oh
-                tl.store(row + offs_d, nan, mask=offs_d < HEAD_DIM)
-
-
-@triton.jit
-def _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, q_start, q_len, kv_head, split, n_active,
-                      num_splits, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
-                      stride_ms, stride_ct, stride_cnh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                      BLOCK_D: tl.constexpr, TOKENS_PER_PASS: tl.constexpr, MERGE_GROUP: tl.constexpr,
-                      MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr):
-    """The in-kernel merge of one (sequence, KV head): called by every active split after
-    its partial rows are stored; the last of them to arrive combines the partials.
-
-    Two levels bound the work on the critical path: splits arrive in groups of
-    MERGE_GROUP (counter ``group`` of the sequence's first token and the KV head's first
-    query head); the last arrival of a group merges the group into its first partial
-    slot, then arrives at the top counter (slot ``num_splits - 1``, unused by the groups
-    when there is more than one); the last group merger combines the group results into
-    ``out``. With one group its last arrival writes ``out`` directly. Each last arrival
-    resets its counter to 0, so a workspace is ready for the next launch (and for CUDA
-    graph replays) without a memset.
-
-    Memory ordering: a CTA barrier orders every thread's partial stores before the
-    counter's atomic, which has acquire-release semantics at GPU scope (release for this
-    program's stores, acquire for the other programs' stores that the last arrival then
-    reads); those reads bypass L1 (``.cg``)."""
-    counters = counter_ptr + q_start.to(tl.int64) * stride_ct + (kv_head * GROUP).to(tl.int64) * stride_cnh
-    group = split // MERGE_GROUP
-    first = group * MERGE_GROUP
-    count = tl.minimum(n_active - first, MERGE_GROUP)
-    n_groups = tl.cdiv(n_active, MERGE_GROUP)
-    tl.debug_barrier()
-    ticket = tl.atomic_add(counters + group, 1, sem="acq_rel", scope="gpu")
-    if ticket == count - 1:
-        tl.store(counters + group, 0)
-        if n_groups == 1:
-            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, 0, count, 1, stride_ot,
-                          stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, GROUP, HEAD_DIM,
-                          BLOCK_D, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, True)
-        else:
-            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, first, count, 1, stride_ot,
-                          stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, GROUP, HEAD_DIM,
-                          BLOCK_D, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, False)
-            tl.debug_barrier()
-            top = counters + num_splits - 1
-            ticket_top = tl.atomic_add(top, 1, sem="acq_rel", scope="gpu")
-            if ticket_top == n_groups - 1:
-                tl.store(top, 0)
-                _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, 0, n_groups, MERGE_GROUP,
-                              stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
-                              GROUP, HEAD_DIM, BLOCK_D, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, True)
-
-
-@triton.jit
-def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, first, count, step, stride_ot,
-                  stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, GROUP: tl.constexpr,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
-                  MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr, TO_OUT: tl.constexpr):
-    """Combine the partials in slots ``first, first + step, ...`` (``count`` of them) of
-    every query row of one (sequence, KV head): into ``out`` (normalized; TO_OUT) or back
-    into slot ``first`` (unnormalized, with its max and sum). Rows are packed as in the
-    split kernel (MERGE_M >= TOKENS_PER_PASS x GROUP rows per pass); MERGE_CHUNK partials
-    are loaded at once as a [chunk, rows, D] tile and folded in online (base-2 log-sum-exp,
-    as the merge kernel)."""
-    offs_r = tl.arange(0, MERGE_M)
-    offs_c = tl.arange(0, MERGE_CHUNK)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    r_tok = offs_r // GROUP
-    r_head = kv_head * GROUP + offs_r % GROUP
-    for t0 in range(0, q_len, TOKENS_PER_PASS):
-        valid = (offs_r < TOKENS_PER_PASS * GROUP) & (t0 + r_tok < q_len)
-        tok = (q_start + t0 + r_tok).to(tl.int64)
-        ml_row = tok * stride_mt + r_head * stride_mh
-        acc_row = tok * stride_pt + r_head * stride_ph
-        m_run = tl.full([MERGE_M], NEG_BIG, tl.float32)
-        den = tl.zeros([MERGE_M], tl.float32)
-        acc = tl.zeros([MERGE_M, BLOCK_D], tl.float32)
-        for c0 in range(0, count, MERGE_CHUNK):
-            idx = c0 + offs_c
-            slot = (first + idx * step).to(tl.int64)
-            live = (idx < count)[:, None] & valid[None, :]
-            ml = part_ml_ptr + slot[:, None] * stride_ms + ml_row[None, :]
-            m_c = tl.load(ml, mask=live, other=NEG_BIG, cache_modifier=".cg")
-            l_c = tl.load(ml + 1, mask=live, other=0.0, cache_modifier=".cg")
-            a = tl.load(part_acc_ptr + slot[:, None, None] * stride_ps + acc_row[None, :, None] + offs_d[None, None, :],
-                        mask=live[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_run, tl.max(m_c, 0))
-            alpha = tl.exp2(m_run - m_new)
-            w = tl.where(live, tl.exp2(m_c - m_new[None, :]), 0.0)
-            acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], 0)
-            den = den * alpha + tl.sum(w * l_c, 0)
-            m_run = m_new
-        if TO_OUT:
-            o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
-            tl.store(out_ptr + tok[:, None] * stride_ot + r_head[:, None] * stride_oh + offs_d[None, :],
-                     o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & d_ok[None, :])
-        else:
-            dst = first.to(tl.int64)
-            tl.store(part_acc_ptr + acc_row[:, None] + dst * stride_ps + offs_d[None, :], acc,
-                     mask=valid[:, None] & d_ok[None, :])
-            tl.store(part_ml_ptr + ml_row + dst * stride_ms, m_run, mask=valid)
-            tl.store(part_ml_ptr + ml_row + dst * stride_ms + 1, den, mask=valid)
+            _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, _row_sums(l_i, SWAP_AB), tok, row_head, split,
+                        n_active, tl.where(last, row_valid, False), stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
+                        stride_mt, stride_mh, stride_ms, HEAD_DIM, SWAP_AB)
 
 
 @triton.jit
@@ -412,37 +237,31 @@ def _row_sums(l_i, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
-def _attend(q, row_scale, row_limit, m_i, l_i, acc, blk_seen, tile, seq_len, bt_row, last_block, k_ptr, v_ptr,
-            k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb, HEAD_DIM: tl.constexpr,
-            BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-            KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr, INTERPRET: tl.constexpr,
-            SWAP_AB: tl.constexpr):
-    """One tile in the orientation the launch chose (see _attend_tile_swapped); also
-    folds the tile's raw block ids into ``blk_seen``."""
-    pos, in_seq, page, blk_page, blk_raw, row_off, scale_off = _tile_addresses(
-        tile, seq_len, bt_row, last_block, data_head, scale_head, stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N)
+def _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+            data_head, scale_head, stride_cb, stride_sb, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
+            TAIL: tl.constexpr, INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr):
+    """One tile in the orientation the launch chose (see _attend_tile_swapped)."""
     if SWAP_AB:
-        m_i, l_i, acc = _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc, pos, in_seq, page, blk_page,
-                                             row_off, scale_off, seq_len, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
-                                             data_head, stride_cb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M,
-                                             KV_KIND, PV_KIND, TAIL, INTERPRET)
+        m_i, l_i, acc = _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr,
+                                             v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb,
+                                             stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, TAIL,
+                                             INTERPRET)
     else:
-        m_i, l_i, acc = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, pos, in_seq, page, blk_page, row_off,
-                                     scale_off, seq_len, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head,
-                                     stride_cb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, TAIL,
-                                     INTERPRET)
-    return m_i, l_i, acc, tl.maximum(blk_seen, blk_raw)
+        m_i, l_i, acc = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr, v_ptr,
+                                     k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+                                     HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, TAIL, INTERPRET)
+    return m_i, l_i, acc
 
 
 @triton.jit
 def _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr,
-                INTERPRET: tl.constexpr):
-    """The packed query rows [BLOCK_M, BLOCK_D] in the dot's precision and each row's score
-    scale ``sQ * softmax_scale * log2(e)`` (padding rows and channels: zeros)."""
-    offs_d = tl.arange(0, BLOCK_D)
+                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, INTERPRET: tl.constexpr):
+    """The packed query rows [BLOCK_M, D] in the dot's precision and each row's score
+    scale ``sQ * softmax_scale * log2(e)`` (padding rows: zeros)."""
+    offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+                mask=row_valid[:, None], other=0.0)
     if KV_KIND == KIND_BF16:
         q = q.to(tl.bfloat16)
         if INTERPRET:
@@ -455,57 +274,42 @@ def _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_q
 
 
 @triton.jit
-def _tile_addresses(tile, seq_len, bt_row, last_block, data_head, scale_head, stride_cb, stride_sb,
-                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile_addresses(tile, seq_len, bt_row, data_head, scale_head, stride_cb, stride_sb, HEAD_DIM: tl.constexpr,
+                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """Where the keys of tile ``tile`` live: their positions, which are in the sequence,
-    the tile's pages, their block ids (clamped to ``last_block``) and the raw ids as
-    uint32, and each key's K-row and scale offsets. One block-table entry per page,
-    broadcast to the page's keys; a page past ``seq_len`` reads block 0 (valid memory,
-    masked later); an id outside [0, num_blocks) reads the clamped block (valid memory;
-    the split's output is then NaN, see _poison_if_bad_blocks)."""
+    the tile's pages and block ids, and each key's K-row and scale offsets. One
+    block-table entry per page, broadcast to the page's keys; a page past ``seq_len``
+    reads block 0 (valid memory, masked later)."""
     offs_n = tl.arange(0, BLOCK_N)
     pos = tile * BLOCK_N + offs_n
     in_seq = pos < seq_len
     NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
     page = tile * NUM_PAGES + tl.arange(0, NUM_PAGES)
-    blk_raw = tl.load(bt_row + page, mask=page * PAGE < seq_len, other=0).to(tl.uint32)
-    blk_page = tl.minimum(blk_raw, last_block).to(tl.int32)
+    blk_page = tl.load(bt_row + page, mask=page * PAGE < seq_len, other=0)
     blk = tl.reshape(tl.broadcast_to(blk_page[:, None], (NUM_PAGES, PAGE)), (BLOCK_N,)).to(tl.int64)
     slot = offs_n % PAGE
     row_off = blk * stride_cb + data_head + slot * HEAD_DIM
     scale_off = blk * stride_sb + scale_head + slot
-    return pos, in_seq, page, blk_page, blk_raw, row_off, scale_off
+    return pos, in_seq, page, blk_page, row_off, scale_off
 
 
 @triton.jit
-def _load_k(k_ptr, row_off, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The K tile [keys, BLOCK_D]; channels past HEAD_DIM (a padded tile) read as 0."""
-    offs_d = tl.arange(0, BLOCK_D)
-    ptrs = k_ptr + row_off[:, None] + offs_d[None, :]
-    if BLOCK_D == HEAD_DIM:
-        k = tl.load(ptrs)
-    else:
-        k = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-    return k
-
-
-@triton.jit
-def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, pos, in_seq, page, blk_page, row_off, scale_off, seq_len,
-                 k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, stride_cb,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr,
-                 INTERPRET: tl.constexpr):
-    """One KV tile (keys ``pos``, addresses from _tile_addresses) folded into the
-    online-softmax state.
+def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
+                 k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                 KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr, INTERPRET: tl.constexpr):
+    """One KV tile (keys ``tile * BLOCK_N ...``) folded into the online-softmax state.
 
     Loads carry as few masks as correctness allows: a key past ``seq_len`` reads block 0
     (the block id load is masked to 0) or a stale slot of its own last page -- valid
     memory either way -- and is removed by the score mask (a ``where``, so a NaN K scale
     there cannot leak). Only what the PV product would multiply by P = 0 must be finite:
     the V scale always, and V itself for fp8 / bf16 caches (int8 is always finite)."""
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos, in_seq, page, blk_page, row_off, scale_off = _tile_addresses(tile, seq_len, bt_row, data_head, scale_head,
+                                                                      stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N)
     NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
-    k = _load_k(k_ptr, row_off, HEAD_DIM, BLOCK_D)
+    k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :])
     if KV_KIND == KIND_INT8:
         k_scale = tl.load(k_scale_ptr + scale_off)
         qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
@@ -528,10 +332,9 @@ def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, pos, in_seq, page, blk_
     acc = acc * alpha[:, None]
 
     if KV_KIND == KIND_BF16:
-        v = tl.load(v_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None] & (offs_d < HEAD_DIM)[None, :],
-                    other=0.0)
+        v = tl.load(v_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
     else:
-        v = _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM, BLOCK_D, PAGE, NUM_PAGES,
+        v = _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM, PAGE, NUM_PAGES,
                           KV_KIND == KIND_FP8 and TAIL)
     if KV_KIND == KIND_BF16:
         if INTERPRET:
@@ -550,10 +353,10 @@ def _max_pair(a, b, c, d):
 
 
 @triton.jit
-def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, pos, in_seq, page, blk_page, row_off, scale_off,
-                         seq_len, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, stride_cb,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr,
+def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, tile, seq_len, bt_row,
+                         k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+                         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                         KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr,
                          INTERPRET: tl.constexpr):
     """:func:`_attend_tile` with the operands swapped, for 8-bit caches: the tile's keys
     fill the MMA's M rows and the packed query rows its N columns.
@@ -566,8 +369,11 @@ def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, pos, in_seq, 
     V^T's reduction axis. The softmax runs down the columns (axis 0); ``acc_t`` is O^T.
     P (v_scale folded in) is quantized per column (query row) to its exact max, found
     by the same reduction as the score max."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    pos, in_seq, page, blk_page, row_off, scale_off = _tile_addresses(tile, seq_len, bt_row, data_head, scale_head,
+                                                                      stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N)
     NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
-    k = _load_k(k_ptr, row_off, HEAD_DIM, BLOCK_D)
+    k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :])
     k_scale = tl.load(k_scale_ptr + scale_off)
     if KV_KIND == KIND_INT8:
         qk = tl.dot(k, tl.trans(q), out_dtype=tl.int32).to(tl.float32)
@@ -595,7 +401,7 @@ def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, pos, in_seq, 
     l_i = l_i * alpha[None, :] + p
     acc_t = acc_t * alpha[None, :]
 
-    v_t = _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM, BLOCK_D, PAGE, NUM_PAGES,
+    v_t = _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM, PAGE, NUM_PAGES,
                         KV_KIND == KIND_FP8 and TAIL, True)
     pv = p * v_scale[:, None]
     if PV_KIND == PV_BF16:
@@ -624,9 +430,8 @@ def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, pos, in_seq, 
 
 
 @triton.jit
-def _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  PAGE: tl.constexpr, NUM_PAGES: tl.constexpr, ZERO_STALE: tl.constexpr,
-                  KEYS_LAST: tl.constexpr = False):
+def _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+                  NUM_PAGES: tl.constexpr, ZERO_STALE: tl.constexpr, KEYS_LAST: tl.constexpr = False):
     """The [NUM_PAGES * PAGE, HEAD_DIM] V tile of an 8-bit cache, whose pages are stored
     transposed ([HEAD_DIM, PAGE], keys contiguous; see int8attn.cache).
 
@@ -640,23 +445,18 @@ def _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM
     keys past ``seq_len`` (ZERO_STALE) an fp8 cache's are set to 0.
 
     ``KEYS_LAST``: return the tile as [HEAD_DIM, keys] instead (V^T, the left operand of
-    the operand-swapped product; keys stay the contiguous reduction axis). A padded tile
-    (BLOCK_D > HEAD_DIM) reads its extra channels as 0."""
-    offs_d = tl.arange(0, BLOCK_D)
+    the operand-swapped product; keys stay the contiguous reduction axis)."""
+    offs_d = tl.arange(0, HEAD_DIM)
     offs_s = tl.arange(0, PAGE)
     base = blk_page.to(tl.int64) * stride_cb + data_head
     ptrs = v_ptr + base[:, None, None] + (offs_d * PAGE)[None, :, None] + offs_s[None, None, :]
-    if BLOCK_D == HEAD_DIM:
-        pages = tl.load(ptrs)
-    else:
-        pages = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :, None], other=0.0)
     key_pos = tl.reshape(page[:, None] * PAGE + offs_s[None, :], (NUM_PAGES * PAGE,))
     if KEYS_LAST:
-        v = tl.reshape(tl.permute(pages, (1, 0, 2)), (BLOCK_D, NUM_PAGES * PAGE))
+        v = tl.reshape(tl.permute(tl.load(ptrs), (1, 0, 2)), (HEAD_DIM, NUM_PAGES * PAGE))
         if ZERO_STALE:
             v = tl.where((key_pos < seq_len)[None, :], v, 0.0)
     else:
-        v = tl.reshape(tl.permute(pages, (0, 2, 1)), (NUM_PAGES * PAGE, BLOCK_D))
+        v = tl.reshape(tl.permute(tl.load(ptrs), (0, 2, 1)), (NUM_PAGES * PAGE, HEAD_DIM))
         if ZERO_STALE:
             # a mask on the load itself would cost the 16-byte copies (its pattern varies
             # along the contiguous axis); zero the stale keys in registers instead
@@ -667,13 +467,11 @@ def _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM
 @triton.jit
 def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, row_head, split, n_active, rows,
                 stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+                HEAD_DIM: tl.constexpr, TRANSPOSED: tl.constexpr = False):
     """Rows ``rows`` of a finished pass: normalized to ``out`` when the sequence has one
     active split, else (unnormalized acc, max, sum) to the split partials. ``acc`` is
-    [rows, BLOCK_D], or [BLOCK_D, rows] when TRANSPOSED (the swapped tile's O^T); only
-    the first HEAD_DIM channels are stored."""
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
+    [rows, D], or [D, rows] when TRANSPOSED (the swapped tile's O^T)."""
+    offs_d = tl.arange(0, HEAD_DIM)
     direct = tl.where(n_active == 1, rows, False)
     partial = tl.where(n_active > 1, rows, False)
     inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
@@ -681,12 +479,12 @@ def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, row_head
     out_row = tok * stride_ot + row_head * stride_oh
     if TRANSPOSED:
         tl.store(out_ptr + out_row[None, :] + offs_d[:, None], (acc * inv_l[None, :]).to(out_ptr.dtype.element_ty),
-                 mask=direct[None, :] & d_ok[:, None])
-        tl.store(part_acc_ptr + part[None, :] + offs_d[:, None], acc, mask=partial[None, :] & d_ok[:, None])
+                 mask=direct[None, :])
+        tl.store(part_acc_ptr + part[None, :] + offs_d[:, None], acc, mask=partial[None, :])
     else:
         tl.store(out_ptr + out_row[:, None] + offs_d[None, :], (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=direct[:, None] & d_ok[None, :])
-        tl.store(part_acc_ptr + part[:, None] + offs_d[None, :], acc, mask=partial[:, None] & d_ok[None, :])
+                 mask=direct[:, None])
+        tl.store(part_acc_ptr + part[:, None] + offs_d[None, :], acc, mask=partial[:, None])
     ml = tok * stride_mt + row_head * stride_mh + split * stride_ms
     tl.store(part_ml_ptr + ml, m_i, mask=partial)
     tl.store(part_ml_ptr + ml + 1, l_i, mask=partial)
@@ -728,32 +526,28 @@ def _pv_product(pv, v, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_KIND: tl
     return o
 
 
-@triton.jit(do_not_specialize=["num_splits", "num_tokens", "max_blocks", "stride_mt", "stride_mh", "stride_ms"])
+@triton.jit(do_not_specialize=["num_splits", "stride_mt", "stride_mh", "stride_ms"])
 def _decode_merge_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     seq_lens_ptr, query_start_loc_ptr,
-    num_splits, num_tokens, max_blocks,
+    num_splits,
     stride_ot, stride_oh,
     stride_pt, stride_ph, stride_ps,
     stride_mt, stride_mh, stride_ms,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MAX_QUERY_LEN: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     """One program per (query head, sequence, BLOCK_D output columns): combine the split
     partials of each of the sequence's query tokens into ``out`` (log-sum-exp weights in
     base 2). Column blocks multiply the programs of a small batch (24 heads x 1 sequence
-    would leave most SMs idle while each program walks every split's partial row). The
-    separate-launch merge (DecodeConfig.fused_merge False); sequences the split kernel
-    found out of range (already NaN) are skipped by the same test."""
+    would leave most SMs idle while each program walks every split's partial row)."""
     head = tl.program_id(0)
     seq = tl.program_id(1)
     col0 = tl.program_id(2) * BLOCK_D
     q_start = tl.load(query_start_loc_ptr + seq)
-    q_end = tl.load(query_start_loc_ptr + seq + 1)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)  # tested with q_len: one round trip (see the split kernel)
-    q_len = q_end - q_start
-    if (q_len <= 0) | (q_len > MAX_QUERY_LEN) | (seq_len <= 0) | (seq_len > max_blocks * PAGE) \
-            | (q_len > seq_len) | (q_start < 0) | (q_end > num_tokens):
+    if (q_len <= 0) | (q_len > MAX_QUERY_LEN) | (seq_len <= 0):
         return
     n_active = _num_active_splits(seq_len, num_splits, BLOCK_N)
     if n_active <= 1:
@@ -776,8 +570,7 @@ def _decode_merge_kernel(
             live = sp < n_active
             m_c = tl.load(ml + sp * stride_ms, mask=live, other=float("-inf"))
             l_c = tl.load(ml + sp * stride_ms + 1, mask=live, other=0.0)
-            a = tl.load(part + sp[:, None] * stride_ps + offs_d[None, :],
-                        mask=live[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+            a = tl.load(part + sp[:, None] * stride_ps + offs_d[None, :], mask=live[:, None], other=0.0)
             m_new = tl.maximum(m_run, tl.max(m_c, 0))
             alpha = tl.exp2(m_run - m_new)
             w = tl.where(live, tl.exp2(m_c - m_new), 0.0)
@@ -785,5 +578,4 @@ def _decode_merge_kernel(
             denom = denom * alpha + tl.sum(w * l_c, 0)
             m_run = m_new
         o = acc / denom
-        tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-                 mask=offs_d < HEAD_DIM)
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))

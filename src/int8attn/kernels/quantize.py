@@ -46,7 +46,9 @@ _MIN_AMAX_INT8 = tl.constexpr(127.0 * 2.0 ** -126)
 _MIN_AMAX_FP8 = tl.constexpr(448.0 * 2.0 ** -126)
 #: The fp32 sign bit as an int32.
 _SIGN_BIT = tl.constexpr(-2147483648)
-_NAN = tl.constexpr(float("nan"))
+# NaN is built in the kernel from +inf: a NaN global constexpr never compares equal to
+# itself, which Triton's compiler reports as a conflicting global between kernels
+_INF = tl.constexpr(float("inf"))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -183,7 +185,7 @@ def _quantize_checked_rows(x, finite, KIND: tl.constexpr, INTERPRET: tl.constexp
         x = tl.where(finite[:, None], x, 0.0)
         amax = _amax_rows(x)
         q = _quantize_with_inv(x, _row_inv(amax, KIND), KIND, INTERPRET)
-        scale = tl.where(finite, _row_scale(amax, KIND), _NAN)
+        scale = tl.where(finite, _row_scale(amax, KIND), _INF - _INF)
     return q, scale
 
 
@@ -397,7 +399,7 @@ def _write_kv_tokens(
             k = k * tl.math.div_rn(tl.full(lam.shape, 1.0, tl.float32), tl.where(mask, lam, 1.0))
         # rows of skipped tokens are all 0 here (finite), their position reads as 0
         finite = _finite_rows(k) & _finite_rows(v) & pos_ok
-        k = tl.where(finite[:, None], k, _NAN)
+        k = tl.where(finite[:, None], k, _INF - _INF)
         v = tl.where(finite[:, None], v, 0.0)
         _store_rows_to_cache(k, finite, heads, rows_ok, mask, d, blk, off, kcache_ptr, kscale_ptr,
                              stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
@@ -521,7 +523,7 @@ def _rope_quantize_write_kernel(
                                     ROTARY_DIM, BLOCK_D, FULL_Q)
                 if HAS_LAM:
                     y = y * lam
-                y = tl.where(pos_ok, y, _NAN)
+                y = tl.where(pos_ok, y, _INF - _INF)
                 q, scale = _quantize_rows(y, KIND, INTERPRET)
                 out_row = tok * stride_ot + heads * stride_oh
                 _store_tile(q_out_ptr + out_row[:, None] + d[None, :], q, mask, FULL_Q)

@@ -1,9 +1,12 @@
 """``attention()``: one call for a mixed batch of decode and prefill sequences.
 
 Routing: a sequence with ``1 <= q_len <= MAX_DECODE_QUERY_LEN`` goes to the split-K decode
-kernel (:mod:`int8attn.ops.decode`), a longer one to the chunked-prefill kernel
-(:mod:`int8attn.ops.prefill`). Each kernel skips the other's sequences on the device, so
-the router needs no query lengths on the host:
+kernel (:mod:`int8attn.ops.decode`), a longer one to the chunked-prefill kernel: the
+portable Triton one (:mod:`int8attn.ops.prefill`) or, on sm_90, the Hopper one
+(:mod:`int8attn.ops.prefill_hopper`) where :func:`int8attn.ops.prefill_hopper.choose`
+picks it (``prefill_kernel=`` or ``INT8ATTN_PREFILL_KERNEL``: "auto" | "hopper" |
+"portable"; the launch record names the kernel that ran). Each kernel skips the other's
+sequences on the device, so the router needs no query lengths on the host:
 
 * without a plan, ``attention()`` launches both kernels; it leaves one out only on
   host-known facts (``T <= MAX_DECODE_QUERY_LEN`` means no prefill sequence can exist;
@@ -42,6 +45,7 @@ from ..errors import check_errors
 from ..runtime import interpret_mode
 from . import decode as _decode
 from . import prefill as _prefill
+from . import prefill_hopper as _hopper
 from .decode import MAX_DECODE_QUERY_LEN
 
 _MISSING = object()
@@ -61,6 +65,19 @@ def _prefill_config(cache: PagedKVCache, pv_mode: str, group: int) -> _prefill.P
 def _checked_default_config(kv_dtype: str, head_dim: int, pv_mode: str, group: int, interpret: bool,
                             config_fn) -> _prefill.PrefillConfig:
     return _prefill.check_config(config_fn(kv_dtype, head_dim, pv_mode), head_dim, group)
+
+
+def _prefill_route(cache: PagedKVCache, pv_mode: str, num_q_heads: int, kernel: str | None,
+                   metadata_checked: bool) -> tuple:
+    """(kernel, checked config) of this batch's prefill launch: "hopper" or "portable"."""
+    if _hopper.choose(cache, num_q_heads, pv_mode, kernel, metadata_checked=metadata_checked) == "hopper":
+        return "hopper", _hopper.route_config(cache, num_q_heads, pv_mode)
+    return "portable", _prefill_config(cache, pv_mode, num_q_heads // cache.num_kv_heads)
+
+
+def _run_prefill(kernel: str, config, *args) -> None:
+    """Launch the chosen prefill kernel (arguments of :func:`int8attn.ops.prefill.run_prefill`)."""
+    (_hopper.run_prefill if kernel == "hopper" else _prefill.run_prefill)(config, *args)
 
 
 def _layout(t):
@@ -103,7 +120,8 @@ class AttentionPlan:
     has_prefill: bool
     decode_plan: "_decode.DecodePlan | None" = None
     workspace: "_decode.DecodeWorkspace | None" = None
-    prefill_config: _prefill.PrefillConfig | None = None
+    prefill_config: "_prefill.PrefillConfig | _hopper.HopperPrefillConfig | None" = None
+    prefill_kernel: str = "portable"
     pv_mode: str | None = None
     prefill_pv_mode: str | None = None
     launches: tuple = field(default=())
@@ -147,9 +165,9 @@ class AttentionPlan:
         if launch is not None:
             launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
         if self.has_prefill:
-            _prefill.run_prefill(self.prefill_config, self.prefill_pv_mode, query, cache, block_table, seq_lens,
-                          query_start_loc, softmax_scale, out, q_quant, q_scale,
-                          MAX_DECODE_QUERY_LEN if self.has_decode else 0, self.max_query_len)
+            _run_prefill(self.prefill_kernel, self.prefill_config, self.prefill_pv_mode, query, cache, block_table,
+                         seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
+                         MAX_DECODE_QUERY_LEN if self.has_decode else 0, self.max_query_len)
         return out
 
     # ------------------------------------------------------------------ slow path
@@ -245,7 +263,8 @@ class AttentionPlan:
 def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, num_q_heads: int, *,
                    num_tokens: int | None = None, max_query_len: int | None = None,
                    has_decode: bool | None = None, has_prefill: bool | None = None,
-                   pv_mode: str | None = None, num_splits: int | None = None) -> AttentionPlan:
+                   pv_mode: str | None = None, num_splits: int | None = None,
+                   prefill_kernel: str | None = None) -> AttentionPlan:
     """Plan a batch once: which kernels it needs, its longest query, decode splits,
     workspace and query-code buffers.
 
@@ -258,12 +277,16 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     the lengths. With value checks off (``INT8ATTN_CHECK_VALUES=0``, or while a CUDA graph
     is being captured) and all four facts given, nothing is read: a plan for bounds the
     caller knows. Runs with these metadata tensors do not check their values again.
+    ``prefill_kernel`` ("auto" | "hopper" | "portable", None: ``INT8ATTN_PREFILL_KERNEL``)
+    picks the prefill kernel once, for every run (see :mod:`int8attn.ops.prefill_hopper`).
     """
     _checks.check_cache(cache)
     if not _checks.is_int(num_q_heads, 1) or num_q_heads % cache.num_kv_heads:
         raise ValueError(f"num_q_heads must be a positive multiple of the cache's {cache.num_kv_heads} KV heads, "
                          f"got {num_q_heads!r}")
     _checks.check_kernel_options(cache, None, "attention", any_multiple_of_16=True)
+    if has_decode is not False:  # the decode kernel needs a power-of-two head_dim
+        _decode.check_decode_options(cache, None, None)
     dev = cache.device
     _checks.check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
     num_seqs = block_table.shape[0]
@@ -313,15 +336,21 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
             workspace = _decode.DecodeWorkspace(max(num_tokens, 1), num_q_heads, head_dim,
                                                 decode_plan.num_splits, device=dev)
     prefill_config = prefill_pv = None
+    prefill_kernel_name = "portable"
     if has_prefill:
         prefill_pv = _prefill.resolve_pv_mode(cache.kv_dtype, pv_mode)
         _prefill.check_prefill_options(cache, None, 0, max_query_len)
-        prefill_config = _prefill_config(cache, prefill_pv, num_q_heads // cache.num_kv_heads)
+        # plan runs use checked metadata (runs with other metadata tensors are checked in full)
+        prefill_kernel_name, prefill_config = _prefill_route(cache, prefill_pv, num_q_heads, prefill_kernel,
+                                                             values_checked)
+    else:
+        _hopper.requested_kernel(prefill_kernel)  # a bad name fails here too
     launches = tuple(name for name, used in (("decode", has_decode), ("prefill", has_prefill)) if used)
     plan = AttentionPlan(num_tokens=num_tokens, num_seqs=num_seqs, num_q_heads=num_q_heads, head_dim=head_dim,
                          kv_dtype=cache.kv_dtype, max_query_len=max_query_len, has_decode=has_decode,
                          has_prefill=has_prefill, decode_plan=decode_plan, workspace=workspace,
-                         prefill_config=prefill_config, pv_mode=pv_mode, prefill_pv_mode=prefill_pv,
+                         prefill_config=prefill_config, prefill_kernel=prefill_kernel_name, pv_mode=pv_mode,
+                         prefill_pv_mode=prefill_pv,
                          launches=launches, values_checked=values_checked)
     plan._geometry = _geometry(cache)
     plan._metadata = (block_table, seq_lens, query_start_loc)
@@ -341,7 +370,8 @@ def _read_facts(query_start_loc, num_seqs: int) -> tuple:
 
 
 def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scale=None, out=None, *,
-              plan: AttentionPlan | None = None, q_quant=None, q_scale=None, pv_mode=None) -> torch.Tensor:
+              plan: AttentionPlan | None = None, q_quant=None, q_scale=None, pv_mode=None,
+              prefill_kernel: str | None = None) -> torch.Tensor:
     """Causal attention of a mixed varlen batch over the paged cache (docs/design.md §6).
 
     Args:
@@ -358,30 +388,38 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
         pv_mode: PV precision ("int8" | "bf16" for INT8 caches, "fp8" | "bf16" for FP8)
             for both kernels; None lets each take its measured default (decode: 8-bit
             PV; prefill: 16-bit PV, see :data:`int8attn.ops.prefill.DEFAULT_PV`).
+        prefill_kernel: "auto" | "hopper" | "portable" (None: ``INT8ATTN_PREFILL_KERNEL``,
+            default "auto"): the prefill kernel, see :mod:`int8attn.ops.prefill_hopper`
+            ("hopper" where it cannot run raises ValueError before any launch; "auto"
+            takes the Hopper kernel only for metadata checked on the host, e.g. a plan's).
+            With a plan, pass it to :func:`plan_attention`.
 
     Query token j of sequence s sits at position ``seq_lens[s] - q_len_s + j`` and attends
     to every cached key at a position <= its own. Returns ``out`` [T, Hq, D] bf16; rows of
     sequences with q_len 0 do not exist, every other row is written.
 
     Checks: types, shapes, strides and devices always, before any launch. Value checks
-    (block ids, lengths, ``query_start_loc``; a device read-back) run without a plan only
-    when :func:`int8attn._checks.value_checks_enabled` says so for the cache's device: on
-    a GPU only with ``INT8ATTN_CHECK_VALUES=1``, so by default an unplanned call never
-    synchronises; :func:`plan_attention` always checks them (one sync per batch). Bad
-    metadata that reaches the kernels unchecked never moves an address outside the cache,
-    workspace or output: the affected sequences' rows are NaN and a device error flag is
-    raised, which :func:`int8attn.check_errors` (and every checked call) turns into
-    :class:`int8attn.DeviceMetadataError` naming the sequence. Decode and prefill take any
-    head_dim that is a multiple of 16 from 16 to 256.
+    (block ids, lengths, ``query_start_loc``; a device read-back) run by default and in
+    :func:`plan_attention` (one sync per batch, shared by every layer's run); they are
+    skipped with ``INT8ATTN_CHECK_VALUES=0`` and under CUDA-graph capture. The prefill
+    kernel never moves an address outside its tensors whatever the metadata (the affected
+    sequences' rows are NaN and a device error flag is raised, which
+    :func:`int8attn.check_errors` turns into :class:`int8attn.DeviceMetadataError`); the
+    decode kernel trusts metadata that skipped the checks. Prefill takes any head_dim
+    that is a multiple of 16 from 16 to 256; decode (and so an unplanned call, which may
+    launch it) needs a power of two.
     """
     if plan is not None:
         if not isinstance(plan, AttentionPlan):
             raise TypeError(f"plan must be an AttentionPlan, got {type(plan).__name__}")
         if pv_mode is not None and pv_mode != plan.pv_mode:
             raise ValueError(f"pv_mode {pv_mode!r} differs from the plan's {plan.pv_mode!r}: pass it to plan_attention")
+        if prefill_kernel is not None:
+            raise ValueError("prefill_kernel applies when planning: pass it to plan_attention")
         return plan.run(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                         q_quant=q_quant, q_scale=q_scale)
     _check_common(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale)
+    _hopper.requested_kernel(prefill_kernel)  # a bad name fails on every call
     num_tokens = query.shape[0]
     num_seqs = block_table.shape[0]
     prefill_pv = _prefill.resolve_pv_mode(cache.kv_dtype, pv_mode)
@@ -392,12 +430,13 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
         return out
     prefill_config = None
     if num_tokens > MAX_DECODE_QUERY_LEN:
-        prefill_config = _prefill_config(cache, prefill_pv, query.shape[1] // cache.num_kv_heads)
+        prefill_kernel, prefill_config = _prefill_route(cache, prefill_pv, query.shape[1], prefill_kernel,
+                                                        _checks.value_checks_enabled(cache.device))
     _decode.run_decode(decode_plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                  q_quant, q_scale, None)
     if prefill_config is not None:
-        _prefill.run_prefill(prefill_config, prefill_pv, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
-                      out, q_quant, q_scale, MAX_DECODE_QUERY_LEN, None)
+        _run_prefill(prefill_kernel, prefill_config, prefill_pv, query, cache, block_table, seq_lens, query_start_loc,
+                     softmax_scale, out, q_quant, q_scale, MAX_DECODE_QUERY_LEN, None)
     return out
 
 

@@ -24,22 +24,16 @@ from ..cache import PagedKVCache
 from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
 from ..kernels.decode import _decode_merge_kernel, _decode_split_kernel
 from ..kernels.quantize import _quantize_query_kernel
-from ..runtime import interpret_mode, sm_count
+from ..runtime import device_guard, interpret_mode, sm_count
 from ._launch import CachedLaunch
 from .producer import quantize_query_args, quantize_query_launch
-from ..errors import error_flags
 
 #: Longest query (new tokens of one sequence) the decode kernel handles; sequences with
 #: more are skipped here and left to the prefill kernel.
 MAX_DECODE_QUERY_LEN = 8
-#: Output columns per program of the separate merge kernel (the last block is masked
-#: when head_dim is not a multiple).
+#: Output columns per merge program (attention head_dims are powers of two, so this
+#: divides any head_dim >= 64).
 MERGE_BLOCK_D = 64
-#: Splits per first-level group of the fused merge (kernels.decode._arrive_and_merge):
-#: the last split of a group to finish merges the group, the last group merger the groups.
-FUSED_MERGE_GROUP = 8
-#: fp32 elements of the [chunk, rows, D] partial tile a fused-merge step loads at once.
-FUSED_MERGE_TILE = 8192
 #: Most split partials a merge program loads at once (more are folded in further chunks).
 MERGE_MAX_CHUNK = 64
 #: Upper bound of ``num_splits`` (split-K segments per sequence and KV head).
@@ -76,10 +70,6 @@ class DecodeConfig:
     #: 4-warp programs whatever the shared memory allows; 168 makes room for a third
     #: (65536 / (128 x 168) = 3), 128 for a fourth, at the cost of a few spills.
     maxnreg: int | None = None
-    #: Merge the split partials inside the split kernel (the last split of a (sequence, KV
-    #: head) to finish combines them; one launch per call) instead of in the separate merge
-    #: kernel (two launches; kept as an option for measurement).
-    fused_merge: bool = True
 
 
 #: Bytes of one K+V tile the default configs aim at, and the shared memory they may
@@ -105,19 +95,6 @@ MEASURED_BEST = {
 }
 
 
-#: 32 packed rows (multi-token decode: GQA 6 x 4 tokens = 24 rows) on 8-bit caches at
-#: head_dim 128 / 256: the operand-swapped tile with 8 warps. The rule below gives a
-#: row-major 8-warp tile there, whose 32-row products run on mma.sync (the warpgroup MMA
-#: needs 64 rows row-major) -- the tile q_len 4 took when it cost 2x q_len 1 at bs16 L32k.
-#: Swapped, the 32 rows are the MMA's N (allowed: N = 32) and the keys / head_dim its M, as
-#: at q_len 1; 8 warps keep O^T [D, 32] at 32 fp32 registers per thread (4 warps spill).
-#: Not yet measured: benchmarks/decode_gpu.sh times it against the rule (``mt`` rows).
-MULTI_TOKEN_DEFAULT = {
-    (kv, d, 32): DecodeConfig(block_n=64, num_warps=8, num_stages=6, swap_ab=True)
-    for kv in ("int8", "fp8") for d in (128, 256)
-}
-
-
 #: PV modes that run the row-major tile even where MEASURED_BEST swaps the operands: an
 #: int8 cache with bf16 PV (V converted to bf16 for the warpgroup MMA is slower swapped;
 #: benchmarks/notes/decode.md, same section) and the signed-P variant (row-major only).
@@ -131,13 +108,12 @@ def default_config(kv_dtype: str, head_dim: int, block_m: int, block_size: int,
     ``ROW_MAJOR_PV``), else a K+V tile of ~TILE_BYTES (64 keys at D=256 int8, 32 at D=256
     bf16), as many buffered tiles as fit in BUFFER_BUDGET (at most 4), 8 warps for
     D >= 128. ``block_n`` is raised to the page size if smaller."""
-    best = MEASURED_BEST.get((kv_dtype, head_dim, block_m)) or MULTI_TOKEN_DEFAULT.get((kv_dtype, head_dim, block_m))
+    best = MEASURED_BEST.get((kv_dtype, head_dim, block_m))
     if best is not None and best.block_n >= block_size:
         if best.swap_ab and pv_mode in ROW_MAJOR_PV.get(kv_dtype, ()):
             best = dataclasses.replace(best, swap_ab=False)
         return best
     elem = 1 if kv_dtype in ("int8", "fp8") else 2
-    head_dim = triton.next_power_of_2(head_dim)  # the padded tile's channels (a head_dim of 80 loads 128)
     block_n = max(_checks.MIN_8BIT_PV_KEYS if elem == 1 else 16, min(128, TILE_BYTES // (2 * head_dim * elem)),
                   block_size)
     buffers = max(1, min(4, BUFFER_BUDGET // (2 * block_n * head_dim * elem)))
@@ -196,9 +172,7 @@ class DecodeWorkspace:
 
     Sized from host-known bounds: ``max_tokens`` query tokens, ``num_q_heads`` heads,
     ``head_dim``, up to ``max_splits`` splits. Holds ``partial_out`` [capacity] fp32 (viewed
-    as [T, Hq, S, D]), ``partial_ml`` (viewed as [T, Hq, S, 2]: running max, sum) and the
-    fused merge's arrival counters ``counters`` int32 (viewed as [T, Hq, S]; zero between
-    launches: every launch leaves them as it found them).
+    as [T, Hq, S, D]) and ``partial_ml`` (viewed as [T, Hq, S, 2]: running max, sum).
     """
 
     def __init__(self, max_tokens: int, num_q_heads: int, head_dim: int, max_splits: int = MAX_NUM_SPLITS,
@@ -212,7 +186,6 @@ class DecodeWorkspace:
         rows = max_tokens * num_q_heads * max_splits
         self.partial_out = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
         self.partial_ml = torch.empty(rows * 2, dtype=torch.float32, device=self.device)
-        self.counters = torch.zeros(rows, dtype=torch.int32, device=self.device)
 
     def views(self, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int):
         """[T, Hq, S, D] and [T, Hq, S, 2] views for one call (ValueError if too small)."""
@@ -230,10 +203,6 @@ class DecodeWorkspace:
         acc = self.partial_out[: n * head_dim].view(num_tokens, num_q_heads, num_splits, head_dim)
         ml = self.partial_ml[: n * 2].view(num_tokens, num_q_heads, num_splits, 2)
         return acc, ml
-
-    def counter_view(self, num_tokens: int, num_q_heads: int, num_splits: int) -> torch.Tensor:
-        """[T, Hq, S] int32 view of the arrival counters (shapes checked by :meth:`views`)."""
-        return self.counters[: num_tokens * num_q_heads * num_splits].view(num_tokens, num_q_heads, num_splits)
 
 
 @dataclass(frozen=True)
@@ -364,7 +333,7 @@ def decode_attention(query, cache, block_table, seq_lens, query_start_loc, *, so
 
 def check_decode_options(cache, softmax_scale, workspace) -> None:
     """The non-tensor arguments of a decode call (cache, softmax_scale, workspace)."""
-    _checks.check_kernel_options(cache, softmax_scale, "decode_attention", any_multiple_of_16=True)
+    _checks.check_kernel_options(cache, softmax_scale, "decode_attention")
     if workspace is not None:
         if not isinstance(workspace, DecodeWorkspace):
             raise TypeError(f"workspace must be a DecodeWorkspace, got {type(workspace).__name__}")
@@ -383,37 +352,10 @@ def run_decode(plan: DecodePlan, query, cache, block_table, seq_lens, query_star
     if num_tokens == 0 or num_seqs == 0:
         return out
     check_num_seqs(num_seqs)
-    launch = _call_launch(plan, cache, query, q_quant, q_scale, block_table, out, workspace)
+    launch = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace)
     qk_scale = qk_scale_of(softmax_scale, head_dim)
     launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
     return out
-
-
-_CALL_LAUNCHES: dict = {}
-
-
-def _call_launch(plan: DecodePlan, cache, query, q_quant, q_scale, block_table, out, workspace) -> "DecodeLaunch":
-    """The DecodeLaunch of an unplanned call, made once per (plan, input layouts, cache
-    geometry and strides, device, current stream) and reused: an eager call without a plan
-    then costs its checks plus a cached launch, like a planned run. Per stream, because the
-    launch owns its query-code buffers and its workspace is the stream's (see
-    _stream_workspace); not kept from inside a CUDA-graph capture."""
-    dev = cache.device
-    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    q_in = q_quant if q_quant is not None else query
-    key = (plan, query.dtype, query.shape, q_in.dtype, q_in.stride(), None if q_scale is None else q_scale.stride(),
-           out.stride(), block_table.shape, block_table.stride(), cache.kv_dtype, cache.num_blocks,
-           cache.num_kv_heads, cache.block_size, cache.head_dim, cache.key.stride(),
-           cache.key_scale.stride() if cache.quantized else None, dev,
-           torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0, interpret_mode(), workspace)
-    launch = None if capturing else _CALL_LAUNCHES.get(key)
-    if launch is None:
-        launch = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace)
-        if not capturing:
-            if len(_CALL_LAUNCHES) >= _MAX_WORKSPACES:
-                _CALL_LAUNCHES.clear()
-            _CALL_LAUNCHES[key] = launch
-    return launch
 
 
 def check_num_seqs(num_seqs: int) -> None:
@@ -423,7 +365,6 @@ def check_num_seqs(num_seqs: int) -> None:
                          f"got {num_seqs}")
 
 
-@functools.lru_cache(maxsize=256)  # one float object per scale: cached launches compare arguments by identity
 def qk_scale_of(softmax_scale, head_dim: int) -> float:
     """The kernels' score multiplier: softmax_scale (default head_dim ** -0.5) * log2(e)."""
     if softmax_scale is None:
@@ -434,60 +375,32 @@ def qk_scale_of(softmax_scale, head_dim: int) -> float:
 @functools.lru_cache(maxsize=256)  # (tokens, heads, head_dim, kv dtype) shapes of planned decodes
 def _query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dtype: str, interpret: bool,
                   has_lam: bool = False):
-    """Memoized :func:`int8attn.ops.producer.quantize_query_launch` (``interpret`` keys the
-    INTERPRET flag it bakes in; ``has_lam``: the cache migrates channels)."""
+    """Memoized :func:`int8attn.ops.producer.quantize_query_launch` (``has_lam``: the cache
+    migrates channels; ``interpret`` keys the INTERPRET flag it bakes in)."""
     return quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype, has_lam=has_lam)
-
-
-_WORKSPACES: dict = {}
-_MAX_WORKSPACES = 64
-
-
-def _stream_workspace(num_tokens: int, num_q_heads: int, head_dim: int, splits: int, device: torch.device):
-    """A workspace for calls that bring none (``decode_attention`` / ``attention()`` without
-    a plan): one per (device, current stream, shape), reused by later calls on that stream
-    -- stream order keeps them from overlapping, and every launch leaves the counters at
-    zero -- so an eager call neither allocates nor zero-fills (no extra launch). During a
-    CUDA-graph capture a fresh one is made for the graph instead."""
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if capturing:
-        return DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=device)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream, num_tokens, num_q_heads, head_dim, splits)
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        if len(_WORKSPACES) >= _MAX_WORKSPACES:
-            _WORKSPACES.clear()
-        ws = _WORKSPACES[key] = DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=device)
-    return ws
 
 
 @functools.lru_cache(maxsize=64)  # devices x (Hq, D) shapes in use; each entry a few KB
 def _placeholder_partials(device, num_q_heads: int, head_dim: int):
-    """[1, Hq, 1, D] and [1, Hq, 1, 2] fp32 (and [1, Hq, 1] int32 counter) stand-ins for the partials of a one-split
+    """[1, Hq, 1, D] and [1, Hq, 1, 2] fp32 stand-ins for the partials of a one-split
     launch, which writes ``out`` directly and never touches them; shaped like real views
     so the kernel is specialized the same way as with a workspace. Shared by every such
     launch (nothing reads or writes them), made once per device and shape."""
     return (torch.empty((1, num_q_heads, 1, head_dim), dtype=torch.float32, device=device),
-            torch.empty((1, num_q_heads, 1, 2), dtype=torch.float32, device=device),
-            torch.zeros((1, num_q_heads, 1), dtype=torch.int32, device=device))
+            torch.empty((1, num_q_heads, 1, 2), dtype=torch.float32, device=device))
 
 
 class DecodeLaunch:
     """The kernel launches of one :class:`DecodePlan` for fixed shapes and strides.
 
-    Everything except the tensors is worked out once, here: grids, stride and size
-    arguments, constexprs, the split partials and arrival counters (views of
-    ``workspace``, or of a new one, when the plan has more than one split; shared,
-    never-touched placeholders otherwise), the device error flags and, with ``quantize``,
-    the query-quantization launch and its outputs (q codes [T, Hq, D] of the cache's
-    storage dtype, q scales [T, Hq] fp32, owned by this object and overwritten by every
-    call). Calling it launches, in stream order: the query quantization (with
-    ``quantize``; once per call, never per split), the split kernel, and the separate
-    merge kernel only when the config does not fuse the merge (``fused_merge=False``) and
-    there is more than one split. With the producer's ``q_quant`` and the default config a
-    call is one launch. No validation, no host sync, no allocation: capturable in a CUDA
-    graph.
+    Everything except the tensors is worked out once, here: grids, stride arguments,
+    constexprs, the split partials (views of ``workspace``, or of a new one, when the plan
+    has more than one split; shared, never-touched placeholders otherwise) and, with
+    ``quantize``, the query-quantization launch and its outputs (q codes [T, Hq, D] of the
+    cache's storage dtype, q scales [T, Hq] fp32, owned by this object and overwritten by
+    every call). Calling it launches, in stream order: the query quantization (with
+    ``quantize``), the split kernel, the merge kernel (more than one split). No
+    validation, no host sync, no allocation: capturable in a CUDA graph.
 
     :func:`decode_attention` builds one per call; an :class:`~int8attn.ops.attention.AttentionPlan`
     keeps one per input layout and reuses it for every layer and step.
@@ -500,27 +413,20 @@ class DecodeLaunch:
         q_strides: (token, head) strides of the query the kernel reads (``q_quant`` when
             given, else the query; ignored with ``quantize``); q_scale_strides: of
             ``q_scale`` (8-bit caches with a given ``q_quant``), else None;
-        out_strides: (token, head) strides of ``out``; block_table_stride: its row stride;
-        max_blocks: the block table's columns (the kernels clamp ``seq_lens`` to
-            ``max_blocks * block_size``).
+        out_strides: (token, head) strides of ``out``; block_table_stride: its row stride.
     """
 
-    __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_guard", "_part_acc",
-                 "_part_ml", "_counters", "_flags", "_split_grid", "_split_args", "_split_constexprs", "_merge_grid",
-                 "_merge_args", "_merge_constexprs", "_quantize_kernel", "_split_kernel", "_merge_kernel",
-                 "_quantize_args", "_quantize_key", "_quantize_lam", "_quantize_kernel_lam", "_query_dims")
+    __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_part_acc", "_part_ml",
+                 "_split_grid", "_split_args", "_split_constexprs", "_merge_grid", "_merge_args",
+                 "_merge_constexprs", "_quantize_kernel", "_split_kernel", "_merge_kernel", "_quantize_kernel_lam",
+                 "_query_dims")
 
     def __init__(self, plan: DecodePlan, cache: PagedKVCache, num_tokens: int, num_q_heads: int, num_seqs: int, *,
-                 device, q_strides, q_scale_strides, out_strides, block_table_stride: int, max_blocks: int,
+                 device, q_strides, q_scale_strides, out_strides, block_table_stride: int,
                  workspace: DecodeWorkspace | None = None, quantize: bool = False):
         head_dim = cache.head_dim
-        block_d = triton.next_power_of_2(head_dim)
         splits = plan.num_splits
-        cfg = plan.config
-        self.plan, self.quantize, self._device = plan, quantize, torch.device(device)
-        # a device context per call only where there is more than one device to choose from
-        self._guard = self._device.type == "cuda" and self._device.index is not None \
-            and torch.cuda.device_count() > 1
+        self.plan, self.quantize, self._device = plan, quantize, device
         self._query_launch = self._q_codes = self._q_scales = None
         interpret = interpret_mode()
         if quantize:
@@ -530,72 +436,65 @@ class DecodeLaunch:
             q_strides, q_scale_strides = self._q_codes.stride(), self._q_scales.stride()
         if splits > 1:
             if workspace is None:
-                workspace = _stream_workspace(num_tokens, num_q_heads, head_dim, splits, torch.device(device))
+                workspace = DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=device)
             part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, splits)
-            counters = workspace.counter_view(num_tokens, num_q_heads, splits)
         else:
-            part_acc, part_ml, counters = _placeholder_partials(device, num_q_heads, head_dim)
-        self._part_acc, self._part_ml, self._counters = part_acc, part_ml, counters
-        self._flags = error_flags(device)
+            part_acc, part_ml = _placeholder_partials(device, num_q_heads, head_dim)
+        self._part_acc, self._part_ml = part_acc, part_ml
         if cache.quantized:
             scale_strides = cache.key_scale.stride()
         else:
             q_scale_strides, scale_strides = (0, 0), (0, 0, 0)
+        cfg = plan.config
         block_n = max(cfg.block_n, cache.block_size)
         part_strides = (*part_acc.stride()[:3], *part_ml.stride()[:3])
         key_strides = cache.key.stride()
-        group = num_q_heads // cache.num_kv_heads
         self._split_grid = (splits, cache.num_kv_heads, num_seqs)
         # the split kernel's arguments after qk_scale, in its signature's order
         self._split_args = (
-            splits, num_tokens, cache.num_blocks, max_blocks,
+            splits,
             q_strides[0], q_strides[1], q_scale_strides[0], q_scale_strides[1],
             key_strides[0], key_strides[1],
             scale_strides[0], scale_strides[1],
             block_table_stride,
             out_strides[0], out_strides[1],
             *part_strides,
-            counters.stride(0), counters.stride(1),
         )
-        fused = cfg.fused_merge and splits > 1
-        merge_m = max(2, triton.next_power_of_2(group * plan.tokens_per_pass))
         self._split_constexprs = dict(
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE=cache.block_size,
+            GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, PAGE=cache.block_size,
             BLOCK_N=block_n, BLOCK_M=plan.block_m, TOKENS_PER_PASS=plan.tokens_per_pass,
             MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[plan.pv_mode],
-            INTERPRET=interpret, SWAP_AB=cfg.swap_ab, FUSED_MERGE=fused, MERGE_GROUP=FUSED_MERGE_GROUP,
-            MERGE_M=merge_m, MERGE_CHUNK=max(1, min(FUSED_MERGE_GROUP, FUSED_MERGE_TILE // (merge_m * block_d))),
+            INTERPRET=interpret, SWAP_AB=cfg.swap_ab,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
         )
         # launched through CachedLaunch: Triton binds the arguments on the first call only
         # recorded in int8attn.launches with the plan: launches.last("_decode_split_kernel")
         self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs,
-                                          {"plan": plan}, fixed_args=self._split_args)
+                                          {"plan": plan})
         self._quantize_kernel = self._merge_kernel = self._quantize_kernel_lam = None
-        self._quantize_args = self._quantize_key = self._quantize_lam = None
         self._query_dims = (num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
         if quantize:
             self._quantize_kernel = CachedLaunch(_quantize_query_kernel, *self._query_launch)
         self._merge_grid = None
-        if splits > 1 and not fused:
-            merge_cols = min(block_d, MERGE_BLOCK_D)
+        if splits > 1:
+            merge_cols = min(head_dim, MERGE_BLOCK_D)
             # The tile of partials a program loads is [chunk, merge_cols]: sized to the split
             # count, not to the largest one, so a few splits take few registers and warps and
             # every merge program of a large batch is resident in one wave (a fixed 64-split
             # tile at bs16 x 4 splits ran the merge in 3 waves: 7.3 us against 73 us of split
             # kernel on the H200).
             chunk = min(MERGE_MAX_CHUNK, triton.next_power_of_2(splits))
-            self._merge_grid = (num_q_heads, num_seqs, triton.cdiv(head_dim, merge_cols))
+            self._merge_grid = (num_q_heads, num_seqs, head_dim // merge_cols)
             # the merge kernel's arguments after query_start_loc
-            self._merge_args = (splits, num_tokens, max_blocks, out_strides[0], out_strides[1], *part_strides)
+            self._merge_args = (splits, out_strides[0], out_strides[1], *part_strides)
             self._merge_constexprs = dict(
                 HEAD_DIM=head_dim, BLOCK_N=block_n, MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN,
-                SPLIT_CHUNK=chunk, BLOCK_D=merge_cols, PAGE=cache.block_size,
+                SPLIT_CHUNK=chunk, BLOCK_D=merge_cols,
                 num_warps=max(1, min(4, chunk * merge_cols // 256)),
             )
             self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs,
-                                              {"plan": plan}, fixed_args=self._merge_args)
+                                              {"plan": plan})
 
     @classmethod
     def for_tensors(cls, plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table, out_strides,
@@ -608,46 +507,31 @@ class DecodeLaunch:
         q_in = q_quant if q_quant is not None else query
         return cls(plan, cache, num_tokens, num_q_heads, block_table.shape[0], device=cache.device,
                    q_strides=q_in.stride(), q_scale_strides=None if q_scale is None else q_scale.stride(),
-                   out_strides=out_strides, block_table_stride=block_table.stride(0),
-                   max_blocks=block_table.shape[1], workspace=workspace,
+                   out_strides=out_strides, block_table_stride=block_table.stride(0), workspace=workspace,
                    quantize=cache.quantized and q_quant is None)
 
     def __call__(self, query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out,
                  qk_scale: float) -> None:
-        """Launch for these tensors (their layouts as at construction; not checked).
-
-        Per-call host work is constant in the batch size: a few attribute reads, one tuple
-        of the tensor arguments, and the cached launch (see ops._launch.CachedLaunch)."""
-        if self._guard:
-            with torch.cuda.device(self._device):
-                self._launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
-        else:
-            self._launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
-
-    def _launch(self, query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale):
-        if self.quantize:
-            q_quant, q_scale = self._q_codes, self._q_scales
-            lam = cache.key_channel_scale  # channel migration: Q times lam before rounding
-            if self._quantize_key is not query or self._quantize_lam is not lam:
-                # the argument tuple of the last (query, scale), reused
-                self._quantize_args = quantize_query_args(query, q_quant, q_scale, lam)
-                self._quantize_key, self._quantize_lam = query, lam
-            if lam is None:
-                self._quantize_kernel(*self._quantize_args)
+        """Launch for these tensors (their layouts as at construction; not checked)."""
+        part_acc, part_ml = self._part_acc, self._part_ml
+        with device_guard(self._device):
+            if self.quantize:
+                q_quant, q_scale = self._q_codes, self._q_scales
+                lam = cache.key_channel_scale  # channel migration: Q times lam before its rounding
+                if lam is None:
+                    self._quantize_kernel(*quantize_query_args(query, q_quant, q_scale))
+                else:
+                    if self._quantize_kernel_lam is None:
+                        self._quantize_kernel_lam = CachedLaunch(_quantize_query_kernel,
+                                                                 *_query_launch(*self._query_dims, True))
+                    self._quantize_kernel_lam(*quantize_query_args(query, q_quant, q_scale, lam))
+            if cache.quantized:
+                q_in, q_scale_in, k_scale, v_scale = q_quant, q_scale, cache.key_scale, cache.value_scale
             else:
-                if self._quantize_kernel_lam is None:
-                    self._quantize_kernel_lam = CachedLaunch(_quantize_query_kernel,
-                                                             *_query_launch(*self._query_dims, True))
-                self._quantize_kernel_lam(*self._quantize_args)
-        if cache.quantized:
-            split = self._split_kernel(q_quant, q_scale, cache.key, cache.value, cache.key_scale, cache.value_scale,
-                                       block_table, seq_lens, query_start_loc, out, self._part_acc, self._part_ml,
-                                       self._counters, self._flags, qk_scale)
-        else:
-            q_in = q_quant if q_quant is not None else query
-            split = self._split_kernel(q_in, q_in, cache.key, cache.value, cache.key, cache.value,
-                                       block_table, seq_lens, query_start_loc, out, self._part_acc, self._part_ml,
-                                       self._counters, self._flags, qk_scale)
-        merge = None
-        if self._merge_kernel is not None:
-            merge = self._merge_kernel(out, self._part_acc, self._part_ml, seq_lens, query_start_loc)
+                q_in = q_quant if q_quant is not None else query
+                q_scale_in, k_scale, v_scale = q_in, cache.key, cache.value
+            self._split_kernel(q_in, q_scale_in, cache.key, cache.value, k_scale, v_scale,
+                                              block_table, seq_lens, query_start_loc, out, part_acc, part_ml,
+                                              qk_scale, *self._split_args)
+            if self._merge_kernel is not None:
+                self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc, *self._merge_args)

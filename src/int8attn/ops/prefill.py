@@ -24,6 +24,7 @@ from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
 from ..errors import error_flags
 from ..kernels.prefill import _prefill_kernel
 from ..runtime import device_guard, interpret_mode
+from ._launch import CachedLaunch
 
 #: Default PV precision per cache dtype: 16-bit PV for 8-bit caches too, because on the
 #: H200 it was both faster and more accurate than 8-bit PV at the headline shape
@@ -247,18 +248,21 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
         softmax_scale = head_dim ** -0.5
     qk_scale = float(softmax_scale) * math.log2(math.e)
 
-    with device_guard(cache.device):
-        compiled = _prefill_kernel[(num_tiles, cache.num_kv_heads)](
-            q_in, q_scale_in, out,
-            key, value, k_scale, v_scale,
-            block_table, seq_lens, query_start_loc, error_flags(cache.device),
-            qk_scale, num_seqs, num_tokens, cache.num_blocks, block_table.shape[1], min_query_len,
-            max(tiles_per_seq, 1), num_tiles,
-            q_in.stride(0), q_in.stride(1), q_scale_strides[0], q_scale_strides[1],
-            out.stride(0), out.stride(1),
-            cache.key.stride(0), cache.key.stride(1), scale_strides[0], scale_strides[1],
-            block_table.stride(0),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), DV=config.dv, PAGE=cache.block_size,
+    fixed = (num_seqs, num_tokens, cache.num_blocks, block_table.shape[1], min_query_len,
+             max(tiles_per_seq, 1), num_tiles,
+             q_in.stride(0), q_in.stride(1), q_scale_strides[0], q_scale_strides[1],
+             out.stride(0), out.stride(1),
+             cache.key.stride(0), cache.key.stride(1), scale_strides[0], scale_strides[1],
+             block_table.stride(0))
+    key_ = (_prefill_kernel, config, pv_mode, cache.kv_dtype, cache.block_size, cache.value_transposed, group,
+            head_dim, q_quantized, search, fixed, cache.device)
+    launch = _LAUNCHES.get(key_)
+    if launch is None:
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        constexprs = dict(
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), DV=config.dv,
+            PAGE=cache.block_size,
             BLOCK_M=config.block_m, BLOCK_Q=block_q, BLOCK_N=config.block_n,
             KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[pv_mode], P_SHIFT=bool(config.p_shift),
             Q_QUANTIZED=q_quantized or not cache.quantized, SEARCH=search, V_LATE=bool(config.v_late),
@@ -266,5 +270,16 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
             LAZY_RESCALE=bool(config.lazy_rescale), INTERPRET=interpret_mode(),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
-    launches.record("_prefill_kernel", compiled)
+        launch = _LAUNCHES[key_] = CachedLaunch(_prefill_kernel, (num_tiles, cache.num_kv_heads), constexprs,
+                                                fixed_args=fixed)
+    with device_guard(cache.device):
+        launch(q_in, q_scale_in, out, key, value, k_scale, v_scale, block_table, seq_lens, query_start_loc,
+               error_flags(cache.device), qk_scale)
     return out
+
+
+#: Cached prefill launches of run_prefill, one per launch geometry (config, shapes,
+#: strides, scalar arguments, device): a repeated eager call skips Triton's per-call
+#: argument binding (ops._launch.CachedLaunch), the largest host cost of a launch.
+_LAUNCHES: dict = {}
+_MAX_LAUNCHES = 256

@@ -1,6 +1,7 @@
-"""Chunked prefill on Hopper: the launcher of the Gluon kernel
-:func:`int8attn.kernels.prefill_hopper._prefill_hopper_kernel`, and the routing between it
-and the portable Triton kernel (:mod:`int8attn.ops.prefill`).
+"""Chunked prefill on Hopper: the launcher of the Gluon kernels
+:func:`int8attn.kernels.prefill_hopper._prefill_hopper_kernel` (one MMA waited at a time)
+and :func:`int8attn.kernels.prefill_hopper_pipe._prefill_hopper_pipe_kernel` (asynchronous
+MMAs), and the choice between them and the portable Triton kernel (:mod:`int8attn.ops.prefill`).
 
 Same contract as :func:`int8attn.ops.prefill.prefill_attention` (inputs, validation,
 ``out=``, ``min_query_len`` / ``max_query_len``, grid from host-known sizes only, no host
@@ -9,15 +10,25 @@ block_size >= 16 (16-byte copy runs of a transposed V page), PV "int8" | "fp8" (
 or "bf16" (fp16 P and V). The query is quantized once by
 :func:`int8attn.ops.producer.quantize_query` unless the caller passes its codes.
 
-:func:`prefill` routes: ``kernel="hopper"`` forces this kernel (a clear error where it
-does not apply), ``"portable"`` the Triton kernel, ``"auto"`` this kernel wherever
-:func:`unsupported_reason` returns None. ``last_kernel`` names the kernel of the latest
-launch ("hopper" | "portable") for traces.
+Kernel choice (:func:`choose`, used by :func:`prefill`, ``attention()``,
+``plan_attention`` and so the ``int8attn::attention`` op): a ``kernel`` argument
+("auto" | "hopper" | "portable"), else the ``INT8ATTN_PREFILL_KERNEL`` environment
+variable (same values; default "auto"). "portable" always runs the Triton kernel;
+"hopper" runs the Hopper kernel wherever :func:`unsupported_reason` allows (forced by
+argument: a clear ValueError where it does not apply; by the environment: the portable
+kernel there); "auto" runs it only on the routes of :data:`AUTO_ROUTES`, those measured
+correct and at least as fast as the portable kernel on the H200, and only for metadata
+whose values were checked on the host (a plan, or value checks on): the Hopper kernels
+trust ``block_table`` / ``seq_lens`` / ``query_start_loc``, where the portable kernel
+clamps bad values, writes NaN rows and raises a device error flag. The launch record
+(:mod:`int8attn.launches`) names the kernel that ran: ``_prefill_hopper_kernel``,
+``_prefill_hopper_pipe_kernel`` or the portable ``_prefill_kernel``.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,22 +40,35 @@ from ..runtime import device_guard, interpret_mode
 from . import prefill as _portable
 
 KERNELS = ("auto", "hopper", "portable")
+#: Environment variable naming the prefill kernel when no ``kernel`` argument does.
+KERNEL_ENV = "INT8ATTN_PREFILL_KERNEL"
 _KV_KIND = {k: KV_KIND[k] for k in ("int8", "fp8")}  # the cache dtypes the Hopper kernel takes
 
-#: Which kernel ran the latest prefill launch of :func:`prefill`: "hopper" or "portable".
-last_kernel: str | None = None
+#: (kv_dtype, pv_mode) routes "auto" runs on the Hopper kernel (sm_90, wherever it
+#: applies): correct in the GPU tests and at least as fast as the portable kernel in every
+#: H200 case measured (benchmarks/notes/prefill_hopper.md). e4m3 PV: 1.06-1.28x at
+#: 24q/4kv D256 and 32q/8kv D128, chunk 4096 over prefix 0 and 28672. Not listed
+#: (slower than portable there): int8 PV (0.79-0.95x), 16-bit PV (0.65-0.97x).
+AUTO_ROUTES = frozenset({("fp8", "fp8")})
+#: Routes whose Hopper config is the pipelined one (:func:`pipelined_config`) rather than
+#: :func:`default_config`: none until an H200 run measures it correct and faster.
+PIPELINED_ROUTES: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
 class HopperPrefillConfig:
     """Tiling: block_m query rows per program (64 or 128: one or two warpgroups, block_m //
     16 warps), block_n keys per KV tile, dv output columns per PV MMA (None: the default for
-    the PV precision), stages of the shared-memory K/V ring (>= 2)."""
+    the PV precision), stages of the shared-memory K/V ring (>= 2); pipeline: the
+    asynchronous-MMA schedule of :mod:`int8attn.kernels.prefill_hopper_pipe` (8-bit PV,
+    stages >= 3: PV of one tile overlaps the next tile's softmax) instead of one MMA waited
+    at a time."""
 
     block_m: int = 128
     block_n: int = 64
     dv: int | None = None
     stages: int = 2
+    pipeline: bool = False
 
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillConfig:
@@ -57,6 +81,56 @@ def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillC
     if pv_mode == "int8":
         return HopperPrefillConfig(block_n=block_n, dv=min(head_dim, 64 if head_dim > 128 else 128))
     return HopperPrefillConfig(block_n=block_n, dv=head_dim)
+
+
+def pipelined_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None:
+    """The asynchronous-MMA config for an 8-bit PV route (PV of the cache's precision), or
+    None where it spills: sm_90 AOT compiles (Triton 3.6 / 3.9) of the pipelined kernel
+    hold the PV result of one tile beside the accumulator through the next softmax; int8 PV
+    fits with 32-key tiles up to head_dim 128 (16-39 LDL/STL), not at 256 (~750); fp8 PV
+    accumulates inside the MMA (no spills at 64-key tiles, head_dim 128; 32 at 256)."""
+    if kv_dtype == "int8":
+        if head_dim > 128:
+            return None
+        return HopperPrefillConfig(block_n=32, dv=head_dim, stages=4, pipeline=True)
+    return HopperPrefillConfig(block_n=64 if head_dim <= 128 else 32, dv=head_dim, stages=4, pipeline=True)
+
+
+def requested_kernel(kernel: str | None = None) -> tuple[str, bool]:
+    """(kernel, forced): the ``kernel`` argument (forced) or ``INT8ATTN_PREFILL_KERNEL``."""
+    forced = kernel is not None
+    if kernel is None:
+        kernel = os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
+    if kernel not in KERNELS:
+        src = "kernel" if forced else KERNEL_ENV
+        raise ValueError(f"{src} must be one of {KERNELS}, got {kernel!r}")
+    return kernel, forced
+
+
+def choose(cache, num_q_heads: int, pv_mode: str, kernel: str | None = None, *,
+           metadata_checked: bool = True) -> str:
+    """"hopper" or "portable" for a prefill launch of this cache / heads / resolved PV mode
+    (see the module docstring; ``metadata_checked``: the metadata values were checked on
+    the host, which "auto" requires); ValueError where ``kernel="hopper"`` cannot run."""
+    kernel, forced = requested_kernel(kernel)
+    if kernel == "portable":
+        return "portable"
+    reason = unsupported_reason(cache, num_q_heads, pv_mode)
+    if reason is not None:
+        if kernel == "hopper" and forced:
+            raise ValueError(f"the Hopper prefill kernel does not apply: {reason}")
+        return "portable"
+    if kernel == "hopper" or (metadata_checked and (cache.kv_dtype, pv_mode) in AUTO_ROUTES):
+        return "hopper"
+    return "portable"
+
+
+def route_config(cache, num_q_heads: int, pv_mode: str) -> HopperPrefillConfig:
+    """The checked Hopper config :func:`choose`'s callers launch with."""
+    pipe = pipelined_config(cache.kv_dtype, cache.head_dim) if (cache.kv_dtype, pv_mode) in PIPELINED_ROUTES \
+        else None
+    config = pipe or default_config(cache.kv_dtype, cache.head_dim, pv_mode)
+    return _check_config(config, cache, num_q_heads // cache.num_kv_heads, pv_mode)
 
 
 def _gluon_available() -> bool:
@@ -109,6 +183,11 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise ValueError(f"dv={dv}: s8 warpgroup MMAs take at most 224 columns")
     if not isinstance(config.stages, int) or not 2 <= config.stages <= 4:
         raise ValueError(f"stages={config.stages!r} must be 2, 3 or 4")
+    if not isinstance(config.pipeline, bool):
+        raise TypeError(f"config.pipeline must be a bool, got {config.pipeline!r}")
+    if config.pipeline and (pv_mode == "bf16" or config.stages < 3):
+        raise ValueError(f"pipeline=True needs 8-bit PV and stages >= 3 (pv_mode={pv_mode!r}, "
+                         f"stages={config.stages})")
     _checks.check_pv_tile_keys(config.block_n, pv_mode)
     return replace(config, dv=dv)
 
@@ -142,22 +221,29 @@ def prefill_attention_hopper(query, cache, block_table, seq_lens, query_start_lo
         raise TypeError(f"config must be a HopperPrefillConfig, got {type(config).__name__}")
     group = query.shape[1] // cache.num_kv_heads
     config = _check_config(config, cache, group, pv_mode)
-    return _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
+    return run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                 q_quant, q_scale, min_query_len, max_query_len)
 
 
-def _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant,
-         q_scale, min_query_len, max_query_len) -> torch.Tensor:
-    """Launch with a checked config (no validation)."""
+def kernel_fn(config: HopperPrefillConfig):
+    """The Gluon kernel of a config (both take the same arguments and constexprs)."""
+    if config.pipeline:
+        from ..kernels.prefill_hopper_pipe import _prefill_hopper_pipe_kernel
+        return _prefill_hopper_pipe_kernel
     from ..kernels.prefill_hopper import _prefill_hopper_kernel
+    return _prefill_hopper_kernel
+
+
+def run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant,
+                q_scale, min_query_len, max_query_len) -> torch.Tensor:
+    """Launch with a checked config (no validation): the arguments of
+    :func:`int8attn.ops.prefill.run_prefill`, for callers that checked the inputs."""
     from .producer import quantize_query
 
-    global last_kernel
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = block_table.shape[0]
     if out is None:
         out = torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
-    last_kernel = "hopper"
     if num_tokens == 0 or num_seqs == 0 or (max_query_len is not None and max_query_len <= min_query_len):
         return out
     group = num_q_heads // cache.num_kv_heads
@@ -171,7 +257,8 @@ def _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, 
         softmax_scale = head_dim ** -0.5
     qk_scale = float(softmax_scale) * math.log2(math.e)
     with device_guard(cache.device):
-        compiled = _prefill_hopper_kernel[(num_tiles, cache.num_kv_heads)](
+        kern = kernel_fn(config)
+        compiled = kern[(num_tiles, cache.num_kv_heads)](
             q_in, q_scale, out, key, value, cache.key_scale, cache.value_scale,
             block_table, seq_lens, query_start_loc,
             qk_scale, num_seqs, min_query_len, num_tiles,
@@ -181,27 +268,32 @@ def _run(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, 
             block_table.stride(0),
             **constexprs(config, cache, group, pv_mode), num_warps=config.block_m // 16,
         )
-    launches.record("_prefill_hopper_kernel", compiled)
+    launches.record("_prefill_hopper_pipe_kernel" if config.pipeline else "_prefill_hopper_kernel", compiled)
     return out
 
 
-def prefill(query, cache, block_table, seq_lens, query_start_loc, *, kernel: str = "auto", config=None,
+def prefill(query, cache, block_table, seq_lens, query_start_loc, *, kernel: str | None = None, config=None,
             **kwargs) -> torch.Tensor:
-    """Prefill on the kernel ``kernel`` names ("auto": Hopper wherever it applies, else
-    portable); ``config`` must match the kernel that runs. Sets :data:`last_kernel`."""
-    global last_kernel
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "auto":
-        use_hopper = not isinstance(config, _portable.PrefillConfig) and \
-            unsupported_reason(cache, query.shape[1], kwargs.get("pv_mode")) is None
-        kernel = "hopper" if use_hopper else "portable"
-    if kernel == "hopper":
+    """Prefill on the kernel :func:`choose` picks (``kernel``: "auto" | "hopper" |
+    "portable"; None: ``INT8ATTN_PREFILL_KERNEL``). A ``config`` names its kernel (a
+    :class:`HopperPrefillConfig` the Hopper one, a portable ``PrefillConfig`` the portable
+    one) unless ``kernel`` says otherwise (then the launcher rejects the config)."""
+    requested_kernel(kernel)  # a bad name fails before anything else
+    if isinstance(config, HopperPrefillConfig) and kernel is None:
+        which = "hopper"
+    elif isinstance(config, _portable.PrefillConfig) and kernel is None:
+        which = "portable"
+    else:
+        try:
+            pv_mode = _portable.resolve_pv_mode(cache.kv_dtype, kwargs.get("pv_mode"))
+        except (ValueError, AttributeError):
+            pv_mode = None  # the launcher raises the clear error
+        which = "portable" if pv_mode is None and kernel != "hopper" else \
+            choose(cache, query.shape[1], pv_mode, kernel, metadata_checked=_checks.value_checks_enabled(cache.device))
+    if which == "hopper":
         return prefill_attention_hopper(query, cache, block_table, seq_lens, query_start_loc, config=config,
                                         **kwargs)
-    out = _portable.prefill_attention(query, cache, block_table, seq_lens, query_start_loc, config=config, **kwargs)
-    last_kernel = "portable"
-    return out
+    return _portable.prefill_attention(query, cache, block_table, seq_lens, query_start_loc, config=config, **kwargs)
 
 
 #: Pointer arguments of the kernel and their Triton types per cache dtype (AOT compile).
@@ -221,8 +313,6 @@ def compile_for_sm90(kv_dtype: str, pv_mode: str, head_dim: int, block_size: int
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from ..kernels.prefill_hopper import _prefill_hopper_kernel
-
     class _Shape:  # the cache facts the constexprs read
         pass
 
@@ -231,6 +321,7 @@ def compile_for_sm90(kv_dtype: str, pv_mode: str, head_dim: int, block_size: int
     config = config or default_config(kv_dtype, head_dim, pv_mode)
     config = replace(config, dv=config.dv or default_config(kv_dtype, head_dim, pv_mode).dv)
     const = constexprs(config, cache, group, pv_mode)
+    _prefill_hopper_kernel = kernel_fn(config)
     ptrs = _pointer_types(kv_dtype)
     names = _prefill_hopper_kernel.arg_names
     sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}

@@ -1,0 +1,312 @@
+"""The Hopper prefill kernel of :mod:`int8attn.kernels.prefill_hopper` with asynchronous
+warpgroup MMAs (8-bit PV only): the same function, rows, scales, masking, P quantization
+and tensor layouts; only the schedule differs.
+
+Per KV tile ``j`` each warpgroup runs (FlashAttention-3's intra-warpgroup overlap):
+
+1. softmax of the scores ``S_j`` (already in registers) -> the 8-bit P operand, while
+   ``PV(j - 1)`` is still running on the tensor cores;
+2. wait for ``PV(j - 1)`` and fold it into the accumulator (int8 PV: ``acc * f + o - M``;
+   fp8 PV accumulates inside the MMA, scaled by ``f`` as it is issued);
+3. wait for tile ``j + 1``'s copies, one CTA barrier, refill the ring stage of tile ``j - 2``
+   with tile ``j + STAGES - 2`` (every thread finished ``PV(j - 2)`` before the barrier at
+   ``j - 1``; with 3 stages the refill precedes the wait);
+4. issue ``QK(j + 1)`` then ``PV(j)``, both asynchronous, and wait only for ``QK(j + 1)``
+   (``warpgroup_mma_wait(NUM_DV)``): ``PV(j)`` overlaps the next softmax.
+
+The K and V scales of tile ``j + 1`` are loaded right after the softmax of tile ``j`` (their
+latency hides behind steps 2-4), with page-clamped unmasked addresses and 2-key vectors; keys past
+the sequence get scale 0 by a select (stale NaN scales never reach arithmetic).
+
+``STAGES >= 3`` (three tiles are live: ``j - 1`` until its PV ends, ``j`` and ``j + 1``; at
+3 stages tile ``j + 1``'s copies are issued one step before their wait, so 4 is the
+pipelined default). Same constexprs as the synchronous kernel, so one launcher and one
+AOT-compile path serve both.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
+                                                                warpgroup_mma_wait)
+
+from . import _gluon_compat as _gc
+from .codes import KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
+from .prefill_hopper import (MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _find_seq, _issue_tile, _store_rows,
+                             _zero_tail_keys)
+
+
+@gluon.jit
+def _tile_scales(j, bt_row, k_scale_ptr, v_scale_ptr, scale_head, stride_sb, kv_end, last_page,
+                 PAGE: gl.constexpr, BLOCK_N: gl.constexpr, COL: gl.constexpr):
+    """K and V scales of tile ``j`` in the score columns' layout; 0 past ``kv_end``."""
+    offs_n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=COL)
+    blk = gl.load(bt_row + gl.minimum(offs_n // PAGE, last_page)).to(gl.int64)
+    # pairs of keys share a page (PAGE >= 16) and sit at even slots: 8-byte loads
+    off = gl.max_contiguous(gl.multiple_of(blk * stride_sb + scale_head + offs_n % PAGE, 2), 2)
+    in_seq = offs_n < kv_end
+    ks = gl.where(in_seq, gl.load(k_scale_ptr + off), 0.0)
+    vs = gl.where(in_seq, gl.load(v_scale_ptr + off), 0.0)
+    return ks, vs
+
+
+@gluon.jit
+def _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M: gl.constexpr, DV: gl.constexpr,
+              NUM_DV: gl.constexpr, PV_KIND: gl.constexpr, PV_LAYOUT: gl.constexpr):
+    """Issue the PV MMAs of one tile (asynchronous); int8: fresh ``MAGIC_I`` starts (the
+    results are returned), fp8: into ``acc * factor`` (the accumulators are returned)."""
+    if PV_KIND == PV_INT8:
+        start = gl.full([BLOCK_M, DV], MAGIC_I, gl.int32, PV_LAYOUT)
+        o0 = warpgroup_mma(p_op, v_buf.slice(0, DV, dim=0).permute((1, 0)), start, is_async=True)
+        o1 = o0
+        o2 = o0
+        o3 = o0
+        if NUM_DV > 1:
+            o1 = warpgroup_mma(p_op, v_buf.slice(DV, DV, dim=0).permute((1, 0)), start, is_async=True)
+        if NUM_DV > 2:
+            o2 = warpgroup_mma(p_op, v_buf.slice(2 * DV, DV, dim=0).permute((1, 0)), start, is_async=True)
+            o3 = warpgroup_mma(p_op, v_buf.slice(3 * DV, DV, dim=0).permute((1, 0)), start, is_async=True)
+    else:
+        f = factor[:, None]
+        o0 = warpgroup_mma(p_op, v_buf.slice(0, DV, dim=0).permute((1, 0)), acc0 * f, is_async=True)
+        o1 = o0
+        o2 = o0
+        o3 = o0
+        if NUM_DV > 1:
+            o1 = warpgroup_mma(p_op, v_buf.slice(DV, DV, dim=0).permute((1, 0)), acc1 * f, is_async=True)
+        if NUM_DV > 2:
+            o2 = warpgroup_mma(p_op, v_buf.slice(2 * DV, DV, dim=0).permute((1, 0)), acc2 * f, is_async=True)
+            o3 = warpgroup_mma(p_op, v_buf.slice(3 * DV, DV, dim=0).permute((1, 0)), acc3 * f, is_async=True)
+    return o0, o1, o2, o3
+
+
+@gluon.jit
+def _fold_pv(acc, o, factor, PV_KIND: gl.constexpr):
+    """Accumulator after a completed PV MMA: int8 ``acc * factor + (o - M)``, fp8 ``o``."""
+    if PV_KIND == PV_INT8:
+        return acc * factor[:, None] + (o.to(gl.float32, bitcast=True) - MAGIC_F)
+    else:
+        return o
+
+
+@gluon.jit
+def _prefill_hopper_pipe_kernel(
+    q_ptr, q_scale_ptr, out_ptr,
+    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, num_seqs, min_query_len, num_tiles,
+    stride_qt, stride_qh, stride_qst, stride_qsh,
+    stride_ot, stride_oh,
+    stride_cb, stride_ch, stride_sb, stride_sh,
+    stride_bt,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
+    KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, STAGES: gl.constexpr,
+    QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
+    Q_SMEM: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, V16_SMEM: gl.constexpr,
+    LOAD_Q: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
+):
+    ROW: gl.constexpr = gl.SliceLayout(1, QK_LAYOUT)
+    COL: gl.constexpr = gl.SliceLayout(0, QK_LAYOUT)
+    PV_ROW: gl.constexpr = gl.SliceLayout(1, PV_LAYOUT)
+    NUM_DV: gl.constexpr = HEAD_DIM // DV
+    gl.static_assert(STAGES >= 3, "the pipelined kernel keeps three KV tiles live")
+    gl.static_assert(PV_KIND != PV_BF16, "the pipelined kernel runs 8-bit PV only")
+
+    tile = num_tiles - 1 - gl.program_id(0)  # longest tiles first
+    kv_head = gl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    if (q_len <= min_query_len) | (q_tile * BLOCK_Q >= q_len):
+        return
+    seq_len = gl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+
+    # ---- Q codes into shared memory, row scales
+    qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD_Q))
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD_Q))
+    q_tok = q_tile * BLOCK_Q + qm // GROUP
+    q_valid = (qm // GROUP < BLOCK_Q) & (q_tok < q_len)
+    q_rows = (q_start + q_tok).to(gl.int64) * stride_qt + (kv_head * GROUP + qm % GROUP) * stride_qh
+    q = gl.load(q_ptr + q_rows[:, None] + qd[None, :], mask=q_valid[:, None], other=0)
+    if KV_KIND == KIND_FP8:
+        q = q.to(gl.float8e4nv, bitcast=True)
+    q_smem = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [BLOCK_M, HEAD_DIM], Q_SMEM, q)
+
+    offs_m = gl.arange(0, BLOCK_M, layout=ROW)
+    tok = q_tile * BLOCK_Q + offs_m // GROUP
+    row_valid = (offs_m // GROUP < BLOCK_Q) & (tok < q_len)
+    q_scale = gl.load(q_scale_ptr + (q_start + tok).to(gl.int64) * stride_qst
+                      + (kv_head * GROUP + offs_m % GROUP) * stride_qsh, mask=row_valid, other=1.0)
+    row_scale = q_scale * qk_scale
+
+    first_tok = q_tile * BLOCK_Q
+    last_tok = gl.minimum(q_len, first_tok + BLOCK_Q) - 1
+    kv_end = ctx + last_tok + 1
+    full_end = ((ctx + first_tok + 1) // BLOCK_N) * BLOCK_N
+    row_limit = gl.minimum(ctx + tok, kv_end - 1)
+    last_page = (kv_end - 1) // PAGE
+    num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
+
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+    data_head = kv_head.to(gl.int64) * stride_ch
+    scale_head = kv_head.to(gl.int64) * stride_sh
+
+    k_ring = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
+    v_ring = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
+    # tiles 0 .. STAGES - 2 in flight; iteration j refills tile j + STAGES - 2
+    for i in gl.static_range(STAGES - 1):
+        if i < num_kv_tiles:
+            _issue_tile(i, k_ring.index(i), v_ring.index(i), k_ptr, v_ptr, bt_row, data_head, stride_cb,
+                        last_page, HEAD_DIM, PAGE, BLOCK_N, LOAD_K, LOAD_V)
+        async_copy.commit_group()
+
+    m_i = gl.full([BLOCK_M], NEG_BIG, gl.float32, ROW)
+    l_i = gl.zeros([BLOCK_M], gl.float32, ROW)
+    r_i = gl.full([BLOCK_M], 1.0, gl.float32, ROW)
+    acc0 = gl.zeros([BLOCK_M, DV], gl.float32, PV_LAYOUT)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    if PV_KIND == PV_INT8:
+        levels: gl.constexpr = 127.0
+        pend = gl.full([BLOCK_M, DV], MAGIC_I, gl.int32, PV_LAYOUT)  # "PV(-1)": o - M = 0
+    else:
+        levels: gl.constexpr = 448.0
+        pend = acc0
+    o0 = pend
+    o1 = pend
+    o2 = pend
+    o3 = pend
+    f_prev = gl.full([BLOCK_M], 1.0, gl.float32, PV_ROW)
+
+    # ---- QK(0)
+    async_copy.wait_group(STAGES - 2)
+    fence_async_shared()
+    _gc.cta_barrier()
+    k0 = k_ring.index(0)
+    if KV_KIND == KIND_INT8:
+        s = warpgroup_mma(q_smem, k0.permute((1, 0)), gl.full([BLOCK_M, BLOCK_N], MAGIC_I, gl.int32, QK_LAYOUT),
+                          is_async=True)
+    else:
+        s = warpgroup_mma(q_smem, k0.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, QK_LAYOUT),
+                          use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s])
+    k_scale, v_scale = _tile_scales(0, bt_row, k_scale_ptr, v_scale_ptr, scale_head, stride_sb, kv_end, last_page,
+                                    PAGE, BLOCK_N, COL)
+
+    for j in range(0, num_kv_tiles):
+        start = j * BLOCK_N
+        has_next = j + 1 < num_kv_tiles
+        # ---- 1. softmax of S_j (PV(j - 1) still running)
+        if KV_KIND == KIND_INT8:
+            t = s.to(gl.float32, bitcast=True) * k_scale[None, :] + (k_scale * -MAGIC_F)[None, :]
+        else:
+            t = s * k_scale[None, :]
+        if start + BLOCK_N > full_end:
+            offs_n = start + gl.arange(0, BLOCK_N, layout=COL)
+            t = gl.where(offs_n[None, :] <= row_limit[:, None], t, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(t, 1) * row_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(t * row_scale[:, None] - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        pv = p * v_scale[None, :]
+        floor = gl.max(v_scale, 0) * MIN_REL_STEP
+        r_new = gl.maximum(gl.max(pv, 1), floor) * (1.0 / levels)
+        inv_r = 1.0 / r_new
+        factor = gl.convert_layout(alpha * (r_i / r_new), PV_ROW)
+        r_i = r_new
+        if PV_KIND == PV_FP8:
+            # pv * inv_r <= 448 up to rounding; the e4m3 conversion saturates (satfinite)
+            p_op = gl.convert_layout((pv * inv_r[:, None]).to(gl.float8e4nv), P_LAYOUT)
+        else:
+            u = pv * inv_r[:, None] + MAGIC_F
+            p_op = gl.convert_layout(u.to(gl.int32, bitcast=True).to(gl.int8), P_LAYOUT)
+
+        # next tile's scales (their latency hides behind steps 2-4; loaded after this
+        # tile's scales died: fewer live registers while PV(j - 1) is in flight)
+        k_scale, v_scale = _tile_scales(gl.minimum(j + 1, num_kv_tiles - 1), bt_row, k_scale_ptr, v_scale_ptr,
+                                        scale_head, stride_sb, kv_end, last_page, PAGE, BLOCK_N, COL)
+
+        # ---- 2. PV(j - 1) done: fold it in
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
+        acc0 = _fold_pv(acc0, o0, f_prev, PV_KIND)
+        if NUM_DV > 1:
+            acc1 = _fold_pv(acc1, o1, f_prev, PV_KIND)
+        if NUM_DV > 2:
+            acc2 = _fold_pv(acc2, o2, f_prev, PV_KIND)
+            acc3 = _fold_pv(acc3, o3, f_prev, PV_KIND)
+
+        # ---- 3. tile j + 1 landed (every thread's copies: one CTA barrier), then refill the
+        # stage of tile j - 2 with tile j + STAGES - 2 (every thread finished PV(j - 2) before
+        # the barrier at j - 1). With 4+ stages the refill follows the barrier, which then
+        # also orders it after every read of that stage (no second barrier).
+        nxt = j + STAGES - 2
+        v_buf = v_ring.index(j % STAGES)
+        if STAGES >= 4:
+            # committed after tile j + 1's group: tiles j + 2 .. j + STAGES - 3
+            async_copy.wait_group(STAGES - 4)
+        else:
+            if (j >= 1) & (nxt < num_kv_tiles):
+                _issue_tile(nxt, k_ring.index(nxt % STAGES), v_ring.index(nxt % STAGES), k_ptr, v_ptr, bt_row,
+                            data_head, stride_cb, last_page, HEAD_DIM, PAGE, BLOCK_N, LOAD_K, LOAD_V)
+            if j >= 1:
+                async_copy.commit_group()
+            async_copy.wait_group(0)
+        fence_async_shared()
+        if KV_KIND == KIND_FP8:
+            if start + BLOCK_N > kv_end:
+                # tile j's copies are visible since the barrier at j - 1
+                _zero_tail_keys(v_buf, start, kv_end, HEAD_DIM, BLOCK_N, LOAD_V)
+                fence_async_shared()
+        _gc.cta_barrier()
+        if STAGES >= 4:
+            if (j >= 1) & (nxt < num_kv_tiles):
+                _issue_tile(nxt, k_ring.index(nxt % STAGES), v_ring.index(nxt % STAGES), k_ptr, v_ptr, bt_row,
+                            data_head, stride_cb, last_page, HEAD_DIM, PAGE, BLOCK_N, LOAD_K, LOAD_V)
+            if j >= 1:
+                async_copy.commit_group()
+
+        # ---- 4. QK(j + 1) and PV(j), asynchronous; wait for QK(j + 1) only (groups retire in
+        # order). The PV results come back as tensors still being written: their next use
+        # is the wait of step 2.
+        if has_next:
+            k_buf = k_ring.index((j + 1) % STAGES)
+            if KV_KIND == KIND_INT8:
+                s_tok = warpgroup_mma(q_smem, k_buf.permute((1, 0)),
+                                      gl.full([BLOCK_M, BLOCK_N], MAGIC_I, gl.int32, QK_LAYOUT), is_async=True)
+            else:
+                s_tok = warpgroup_mma(q_smem, k_buf.permute((1, 0)),
+                                      gl.zeros([BLOCK_M, BLOCK_N], gl.float32, QK_LAYOUT), use_acc=False,
+                                      is_async=True)
+            t0, t1, t2, t3 = _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M, DV, NUM_DV, PV_KIND,
+                                       PV_LAYOUT)
+            s, o0, o1, o2, o3 = warpgroup_mma_wait(NUM_DV, deps=[s_tok, t0, t1, t2, t3])
+        else:
+            t0, t1, t2, t3 = _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M, DV, NUM_DV, PV_KIND,
+                                       PV_LAYOUT)
+            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3])
+        f_prev = factor
+
+    o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
+    acc0 = _fold_pv(acc0, o0, f_prev, PV_KIND)
+    if NUM_DV > 1:
+        acc1 = _fold_pv(acc1, o1, f_prev, PV_KIND)
+    if NUM_DV > 2:
+        acc2 = _fold_pv(acc2, o2, f_prev, PV_KIND)
+        acc3 = _fold_pv(acc3, o3, f_prev, PV_KIND)
+    async_copy.wait_group(0)
+
+    norm = gl.convert_layout(gl.where(l_i > 0.0, r_i / l_i, 0.0), PV_ROW)
+    _store_rows(out_ptr, acc0, 0, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+                GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
+    if NUM_DV > 1:
+        _store_rows(out_ptr, acc1, DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+                    GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
+    if NUM_DV > 2:
+        _store_rows(out_ptr, acc2, 2 * DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+                    GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
+        _store_rows(out_ptr, acc3, 3 * DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+                    GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)

@@ -1,0 +1,51 @@
+"""Every kernel the public ops launch compiles for sm_90.
+
+The CPU suite runs kernels in Triton's interpreter, which accepts code the GPU compiler
+refuses (a non-constexpr global read in a kernel, a NaN global constexpr, dot shapes the
+8-bit MMAs do not take). This test records the launches of write_kv, the fused producer
+and attention (decode and prefill) under the interpreter and compiles each recorded
+launch ahead of time for ``GPUTarget("cuda", 90, 32)`` (ptxas ships in the Triton wheel:
+no GPU needed), so such a kernel fails CI instead of the first GPU run.
+"""
+
+import pytest
+import torch
+
+import int8attn
+from int8attn import reference
+
+from _sm90 import compile_for_sm90, launched_kernels
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests launch the real kernels")
+
+
+def _exercise(kv_dtype: str, head_dim: int) -> None:
+    torch.manual_seed(0)
+    cache = int8attn.PagedKVCache(8, 16, 2, head_dim, kv_dtype=kv_dtype, device="cpu")
+    alloc = int8attn.BlockAllocator.for_cache(cache)
+    n = 40
+    key = torch.randn(n, 2, head_dim, dtype=torch.bfloat16)
+    value = torch.randn(n, 2, head_dim, dtype=torch.bfloat16)
+    query = torch.randn(n, 4, head_dim, dtype=torch.bfloat16)
+    slots = alloc.slot_mapping(0, n)
+    cos_sin = reference.rope_cos_sin_cache(64, head_dim)
+    positions = torch.arange(n, dtype=torch.int64)
+    q_quant, q_scale = int8attn.rope_quantize_and_write(query, key, value, positions, cos_sin, cache, slots)
+    table, lens = alloc.block_table([0]), alloc.seq_lens([0])
+    int8attn.attention(query, cache, table, lens, torch.tensor([0, n], dtype=torch.int32))  # prefill
+    int8attn.attention(query[:1], cache, table, lens, torch.tensor([0, 1], dtype=torch.int32))  # decode
+    int8attn.attention(query[:3], cache, table, lens, torch.tensor([0, 3], dtype=torch.int32))  # multi-token
+    int8attn.write_kv(cache, key[:3], value[:3], alloc.slot_mapping(0, 3))
+    del q_quant, q_scale
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("head_dim", [pytest.param(64, id="d64"), pytest.param(96, id="d96")])
+def test_every_launched_kernel_compiles_for_sm90(kv_dtype, head_dim):
+    with launched_kernels() as records:
+        _exercise(kv_dtype, head_dim)
+    names = {r["name"] for r in records}
+    assert {"_decode_split_kernel", "_prefill_kernel"} <= names, names
+    results = compile_for_sm90(records)
+    failed = [r for r in results if not r["ok"]]
+    assert not failed, "\n".join(f"{r['name']}: {r['error']}" for r in failed)
