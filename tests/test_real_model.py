@@ -9,8 +9,8 @@ plain-PyTorch emulation of the same roundings (:mod:`int8attn.emulation`) -- a k
 layout regression on real K/V (outlier channels, attention sinks) moves them.
 
 Bounds come from measured values (``MEASURED`` below, CPU interpreter, transformers 5.24,
-torch 2.13) with a margin; 39 s of user CPU time in all, GGUF load included (3 min wall on 2
-cores shared with two other interpreter runs); the model package is installed by CI (``.ci/run``).
+torch 2.13) with a margin; 46 s wall on 2 cores, GGUF load included (3 min while two other
+interpreter runs shared them); the model package is installed by CI (``.ci/run``).
 """
 
 from __future__ import annotations
