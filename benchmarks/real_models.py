@@ -8,12 +8,13 @@ step (decode kernels). Metrics are given over all positions and over the decode 
 
 Variants (``--variants``):
 
-* ``int8`` (int8attn default: INT8 K/V, key smoothing, Q rounded to INT8, decode PV 8-bit,
-  prefill PV bf16), ``int8-nosmooth``, ``fp8``, ``bf16`` (the BF16 cache);
+* ``int8`` (int8attn default: INT8 K/V, key smoothing, channel migration as
+  ``Int8PagedCache``'s default, Q rounded to INT8, decode PV 8-bit, prefill PV bf16),
+  ``int8+mig`` / ``int8-nomig`` (channel migration on / off), ``int8-nosmooth``, ``fp8``,
+  ``fp8+mig``, ``bf16`` (the BF16 cache);
 * ``naive``: vLLM's ``int8_per_token_head`` -- per-(token, head) INT8 K and V, Q exact,
   attention otherwise exact: always emulated;
-* lever variants (emulation only): ``int8+mig`` (per-(KV head, channel) scale migrated
-  between K and Q, alpha 0.5, calibrated on the first write), ``int8+mig+sink1``.
+* lever variants (emulation only): ``int8+mig+sink1``, ``int8+sink1`` (first token exact).
 
 Paths (``--path``): ``kernels`` runs the transformers integration (``Int8PagedCache`` and the
 ``"int8attn"`` attention: the real kernels; under Triton's interpreter on a CPU, which is
@@ -52,8 +53,11 @@ from int8attn.integrations.transformers.emulated import (  # noqa: E402
 
 KERNEL_VARIANTS = {  # name -> Int8PagedCache options
     "int8": dict(kv_dtype="int8"),
-    "int8-nosmooth": dict(kv_dtype="int8", key_smoothing="none"),
+    "int8+mig": dict(kv_dtype="int8", channel_migration="first_write"),
+    "int8-nomig": dict(kv_dtype="int8", channel_migration="none"),
+    "int8-nosmooth": dict(kv_dtype="int8", key_smoothing="none", channel_migration="none"),
     "fp8": dict(kv_dtype="fp8"),
+    "fp8+mig": dict(kv_dtype="fp8", channel_migration="first_write"),
     "bf16": dict(kv_dtype="bf16"),
 }
 
@@ -63,11 +67,16 @@ def emulated_variant(name: str) -> tuple[Variant, Variant]:
     if name == "naive":
         v = Variant("naive", kv="int8")
         return v, v
-    if name in ("int8", "int8-nosmooth"):
-        sm = name == "int8"
+    if name == "int8":
+        from int8attn.integrations.transformers.cache import DEFAULT_CHANNEL_MIGRATION
+
+        name = "int8+mig" if DEFAULT_CHANNEL_MIGRATION.get("int8", "none") != "none" else "int8-nomig"
+    if name in ("int8-nomig", "int8-nosmooth"):
+        sm = name == "int8-nomig"
         return cache_variant("int8", "bf16", smoothing=sm), cache_variant("int8", "int8", smoothing=sm)
-    if name == "fp8":
-        return cache_variant("fp8", "bf16"), cache_variant("fp8", "fp8")
+    if name in ("fp8", "fp8+mig"):
+        mig = dict(migrate=0.5) if name == "fp8+mig" else {}
+        return cache_variant("fp8", "bf16", **mig), cache_variant("fp8", "fp8", **mig)
     if name == "bf16":
         v = cache_variant("bf16")
         return v, v
@@ -76,6 +85,9 @@ def emulated_variant(name: str) -> tuple[Variant, Variant]:
     if name in levers:
         return cache_variant("int8", "bf16", **levers[name]), cache_variant("int8", "int8", **levers[name])
     raise ValueError(f"unknown variant {name!r}")
+
+
+LAST_CACHE = None  # the Int8PagedCache of the last kernels run (tests inspect it)
 
 
 @torch.no_grad()
@@ -87,7 +99,9 @@ def run_variant(model, ids: torch.Tensor, name: str, path: str, chunk: int, deco
     prefill = total - decode
     if path == "kernels":
         model.set_attn_implementation(register())
-        cache = Int8PagedCache(model.config, max_batch_size=1, max_cache_len=total, **KERNEL_VARIANTS[name])
+        global LAST_CACHE
+        cache = LAST_CACHE = Int8PagedCache(model.config, max_batch_size=1, max_cache_len=total,
+                                            **KERNEL_VARIANTS[name])
         ctx = torch.no_grad()
     else:
         model.set_attn_implementation(register_emulated())
@@ -108,7 +122,7 @@ def _decode_block_n(model, name: str) -> int:
 
     cfg = model.config.get_text_config(decoder=True)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv = "fp8" if name == "fp8" else "int8"
+    kv = "fp8" if name.startswith("fp8") else "int8"
     return decode_block_n(kv, head_dim, pv_mode="fp8" if kv == "fp8" else "int8")
 
 
@@ -184,6 +198,7 @@ def main(argv=None) -> int:
     all_pos, dec_pos = slice(0, args.tokens - 1), slice(args.tokens - 1 - args.decode, args.tokens - 1)
     base = metrics(ref, ref, ids, all_pos)
     rec.add(**common, variant="unmodified", path="sdpa", **{f"all_{k}": v for k, v in base.items()})
+    path_saved = None
     print(f"{'variant':16s} {'path':10s} {'ppl':>9s} {'top1':>7s} {'KL':>10s} | decode: {'top1':>7s} {'KL':>10s}  s")
     print(f"{'unmodified':16s} {'sdpa':10s} {base['ppl']:9.4f}")
     for name in args.variants.split(","):
@@ -202,8 +217,11 @@ def main(argv=None) -> int:
                 **{f"decode_{k}": v for k, v in m_dec.items()})
         print(f"{name:16s} {path:10s} {m_all['ppl']:9.4f} {m_all['top1']:7.4f} {m_all['kl']:10.3e} | "
               f"{m_dec.get('top1', float('nan')):7.4f} {m_dec.get('kl', float('nan')):10.3e}  {secs:.0f}", flush=True)
+        if not args.no_record:  # row by row: a long interpreter run keeps what it finished
+            path_saved = rec.save()
+            rec.rows.clear()
     if not args.no_record:
-        print(f"# rows -> {rec.save()}")
+        print(f"# rows -> {path_saved}")
     return 0
 
 

@@ -264,3 +264,29 @@ def test_continuous_batching_paged_variant(model):
     mirrors = next(iter(integ._PAGED_MIRRORS.values()))[1]
     assert len(mirrors) == model.config.num_hidden_layers
     assert all(m.key.dtype == torch.int8 for m in mirrors.values())
+
+
+# --------------------------------------------------------------------------- channel migration
+@cases("migration", ["first_write", "none"])
+def test_channel_migration_calibrates_each_layer_on_its_first_step(model, migration):
+    """The first write of each layer waits for the attention call's queries, calibrates the
+    layer's scale from them and its keys, then writes; later steps write at once."""
+    ids = prompt(model, 2, 13, seed=3)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(ids, max_new_tokens=4, do_sample=False)
+    ref_logits = teacher_forced_logits(model, DynamicCache(config=model.config), ref, ids.shape[1])
+    model.set_attn_implementation("int8attn")
+    try:
+        cache = Int8PagedCache(model.config, max_batch_size=2, max_cache_len=32, channel_migration=migration)
+        logits = teacher_forced_logits(model, cache, ref, ids.shape[1])
+    finally:
+        model.set_attn_implementation("sdpa")
+    for layer in cache.layers:
+        assert layer.pending_write is None
+        if migration == "none":
+            assert layer.paged.key_channel_scale is None
+        else:
+            lam = layer.paged.key_channel_scale
+            assert lam is not None and torch.isfinite(lam).all() and (lam > 0).all() and not (lam == 1).all()
+    for step in range(logits.shape[1]):
+        assert rel_l2(logits[:, step], ref_logits[:, step]) < 0.05, f"step {step}"

@@ -9,7 +9,8 @@ plain-PyTorch emulation of the same roundings (:mod:`int8attn.emulation`) -- a k
 layout regression on real K/V (outlier channels, attention sinks) moves them.
 
 Bounds come from measured values (``MEASURED`` below, CPU interpreter, transformers 5.24,
-torch 2.13) with a margin; ~5 min on 2 shared cores (about 40 s of it loading the GGUF); the model package is installed by CI (``.ci/run``).
+torch 2.13) with a margin; 46 s wall on 2 cores, GGUF load included (3 min while two other
+interpreter runs shared them); the model package is installed by CI (``.ci/run``).
 """
 
 from __future__ import annotations
@@ -29,18 +30,20 @@ import importlib.util  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-TOKENS, CHUNK, DECODE, LAYERS = 80, 64, 8, 8  # the first 8 of 30 layers: the interpreter's budget
+TOKENS, CHUNK, DECODE, LAYERS = 64, 48, 6, 4  # the first 4 of 30 layers: the interpreter's budget
 
-#: Bounds with their measured values (CPU interpreter, 80 pydoc tokens, first 8 layers: the
-#: truncated model's own perplexity is ~4.1e8, so only ratios and agreements mean anything):
-#: perplexity ratio to the unmodified model 1 - 7.6e-4; top-1 agreement 1.000 (79 of 79); KL
-#: 2.69e-4 (decode positions 2.47e-4); KL(emulation || kernels) 1.21e-4.
+#: Bounds with their measured values (CPU interpreter, 64 pydoc tokens: 48 + 10 by chunked
+#: prefill, then 6 decode steps; first 4 layers; INT8 default, channel migration on: the
+#: truncated model's own perplexity is ~6.3e7, so only ratios and agreements mean anything, and
+#: its perplexity ratio moves more than the full model's): perplexity ratio to the unmodified
+#: model 1 - 7.9e-3; top-1 agreement 1.000 (63 of 63); KL 8.78e-5 (decode positions 2.12e-5);
+#: KL(emulation || kernels) 4.68e-5.
 MEASURED = {
-    "ppl_rel_bound": 3e-3,
+    "ppl_rel_bound": 1.5e-2,
     "top1_min": 0.97,
-    "kl_max": 1e-3,
-    "decode_kl_max": 1e-3,
-    "kl_kernels_vs_emulation_max": 5e-4,
+    "kl_max": 3e-4,
+    "decode_kl_max": 1e-4,
+    "kl_kernels_vs_emulation_max": 2e-4,
 }
 
 
@@ -77,6 +80,7 @@ def test_int8_cache_on_smollm2_matches_unmodified_model(smollm2):
     lk = torch.log_softmax(kern.double(), -1)
     le = torch.log_softmax(emu.double(), -1)
     kl_kern_emu = (le.exp() * (le - lk)).sum(-1).mean().item()
+    assert all(layer.paged.key_channel_scale is not None for layer in bench.LAST_CACHE.layers)  # the default
     print(f"\nunmodified ppl {base['ppl']:.4f}; int8 kernels ppl {m['ppl']:.4f} top1 {m['top1']:.4f} "
           f"KL {m['kl']:.3e}; decode top1 {m_dec['top1']:.4f} KL {m_dec['kl']:.3e}; KL(emulation||kernels) "
           f"{kl_kern_emu:.3e}")

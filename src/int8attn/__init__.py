@@ -6,6 +6,7 @@ from .cache import BlockAllocator, PagedKVCache
 from .errors import DeviceMetadataError, check_errors
 from .ops.attention import AttentionPlan, attention, plan_attention
 from .ops.producer import quantize_query, rope_quantize_and_write
+from .ops.migration import calibrate_channel_migration
 from .ops.write import write_kv
 from .reference import rope_cos_sin_cache
 
@@ -19,6 +20,7 @@ __all__ = [
     "attention",
     "plan_attention",
     "BlockAllocator",
+    "calibrate_channel_migration",
     "check_errors",
     "DeviceMetadataError",
     "PagedKVCache",

@@ -9,6 +9,9 @@ Layout (all tensors contiguous, on one device)::
     key_scale,   [num_blocks, num_kv_heads, block_size]  float32, None for "bf16"
     value_scale
     key_mean     [num_kv_heads, head_dim] float32, or None (key smoothing off / not yet set)
+    key_channel_scale
+                 [num_kv_heads, head_dim] float32 ``lam``, finite and > 0, or None (channel
+                 migration off / not yet calibrated)
 
 Each (block, KV head) pair owns one ``block_size x head_dim`` tile of K and one of V,
 each contiguous in memory, so a read kernel streams a whole page of one head with
@@ -32,10 +35,20 @@ A token at ``slot = block_id * block_size + offset`` of KV head ``h`` sits at
 A token written with an inf / NaN in its K or V row has ``key_scale`` NaN and key codes 0
 (bf16: a NaN key row) and a zero V row (see :func:`int8attn.write_kv`): the attention
 outputs that read it are NaN, the others untouched.
-Dequantized key: ``key[...] * key_scale[...] + key_mean[h]`` (``key_mean`` only when key
-smoothing is active; see :func:`int8attn.write_kv`). Attention kernels never add
-``key_mean`` back: ``q . mean`` is the same for every key of a query, so softmax is
-unchanged by it.
+Dequantized key: ``key[...] * key_scale[...] * key_channel_scale[h] + key_mean[h]``
+(``key_mean`` only when key smoothing is active, ``key_channel_scale`` only when channel
+migration is; see :func:`int8attn.write_kv`). Attention kernels never add ``key_mean``
+back: ``q . mean`` is the same for every key of a query, so softmax is unchanged by it.
+Nor do they multiply by ``key_channel_scale``: every query is multiplied by ``lam`` of
+its KV head before it is quantized (``(q * lam) . (k / lam) = q . k``), so the scores
+come out right from the stored codes alone.
+
+Channel migration (SmoothAttention-style): a channel where K is large and Q small (or the
+reverse) inflates one side's per-row scale; dividing K's channel ``c`` by ``lam_c =
+sqrt(amax_K[c] / amax_Q[c])`` and multiplying Q's by it gives both the same range there,
+so neither rounding is dominated by the other's outliers. ``lam`` is calibrated once, from
+the first write that sees both Q and K (:func:`int8attn.calibrate_channel_migration`),
+or set with :meth:`PagedKVCache.set_channel_migration`.
 """
 
 from __future__ import annotations
@@ -57,6 +70,7 @@ KV_DTYPE_OF_STORAGE = {dtype: name for name, dtype in KV_DTYPES.items()}
 #: their tiles to the next power of two).
 SUPPORTED_HEAD_DIMS = tuple(range(16, 257, 16))
 KEY_SMOOTHING_MODES = ("auto", "none", "first_write")
+CHANNEL_MIGRATION_MODES = ("none", "first_write")
 
 
 def value_transposed(kv_dtype: str) -> bool:
@@ -94,6 +108,13 @@ class PagedKVCache:
             shrinks per-token scales inflated by outlier channels: on keys with outlier
             channels it cuts the INT8 attention error about 4x (BENCHMARKS.md), hence the
             default.
+        channel_migration: "none" (default) or "first_write" (INT8/FP8 caches only): with
+            "first_write" the per-(KV head, channel) ``key_channel_scale`` is calibrated
+            from the first write that sees both the queries and the keys
+            (:func:`int8attn.rope_quantize_and_write`, or
+            :func:`int8attn.calibrate_channel_migration` before :func:`int8attn.write_kv`);
+            a plain ``write_kv`` into such a cache before that raises.
+            :meth:`set_channel_migration` sets it explicitly (any mode).
 
     See the module docstring for the memory layout.
     """
@@ -107,6 +128,7 @@ class PagedKVCache:
         kv_dtype: str = "int8",
         device: str | torch.device = "cuda",
         key_smoothing: str = "auto",
+        channel_migration: str = "none",
     ) -> None:
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {kv_dtype!r}")
@@ -119,6 +141,10 @@ class PagedKVCache:
             raise ValueError(f"head_dim must be a multiple of 16 in [16, 256], got {head_dim!r}")
         if key_smoothing not in KEY_SMOOTHING_MODES:
             raise ValueError(f"key_smoothing must be one of {KEY_SMOOTHING_MODES}, got {key_smoothing!r}")
+        if channel_migration not in CHANNEL_MIGRATION_MODES:
+            raise ValueError(f"channel_migration must be one of {CHANNEL_MIGRATION_MODES}, got {channel_migration!r}")
+        if channel_migration != "none" and kv_dtype == "bf16":
+            raise ValueError("channel migration applies to quantized caches only (kv_dtype int8 or fp8)")
         if key_smoothing == "auto":
             key_smoothing = "none" if kv_dtype == "bf16" else "first_write"
         if key_smoothing != "none" and kv_dtype == "bf16":
@@ -141,27 +167,31 @@ class PagedKVCache:
             scale_shape = (num_blocks, num_kv_heads, block_size)
             key_scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
             value_scale = torch.ones(scale_shape, dtype=torch.float32, device=device)
-        self._set_storage(key, value, key_scale, value_scale, None, key_smoothing)
+        self._set_storage(key, value, key_scale, value_scale, None, key_smoothing, None, channel_migration)
 
     @classmethod
     def from_tensors(cls, key: torch.Tensor, value: torch.Tensor, key_scale: torch.Tensor | None = None,
-                     value_scale: torch.Tensor | None = None, key_mean: torch.Tensor | None = None
-                     ) -> "PagedKVCache":
+                     value_scale: torch.Tensor | None = None, key_mean: torch.Tensor | None = None,
+                     key_channel_scale: torch.Tensor | None = None) -> "PagedKVCache":
         """A cache over existing storage tensors (no copy), laid out as the class docstring
         states: ``key`` [num_blocks, num_kv_heads, block_size, head_dim] of a storage dtype
         (int8 / float8_e4m3fn / bfloat16; the geometry and kv_dtype are read from it),
         ``value`` of the matching layout, fp32 scales for 8-bit caches, and an optional
         fp32 ``key_mean`` [num_kv_heads, head_dim]. Smoothing is on ("first_write") exactly
-        when ``key_mean`` is given, so such a cache never computes a mean of its own.
+        when ``key_mean`` is given, so such a cache never computes a mean of its own;
+        likewise migration is on exactly when the fp32 ``key_channel_scale``
+        [num_kv_heads, head_dim] is given.
 
         Layouts are not checked here (the caller's job, e.g. ``ops.library.cache_view``;
         every launch runs :func:`int8attn._checks.check_cache`)."""
         cache = cls.__new__(cls)
         cache._set_storage(key, value, key_scale, value_scale, key_mean,
-                           "none" if key_mean is None else "first_write")
+                           "none" if key_mean is None else "first_write", key_channel_scale,
+                           "none" if key_channel_scale is None else "first_write")
         return cache
 
-    def _set_storage(self, key, value, key_scale, value_scale, key_mean, key_smoothing: str) -> None:
+    def _set_storage(self, key, value, key_scale, value_scale, key_mean, key_smoothing: str,
+                     key_channel_scale, channel_migration: str) -> None:
         """Every attribute of a cache, from its storage: the one place ``__init__`` and
         :meth:`from_tensors` set them."""
         self.num_blocks, self.num_kv_heads, self.block_size, self.head_dim = key.shape
@@ -175,6 +205,8 @@ class PagedKVCache:
         self.key_scale = key_scale
         self.value_scale = value_scale
         self.key_mean: torch.Tensor | None = key_mean
+        self.channel_migration = channel_migration
+        self.key_channel_scale: torch.Tensor | None = key_channel_scale
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -217,6 +249,33 @@ class PagedKVCache:
             )
         self.key_mean = key_mean.detach().to(device=self.device, dtype=torch.float32).contiguous()
 
+    @property
+    def needs_channel_calibration(self) -> bool:
+        """True while a "first_write" migration cache waits for its ``key_channel_scale``."""
+        return self.channel_migration == "first_write" and self.key_channel_scale is None
+
+    def set_channel_migration(self, key_channel_scale: torch.Tensor | None) -> None:
+        """Set (or clear, with None) the migration scale ``lam`` [num_kv_heads, head_dim]:
+        keys are stored as ``(k - key_mean) / lam``, queries multiplied by ``lam`` of their
+        KV head before they are quantized. Every value must be finite and > 0.
+
+        Only valid before any token is stored: keys already in the cache were quantized
+        with the old scale.
+        """
+        if key_channel_scale is None:
+            self.key_channel_scale = None
+            return
+        if not self.quantized:
+            raise ValueError("channel migration applies to quantized caches only (kv_dtype int8 or fp8)")
+        shape = (self.num_kv_heads, self.head_dim)
+        if not isinstance(key_channel_scale, torch.Tensor) or tuple(key_channel_scale.shape) != shape:
+            raise ValueError(f"key_channel_scale must be a tensor of shape {shape}, "
+                             f"got {getattr(key_channel_scale, 'shape', type(key_channel_scale))}")
+        lam = key_channel_scale.detach().to(device=self.device, dtype=torch.float32).contiguous()
+        if not bool((torch.isfinite(lam) & (lam > 0)).all()):
+            raise ValueError("key_channel_scale must be finite and > 0 everywhere")
+        self.key_channel_scale = lam
+
     def nbytes(self) -> int:
         """Bytes of storage (data + scales)."""
         total = self.key.numel() * self.key.element_size() * 2
@@ -228,7 +287,7 @@ class PagedKVCache:
         return (
             f"PagedKVCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, kv_dtype={self.kv_dtype!r}, "
-            f"key_smoothing={self.key_smoothing!r}, device={str(self.device)!r})"
+            f"key_smoothing={self.key_smoothing!r}, channel_migration={self.channel_migration!r}, device={str(self.device)!r})"
         )
 
 

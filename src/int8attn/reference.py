@@ -28,6 +28,11 @@ Non-finite K / V (:func:`write_kv_reference`): a (token, KV head) whose K or V r
 inf or NaN is stored poisoned -- key scale NaN, key codes 0 (bf16: a NaN key row), value
 codes 0 with scale 1 (bf16: a zero value row) -- so exactly the queries that read the token
 get NaN. The key-smoothing mean is taken over finite rows only.
+
+Channel migration (a cache with ``key_channel_scale`` ``lam`` [Hkv, D]): keys are stored as
+``(k - mean) * (1 / lam)`` (fp32, the reciprocal correctly rounded) and queries quantized as
+``q * lam`` of their KV head; the dequantized key is ``codes * scale * lam + mean`` and the
+quantized query, in the same real space, ``dequant(quantize(q * lam)) / lam``.
 """
 
 from __future__ import annotations
@@ -107,11 +112,42 @@ def key_mean_reference(key: torch.Tensor, slot_mapping: torch.Tensor) -> torch.T
     return torch.where(finite[..., None], k, 0.0).sum(dim=0) / count.clamp(min=1).to(torch.float32)[:, None]
 
 
+def migration_scale_reference(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Channel-migration scale of a calibration write, in float64 then rounded to fp32:
+    ``sqrt(amax_K / amax_Q)`` per (KV head, channel) over the finite rows of query [N, Hq,
+    D] and smoothed key [N, Hkv, D] (Q's amax over the heads of each KV group), 1 where a
+    range is 0, clamped to [2**-12, 2**12]."""
+    num_kv_heads, head_dim = key.shape[1:]
+    group = query.shape[1] // num_kv_heads
+
+    def amax(x):
+        x = x.to(torch.float64)
+        finite = torch.isfinite(x).all(dim=-1, keepdim=True)
+        return torch.where(finite, x, 0.0).abs().amax(dim=0)
+
+    aq = amax(query).view(num_kv_heads, group, head_dim).amax(dim=1)
+    ak = amax(key)
+    ok = (aq > 0) & (ak > 0)
+    lam = torch.where(ok, torch.sqrt(torch.where(ok, ak, 1.0) / torch.where(ok, aq, 1.0)), 1.0)
+    return lam.clamp(2.0 ** -12, 2.0 ** 12).to(torch.float32)
+
+
+def migrate_query(query: torch.Tensor, lam: torch.Tensor | None) -> torch.Tensor:
+    """fp32 ``query`` [T, Hq, D] times ``lam`` [Hkv, D] of each head's KV head (the input
+    of the query's rounding under channel migration); the query as fp32 when ``lam`` is None."""
+    q = query.to(torch.float32)
+    if lam is None:
+        return q
+    group = q.shape[1] // lam.shape[0]
+    return q * lam.to(device=q.device, dtype=torch.float32).repeat_interleave(group, dim=0)
+
+
 # --------------------------------------------------------------------------- paged cache
 def write_kv_reference(cache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Plain-PyTorch :func:`int8attn.write_kv`: same quantization, same slots, same key
     smoothing (subtract ``cache.key_mean``, taken from this write if the cache asks for
-    "first_write" smoothing and has none yet). Mutates ``cache``."""
+    "first_write" smoothing and has none yet), same channel migration (times ``1 /
+    cache.key_channel_scale``; the scale must be set). Mutates ``cache``."""
     slots = slot_mapping.to(cache.key.device).long()
     valid = slots >= 0
     if cache.key_smoothing == "first_write" and cache.key_mean is None and bool(valid.any()):
@@ -120,6 +156,9 @@ def write_kv_reference(cache, key: torch.Tensor, value: torch.Tensor, slot_mappi
     key = key.to(torch.float32)
     if cache.key_mean is not None:
         key = key - cache.key_mean
+    lam = getattr(cache, "key_channel_scale", None)
+    if lam is not None:
+        key = key * (torch.ones_like(lam) / lam)
     value = value.to(torch.float32)
     # a (token, head) with an inf / NaN in K or V: NaN key row (scale NaN, codes 0), zero V row
     finite = (torch.isfinite(key).all(dim=-1) & torch.isfinite(value).all(dim=-1)).unsqueeze(-1)
@@ -141,7 +180,8 @@ def token_slots(block_table_row: torch.Tensor, length: int, block_size: int) -> 
 
 
 def gather_kv(cache, block_table_row: torch.Tensor, length: int, add_key_mean: bool = True):
-    """Dequantized float64 K, V of one sequence: each [length, num_kv_heads, head_dim]."""
+    """Dequantized float64 K, V of one sequence: each [length, num_kv_heads, head_dim]
+    (``codes * scale * key_channel_scale + key_mean`` for K)."""
     slots = token_slots(block_table_row, length, cache.block_size)
     blk, off = slots // cache.block_size, slots % cache.block_size
     k = cache.key[blk, :, off].to(torch.float64)
@@ -149,6 +189,9 @@ def gather_kv(cache, block_table_row: torch.Tensor, length: int, add_key_mean: b
     if cache.key_scale is not None:
         k = k * cache.key_scale[blk, :, off].to(torch.float64).unsqueeze(-1)
         v = v * cache.value_scale[blk, :, off].to(torch.float64).unsqueeze(-1)
+    lam = getattr(cache, "key_channel_scale", None)
+    if lam is not None:
+        k = k * lam.to(device=k.device, dtype=torch.float64)
     if add_key_mean and cache.key_mean is not None:
         k = k + cache.key_mean.to(torch.float64)
     return k, v
@@ -189,15 +232,21 @@ def attention_reference(
     """float64 attention of ``query`` over the paged ``cache`` (docs/design.md §6).
 
     ``query_kv_dtype`` quantizes the query first, as the kernels do for that cache dtype
-    (see :func:`attention_reference_quantized`). Returns [num_tokens, num_q_heads, D]
+    (see :func:`attention_reference_quantized`; under channel migration the query is
+    multiplied by ``lam`` before its rounding and divided by it after, so that it meets the
+    dequantized keys in the model's space). Returns [num_tokens, num_q_heads, D]
     float64 on the CPU.
     """
     if softmax_scale is None:
         softmax_scale = cache.head_dim ** -0.5
     query = query.detach().cpu()
+    lam = getattr(cache, "key_channel_scale", None)
+    lam = None if lam is None else lam.detach().cpu()
     if query_kv_dtype is not None:
-        qq, qs = quantize_rows(query, query_kv_dtype)
+        qq, qs = quantize_rows(migrate_query(query, lam), query_kv_dtype)
         query = dequantize_rows(qq, qs)
+        if lam is not None:
+            query = query / lam.to(torch.float64).repeat_interleave(query.shape[1] // lam.shape[0], dim=0)
     block_table = block_table.cpu()
     seq_lens = seq_lens.cpu().tolist()
     qsl = query_start_loc.cpu().tolist()
@@ -229,6 +278,8 @@ class _CpuView:
         self.key_scale = None if cache.key_scale is None else cache.key_scale.cpu()
         self.value_scale = None if cache.value_scale is None else cache.value_scale.cpu()
         self.key_mean = None if cache.key_mean is None else cache.key_mean.cpu()
+        lam = getattr(cache, "key_channel_scale", None)
+        self.key_channel_scale = None if lam is None else lam.cpu()
 
 
 # --------------------------------------------------------------------------- RoPE

@@ -223,18 +223,20 @@ def _store_tile(ptrs, value, mask, FULL: tl.constexpr):
 # --------------------------------------------------------------------------- quantize_query
 @triton.jit
 def _quantize_query_kernel(
-    q_ptr, out_ptr, scale_ptr,
-    num_rows, num_heads,
+    q_ptr, out_ptr, scale_ptr, lam_ptr,
+    num_rows, num_heads, group,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FULL: tl.constexpr,
-    KIND: tl.constexpr, INTERPRET: tl.constexpr,
+    KIND: tl.constexpr, HAS_LAM: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Rows = (token, head) pairs, BLOCK_R per program; FULL when num_rows % BLOCK_R == 0
     and HEAD_DIM == BLOCK_D.
 
     q [T, H, D] (any float dtype, unit stride on D) -> out [T, H, D] int8 / fp8,
-    scale [T, H] fp32. Row numbers are int32 (T * H < 2**31): a 64-bit division by
-    num_heads would cost a long subroutine per row.
+    scale [T, H] fp32. HAS_LAM: each row is multiplied by the channel-migration scale
+    ``lam`` [H // group, D] fp32 (contiguous) of its KV head ``head // group`` before it is
+    quantized (one fp32 multiply per element). Row numbers are int32 (T * H < 2**31): a
+    64-bit division by num_heads would cost a long subroutine per row.
     """
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
@@ -243,6 +245,8 @@ def _quantize_query_kernel(
     head = rows % num_heads
     mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
     x = _load_tile(q_ptr + (tok * stride_qt + head * stride_qh)[:, None] + d[None, :], mask, FULL)
+    if HAS_LAM:
+        x = x * _load_tile(lam_ptr + ((head // group) * HEAD_DIM)[:, None] + d[None, :], mask, FULL)
     q, scale = _quantize_rows(x, KIND, INTERPRET)
     _store_tile(out_ptr + (tok * stride_ot + head * stride_oh)[:, None] + d[None, :], q, mask, FULL)
     tl.store(scale_ptr + tok * stride_st + head * stride_sh, scale, mask=row_mask)
@@ -321,15 +325,17 @@ def _load_rows_rope(row_ptr, mask, d, cos_sin_row, ROTARY_DIM: tl.constexpr, BLO
 @triton.jit
 def _write_kv_tokens(
     tok0, num_tokens, num_slots, max_position, slot_ptr, pos_ptr, cos_sin_ptr, flags_ptr,
-    k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
+    k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr, lam_ptr,
     num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_D: tl.constexpr, ROTATE: tl.constexpr, ROTARY_DIM: tl.constexpr, KIND: tl.constexpr,
-    HAS_MEAN: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_MEAN: tl.constexpr, HAS_LAM: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Quantize the K rows (RoPE'd with the cos/sin rows of the tokens' positions when
-    ROTATE, minus the smoothing mean when HAS_MEAN) and V rows of tokens ``tok0 ..
+    ROTATE, minus the smoothing mean when HAS_MEAN, times ``1 / lam`` of the channel
+    migration when HAS_LAM: ``lam`` [Hkv, D] fp32 contiguous, its reciprocal taken per
+    loaded tile with a correctly rounded division) and V rows of tokens ``tok0 ..
     tok0 + BLOCK_T`` into the pages of their slots (tokens past ``num_tokens`` or with
     slot -1 skipped), ``BLOCK_HKV`` KV heads at a time: a tile of BLOCK_HKV x BLOCK_T rows
     (row ``r``: head ``r // BLOCK_T``, token ``r % BLOCK_T``) by BLOCK_D channels.
@@ -388,6 +394,9 @@ def _write_kv_tokens(
         v = _load_tile(v_ptr + (tok * stride_vt + heads * stride_vh)[:, None] + d[None, :], mask, False)
         if HAS_MEAN:
             k = k - _load_tile(mean_ptr + (heads * HEAD_DIM)[:, None] + d[None, :], mask, False)
+        if HAS_LAM:
+            lam = _load_tile(lam_ptr + (heads * HEAD_DIM)[:, None] + d[None, :], mask, False)
+            k = k * tl.math.div_rn(tl.full(lam.shape, 1.0, tl.float32), tl.where(mask, lam, 1.0))
         # rows of skipped tokens are all 0 here (finite), their position reads as 0
         finite = _finite_rows(k) & _finite_rows(v) & pos_ok
         k = tl.where(finite[:, None], k, _INF - _INF)
@@ -431,13 +440,14 @@ def _store_page_transposed(x, head, blk, data_ptr, scale_ptr, stride_cb, stride_
 @triton.jit
 def _write_kv_kernel(
     key_ptr, value_ptr, slot_ptr, flags_ptr,
-    kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
+    kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr, lam_ptr,
     num_tokens, num_slots, num_kv_heads,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ch, stride_co,
     stride_sb, stride_sh, stride_so,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_TOKENS: tl.constexpr,
-    BLOCK_HKV: tl.constexpr, KIND: tl.constexpr, HAS_MEAN: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_HKV: tl.constexpr, KIND: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_LAM: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """KV_TOKENS new tokens per program: quantize their K and V rows (all KV heads,
     BLOCK_HKV at a time) into the page of each token's slot (-1: skipped; outside [-1,
@@ -447,15 +457,16 @@ def _write_kv_kernel(
     cb/ch/co, unit stride on D), value cache the same for bf16 and [num_blocks, Hkv, D,
     block_size] (same cb/ch, contiguous pages) for 8-bit kinds; scales [num_blocks, Hkv,
     block_size] (strides sb/sh/so); mean [Hkv, D] fp32 contiguous, subtracted from K when
-    HAS_MEAN.
+    HAS_MEAN; lam [Hkv, D] fp32 contiguous, K divided by it (times its reciprocal) when
+    HAS_LAM.
     """
     tok0 = tl.program_id(0).to(tl.int64) * KV_TOKENS
     _write_kv_tokens(tok0, num_tokens, num_slots, 0, slot_ptr, slot_ptr, slot_ptr, flags_ptr,  # no RoPE
-                     key_ptr, value_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
+                     key_ptr, value_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr, lam_ptr,
                      num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
                      stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
                      BLOCK_SIZE, HEAD_DIM, KV_TOKENS, BLOCK_HKV, BLOCK_D, False, BLOCK_D, KIND, HAS_MEAN,
-                     INTERPRET)
+                     HAS_LAM, INTERPRET)
 
 
 # --------------------------------------------------------------------------- fused producer
@@ -463,7 +474,7 @@ def _write_kv_kernel(
 def _rope_quantize_write_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, slot_ptr, flags_ptr,
     q_out_ptr, q_scale_ptr,
-    kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
+    kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr, lam_ptr,
     num_tokens, num_slots, max_position, num_q_heads, num_kv_heads,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_qst, stride_qsh,
@@ -472,7 +483,7 @@ def _rope_quantize_write_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, ROTARY_DIM: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_D: tl.constexpr,
     FULL_Q: tl.constexpr, TOKENS_PER_PROGRAM: tl.constexpr, KV_TOKENS: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    KIND: tl.constexpr, HAS_MEAN: tl.constexpr, INTERPRET: tl.constexpr,
+    KIND: tl.constexpr, HAS_MEAN: tl.constexpr, HAS_LAM: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Grid (rows, cdiv(Hq, BLOCK_HQ) + 1). Program (i, 0) takes K (RoPE'd, minus the
     smoothing mean) and V of all KV heads of tokens [i * KV_TOKENS, (i + 1) * KV_TOKENS)
@@ -483,7 +494,9 @@ def _rope_quantize_write_kernel(
     TOKENS_PER_PROGRAM, ...): NeoX RoPE on the first ROTARY_DIM channels, quantized to
     q_out [N, Hq, D] with q_scale [N, Hq] (for KIND_BF16: RoPE'd bf16 Q, no scale); Q is
     emitted for every token, padding included. FULL_Q: the Q head count is a multiple of
-    BLOCK_HQ and HEAD_DIM == BLOCK_D (no masks).
+    BLOCK_HQ and HEAD_DIM == BLOCK_D (no masks). HAS_LAM: channel migration, ``lam``
+    [Hkv, D] fp32 contiguous: the RoPE'd Q row of head h is multiplied by ``lam[h // (Hq //
+    Hkv)]`` before it is quantized, the K rows divided by ``lam`` (see _write_kv_tokens).
 
     cos_sin [max_position, ROTARY_DIM] fp32 contiguous: cos of the ROTARY_DIM/2
     frequencies, then sin. A position outside [0, max_position) reads row 0 instead, the
@@ -496,6 +509,9 @@ def _rope_quantize_write_kernel(
         d = tl.arange(0, BLOCK_D)
         heads = (group - 1) * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
         mask = (heads < num_q_heads)[:, None] & (d < HEAD_DIM)[None, :]
+        if HAS_LAM:
+            lam_rows = lam_ptr + ((heads // (num_q_heads // num_kv_heads)) * HEAD_DIM)[:, None] + d[None, :]
+            lam = _load_tile(lam_rows, mask, FULL_Q)
         for i in tl.static_range(TOKENS_PER_PROGRAM):
             tok = tl.program_id(0).to(tl.int64) * TOKENS_PER_PROGRAM + i
             if tok < num_tokens:
@@ -505,6 +521,8 @@ def _rope_quantize_write_kernel(
                 cos_sin_row = cos_sin_ptr + tl.where(pos_ok, pos, 0) * ROTARY_DIM
                 y = _load_rows_rope(q_ptr + tok * stride_qt + heads * stride_qh, mask, d, cos_sin_row,
                                     ROTARY_DIM, BLOCK_D, FULL_Q)
+                if HAS_LAM:
+                    y = y * lam
                 y = tl.where(pos_ok, y, _INF - _INF)
                 q, scale = _quantize_rows(y, KIND, INTERPRET)
                 out_row = tok * stride_ot + heads * stride_oh
@@ -515,8 +533,8 @@ def _rope_quantize_write_kernel(
         tok0 = tl.program_id(0).to(tl.int64) * KV_TOKENS
         if tok0 < num_tokens:
             _write_kv_tokens(tok0, num_tokens, num_slots, max_position, slot_ptr, pos_ptr, cos_sin_ptr, flags_ptr,
-                             k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr,
+                             k_ptr, v_ptr, kcache_ptr, vcache_ptr, kscale_ptr, vscale_ptr, mean_ptr, lam_ptr,
                              num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
                              stride_cb, stride_ch, stride_co, stride_sb, stride_sh, stride_so,
                              BLOCK_SIZE, HEAD_DIM, KV_TOKENS, BLOCK_HKV, BLOCK_D, True, ROTARY_DIM, KIND,
-                             HAS_MEAN, INTERPRET)
+                             HAS_MEAN, HAS_LAM, INTERPRET)

@@ -373,10 +373,11 @@ def qk_scale_of(softmax_scale, head_dim: int) -> float:
 
 
 @functools.lru_cache(maxsize=256)  # (tokens, heads, head_dim, kv dtype) shapes of planned decodes
-def _query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dtype: str, interpret: bool):
-    """Memoized :func:`int8attn.ops.producer.quantize_query_launch` (``interpret`` keys the
-    INTERPRET flag it bakes in)."""
-    return quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype)
+def _query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dtype: str, interpret: bool,
+                  has_lam: bool = False):
+    """Memoized :func:`int8attn.ops.producer.quantize_query_launch` (``has_lam``: the cache
+    migrates channels; ``interpret`` keys the INTERPRET flag it bakes in)."""
+    return quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype, has_lam=has_lam)
 
 
 @functools.lru_cache(maxsize=64)  # devices x (Hq, D) shapes in use; each entry a few KB
@@ -417,7 +418,8 @@ class DecodeLaunch:
 
     __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_part_acc", "_part_ml",
                  "_split_grid", "_split_args", "_split_constexprs", "_merge_grid", "_merge_args",
-                 "_merge_constexprs", "_quantize_kernel", "_split_kernel", "_merge_kernel")
+                 "_merge_constexprs", "_quantize_kernel", "_split_kernel", "_merge_kernel", "_quantize_kernel_lam",
+                 "_query_dims")
 
     def __init__(self, plan: DecodePlan, cache: PagedKVCache, num_tokens: int, num_q_heads: int, num_seqs: int, *,
                  device, q_strides, q_scale_strides, out_strides, block_table_stride: int,
@@ -470,7 +472,8 @@ class DecodeLaunch:
         # recorded in int8attn.launches with the plan: launches.last("_decode_split_kernel")
         self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs,
                                           {"plan": plan})
-        self._quantize_kernel = self._merge_kernel = None
+        self._quantize_kernel = self._merge_kernel = self._quantize_kernel_lam = None
+        self._query_dims = (num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
         if quantize:
             self._quantize_kernel = CachedLaunch(_quantize_query_kernel, *self._query_launch)
         self._merge_grid = None
@@ -514,7 +517,14 @@ class DecodeLaunch:
         with device_guard(self._device):
             if self.quantize:
                 q_quant, q_scale = self._q_codes, self._q_scales
-                self._quantize_kernel(*quantize_query_args(query, q_quant, q_scale))
+                lam = cache.key_channel_scale  # channel migration: Q times lam before its rounding
+                if lam is None:
+                    self._quantize_kernel(*quantize_query_args(query, q_quant, q_scale))
+                else:
+                    if self._quantize_kernel_lam is None:
+                        self._quantize_kernel_lam = CachedLaunch(_quantize_query_kernel,
+                                                                 *_query_launch(*self._query_dims, True))
+                    self._quantize_kernel_lam(*quantize_query_args(query, q_quant, q_scale, lam))
             if cache.quantized:
                 q_in, q_scale_in, k_scale, v_scale = q_quant, q_scale, cache.key_scale, cache.value_scale
             else:

@@ -5,22 +5,25 @@ object, so they trace under ``torch.compile`` and record into CUDA graphs)::
 
     int8attn::write_kv(Tensor key, Tensor value, Tensor slot_mapping,
                        Tensor(a!) key_cache, Tensor(b!) value_cache,
-                       Tensor(c!)? key_scale, Tensor(d!)? value_scale, Tensor? key_mean) -> ()
+                       Tensor(c!)? key_scale, Tensor(d!)? value_scale, Tensor? key_mean,
+                       Tensor? key_channel_scale=None) -> ()
     int8attn::rope_quantize_and_write(Tensor query, Tensor key, Tensor value, Tensor positions,
                        Tensor cos_sin_cache, Tensor(a!) key_cache, Tensor(b!) value_cache,
                        Tensor(c!)? key_scale, Tensor(d!)? value_scale, Tensor? key_mean,
-                       Tensor slot_mapping, Tensor(e!) out_q, Tensor(f!)? out_q_scale) -> ()
+                       Tensor slot_mapping, Tensor(e!) out_q, Tensor(f!)? out_q_scale,
+                       Tensor? key_channel_scale=None) -> ()
     int8attn::attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor? key_scale,
                        Tensor? value_scale, Tensor block_table, Tensor seq_lens,
                        Tensor query_start_loc, Tensor(a!) out, float? softmax_scale,
-                       Tensor? q_quant, Tensor? q_scale, str? pv_mode) -> ()
-    int8attn::quantize_query(Tensor query, str kv_dtype) -> (Tensor, Tensor)
+                       Tensor? q_quant, Tensor? q_scale, str? pv_mode,
+                       Tensor? key_channel_scale=None) -> ()
+    int8attn::quantize_query(Tensor query, str kv_dtype, Tensor? channel_scale=None) -> (Tensor, Tensor)
 
 Tensor layouts are those of :class:`int8attn.PagedKVCache` (key ``[num_blocks,
 num_kv_heads, block_size, head_dim]``; value the same for bf16 and ``[num_blocks,
 num_kv_heads, head_dim, block_size]`` for int8/fp8, whose V pages are transposed; scales
-``[num_blocks, num_kv_heads, block_size]`` fp32, ``key_mean`` ``[num_kv_heads, head_dim]``
-fp32) and of docs/design.md §6 for the rest. ``mutates_args`` names exactly what each op
+``[num_blocks, num_kv_heads, block_size]`` fp32, ``key_mean`` and ``key_channel_scale``
+``[num_kv_heads, head_dim]`` fp32) and of docs/design.md §6 for the rest. ``mutates_args`` names exactly what each op
 writes: the cache tensors for the two writers, ``out`` (and ``out_q``/``out_q_scale``) for
 the others. Each op has a fake (meta) implementation that checks metadata only, so shape,
 dtype and device errors surface at trace time; the real implementation calls the eager
@@ -33,7 +36,9 @@ skips the dispatcher, which matters for small eager decode steps.
 Key smoothing: a cache with ``key_smoothing="first_write"`` and no ``key_mean`` yet takes its
 offset from its first write. That one write sets a new attribute on the Python object, which
 no op schema can express, so the wrappers run it through the eager launcher (outside any
-compiled graph); every later write goes through the op with ``key_mean`` as an input.
+compiled graph); every later write goes through the op with ``key_mean`` as an input. The
+same holds for a cache with ``channel_migration="first_write"`` and no
+``key_channel_scale`` yet (the producer calibrates it; ``write_kv`` refuses such a cache).
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ def _eager(module: str):
 
 def cache_tensors(cache: PagedKVCache):
     """``(key, value, key_scale, value_scale, key_mean)`` of ``cache``: the tensors the ops
-    take in place of the cache object."""
+    take in place of the cache object (``cache.key_channel_scale`` is passed by keyword)."""
     check_cache(cache)
     return cache.key, cache.value, cache.key_scale, cache.value_scale, cache.key_mean
 
@@ -70,11 +75,12 @@ def cache_view(
     key_scale: Optional[torch.Tensor],
     value_scale: Optional[torch.Tensor],
     key_mean: Optional[torch.Tensor] = None,
+    key_channel_scale: Optional[torch.Tensor] = None,
 ) -> PagedKVCache:
     """A :class:`PagedKVCache` that wraps existing storage tensors without copying them.
 
-    The view never computes a key mean of its own: smoothing is on exactly when
-    ``key_mean`` is given.
+    The view never computes a key mean or a migration scale of its own: smoothing is on
+    exactly when ``key_mean`` is given, channel migration when ``key_channel_scale`` is.
     """
     if not isinstance(key_cache, torch.Tensor) or key_cache.dim() != 4:
         raise ValueError(
@@ -96,18 +102,22 @@ def cache_view(
         )
     scale_shape = (num_blocks, num_kv_heads, block_size)
     if kv_dtype == "bf16":
-        if key_scale is not None or value_scale is not None or key_mean is not None:
-            raise ValueError("a bf16 cache has no scales and no key mean")
+        if key_scale is not None or value_scale is not None or key_mean is not None \
+                or key_channel_scale is not None:
+            raise ValueError("a bf16 cache has no scales, no key mean and no channel scale")
     else:
         for name, t in (("key_scale", key_scale), ("value_scale", value_scale)):
             check_tensor(name, t, dtypes=(torch.float32,), shape=scale_shape, device=key_cache.device)
-        check_tensor("key_mean", key_mean, dtypes=(torch.float32,), shape=(num_kv_heads, head_dim),
-                     device=key_cache.device, optional=True)
-    return PagedKVCache.from_tensors(key_cache, value_cache, key_scale, value_scale, key_mean)
+        for name, t in (("key_mean", key_mean), ("key_channel_scale", key_channel_scale)):
+            check_tensor(name, t, dtypes=(torch.float32,), shape=(num_kv_heads, head_dim),
+                         device=key_cache.device, optional=True)
+        if key_channel_scale is not None and not key_channel_scale.is_contiguous():
+            raise ValueError("key_channel_scale must be contiguous")
+    return PagedKVCache.from_tensors(key_cache, value_cache, key_scale, value_scale, key_mean, key_channel_scale)
 
 
 def _needs_first_write(cache: PagedKVCache) -> bool:
-    return cache.key_smoothing == "first_write" and cache.key_mean is None
+    return (cache.key_smoothing == "first_write" and cache.key_mean is None) or cache.needs_channel_calibration
 
 
 # --------------------------------------------------------------------------- write_kv
@@ -123,14 +133,16 @@ def _write_kv_op(
     key_scale: Optional[torch.Tensor],
     value_scale: Optional[torch.Tensor],
     key_mean: Optional[torch.Tensor],
+    key_channel_scale: Optional[torch.Tensor] = None,
 ) -> None:
-    view = cache_view(key_cache, value_cache, key_scale, value_scale, key_mean)
+    view = cache_view(key_cache, value_cache, key_scale, value_scale, key_mean, key_channel_scale)
     _eager("write").write_kv(view, key, value, slot_mapping)
 
 
 @_write_kv_op.register_fake
-def _write_kv_fake(key, value, slot_mapping, key_cache, value_cache, key_scale, value_scale, key_mean):
-    view = cache_view(key_cache, value_cache, key_scale, value_scale, key_mean)
+def _write_kv_fake(key, value, slot_mapping, key_cache, value_cache, key_scale, value_scale, key_mean,
+                   key_channel_scale=None):
+    view = cache_view(key_cache, value_cache, key_scale, value_scale, key_mean, key_channel_scale)
     check_kv(key, value, view)
     check_tensor("slot_mapping", slot_mapping, dtypes=INDEX_DTYPES, shape=(key.shape[0],), device=view.device,
                  last_dim_contiguous=False)
@@ -151,7 +163,8 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
     if _needs_first_write(cache):
         _write_kv_first(cache, key, value, slot_mapping)
         return
-    torch.ops.int8attn.write_kv(key, value, slot_mapping, *cache_tensors(cache))
+    torch.ops.int8attn.write_kv(key, value, slot_mapping, *cache_tensors(cache),
+                                key_channel_scale=cache.key_channel_scale)
 
 
 # --------------------------------------------------------------------------- producer
@@ -173,8 +186,9 @@ def _producer_op(
     slot_mapping: torch.Tensor,
     out_q: torch.Tensor,
     out_q_scale: Optional[torch.Tensor],
+    key_channel_scale: Optional[torch.Tensor] = None,
 ) -> None:
-    view = cache_view(key_cache, value_cache, key_scale, value_scale, key_mean)
+    view = cache_view(key_cache, value_cache, key_scale, value_scale, key_mean, key_channel_scale)
     q, s = _eager("producer").rope_quantize_and_write(
         query, key, value, positions, cos_sin_cache, view, slot_mapping, out_q=out_q, out_q_scale=out_q_scale
     )
@@ -187,8 +201,8 @@ def _producer_op(
 
 @_producer_op.register_fake
 def _producer_fake(query, key, value, positions, cos_sin_cache, key_cache, value_cache, key_scale, value_scale,
-                   key_mean, slot_mapping, out_q, out_q_scale):
-    view = cache_view(key_cache, value_cache, key_scale, value_scale, key_mean)
+                   key_mean, slot_mapping, out_q, out_q_scale, key_channel_scale=None):
+    view = cache_view(key_cache, value_cache, key_scale, value_scale, key_mean, key_channel_scale)
     check_query(query, view)
     check_kv(key, value, view)
     n = query.shape[0]
@@ -239,7 +253,8 @@ def rope_quantize_and_write(
     if _needs_first_write(cache):
         return _producer_first(query, key, value, positions, cos_sin_cache, cache, slot_mapping, out_q, out_q_scale)
     torch.ops.int8attn.rope_quantize_and_write(
-        query, key, value, positions, cos_sin_cache, *cache_tensors(cache), slot_mapping, out_q, out_q_scale
+        query, key, value, positions, cos_sin_cache, *cache_tensors(cache), slot_mapping, out_q, out_q_scale,
+        key_channel_scale=cache.key_channel_scale,
     )
     return out_q, out_q_scale
 
@@ -260,8 +275,9 @@ def _attention_op(
     q_quant: Optional[torch.Tensor] = None,
     q_scale: Optional[torch.Tensor] = None,
     pv_mode: Optional[str] = None,
+    key_channel_scale: Optional[torch.Tensor] = None,
 ) -> None:
-    view = cache_view(key_cache, value_cache, key_scale, value_scale)
+    view = cache_view(key_cache, value_cache, key_scale, value_scale, key_channel_scale=key_channel_scale)
     kwargs = {"q_quant": q_quant, "q_scale": q_scale}
     if pv_mode is not None:
         kwargs["pv_mode"] = pv_mode
@@ -274,8 +290,8 @@ def _attention_op(
 
 @_attention_op.register_fake
 def _attention_fake(query, key_cache, value_cache, key_scale, value_scale, block_table, seq_lens, query_start_loc,
-                    out, softmax_scale=None, q_quant=None, q_scale=None, pv_mode=None):
-    view = cache_view(key_cache, value_cache, key_scale, value_scale)
+                    out, softmax_scale=None, q_quant=None, q_scale=None, pv_mode=None, key_channel_scale=None):
+    view = cache_view(key_cache, value_cache, key_scale, value_scale, key_channel_scale=key_channel_scale)
     check_query(query, view)
     dev = view.device
     check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
@@ -313,20 +329,21 @@ def attention(
         softmax_scale = float(softmax_scale)
     torch.ops.int8attn.attention(
         query, cache.key, cache.value, cache.key_scale, cache.value_scale, block_table, seq_lens, query_start_loc,
-        out, softmax_scale, q_quant, q_scale, pv_mode,
+        out, softmax_scale, q_quant, q_scale, pv_mode, key_channel_scale=cache.key_channel_scale,
     )
     return out
 
 
 # --------------------------------------------------------------------------- quantize_query
 @torch.library.custom_op("int8attn::quantize_query", mutates_args=())
-def _quantize_query_op(query: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    q, s = _eager("producer").quantize_query(query, kv_dtype)
+def _quantize_query_op(query: torch.Tensor, kv_dtype: str,
+                       channel_scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = _eager("producer").quantize_query(query, kv_dtype, channel_scale=channel_scale)
     return q, s
 
 
 @_quantize_query_op.register_fake
-def _quantize_query_fake(query, kv_dtype):
+def _quantize_query_fake(query, kv_dtype, channel_scale=None):
     if kv_dtype not in ("int8", "fp8"):
         raise ValueError(f"int8attn::quantize_query takes kv_dtype 'int8' or 'fp8', got {kv_dtype!r}")
     check_tensor("query", query, dtypes=INPUT_DTYPES, ndim=3)
@@ -336,15 +353,16 @@ def _quantize_query_fake(query, kv_dtype):
     )
 
 
-def quantize_query(query: torch.Tensor, kv_dtype: str = "int8"):
-    """Per-(token, head) query quantization through ``int8attn::quantize_query``.
+def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", channel_scale: torch.Tensor | None = None):
+    """Per-(token, head) query quantization through ``int8attn::quantize_query``
+    (``channel_scale``: the cache's ``key_channel_scale`` under channel migration).
 
     Returns ``(q_quant [T, Hq, D], q_scale [T, Hq] fp32)``; for "bf16" the query itself
     and None (nothing to quantize, no op is called).
     """
     if kv_dtype == "bf16":
         return query, None
-    return torch.ops.int8attn.quantize_query(query, kv_dtype)
+    return torch.ops.int8attn.quantize_query(query, kv_dtype, channel_scale)
 
 
 __all__ = [

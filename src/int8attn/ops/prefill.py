@@ -221,6 +221,12 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
     block_q = config.block_m // group
     num_tiles, tiles_per_seq, search = launch_grid(num_tokens, num_seqs, block_q, max_query_len)
 
+    if q_quant is None and cache.key_channel_scale is not None:
+        # channel migration: Q times lam before its rounding, done by the quantize-query
+        # kernel so that the attention kernel is the same for every cache
+        from .producer import quantize_query
+
+        q_quant, q_scale = quantize_query(query, cache.kv_dtype, channel_scale=cache.key_channel_scale)
     q_quantized = q_quant is not None
     q_in = q_quant if q_quantized else query
     key, value = cache.key, cache.value

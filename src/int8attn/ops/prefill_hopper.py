@@ -250,7 +250,7 @@ def run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_star
     block_q = config.block_m // group
     num_tiles = num_tokens // block_q + num_seqs
     if q_quant is None:
-        q_quant, q_scale = quantize_query(query, cache.kv_dtype)
+        q_quant, q_scale = quantize_query(query, cache.kv_dtype, channel_scale=cache.key_channel_scale)
     key, value = cache.key, cache.value
     q_in = q_quant.view(torch.uint8) if cache.kv_dtype == "fp8" else q_quant
     if softmax_scale is None:

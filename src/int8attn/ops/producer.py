@@ -23,13 +23,18 @@ from ..runtime import TILE_ELEMS, default_num_warps, device_guard, full_tiles, h
 
 
 def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tensor | None = None,
-                   out_scale: torch.Tensor | None = None, *, _launch: dict | None = None):
+                   out_scale: torch.Tensor | None = None, *, channel_scale: torch.Tensor | None = None,
+                   _launch: dict | None = None):
     """Quantize ``query`` per (token, head) for a cache of ``kv_dtype``.
 
     Args:
         query: [T, Hq, D] bf16 (fp16 / fp32 accepted), unit stride on D.
         kv_dtype: "int8" | "fp8" | "bf16".
         out, out_scale: optional outputs ([T, Hq, D] int8 / float8_e4m3fn, [T, Hq] fp32).
+        channel_scale: the cache's ``key_channel_scale`` ([Hkv, D] fp32, Hq a multiple of
+            Hkv) when it migrates channels: row (t, h) is multiplied by
+            ``channel_scale[h // (Hq // Hkv)]`` in fp32 before it is quantized (8-bit
+            dtypes only).
 
     Returns:
         ``(q_quant, q_scale)``: int8 or float8_e4m3fn [T, Hq, D] and fp32 [T, Hq],
@@ -41,7 +46,15 @@ def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tenso
     """
     _checks.check_quantize_query_inputs(query, kv_dtype, out, out_scale)
     if kv_dtype == "bf16":
+        if channel_scale is not None:
+            raise ValueError("channel migration applies to quantized caches only (kv_dtype int8 or fp8)")
         return query.to(torch.bfloat16), None
+    if channel_scale is not None:
+        _checks.check_tensor("channel_scale", channel_scale, dtypes=(torch.float32,), ndim=2, device=query.device)
+        if not channel_scale.is_contiguous() or channel_scale.shape[1] != query.shape[2] \
+                or query.shape[1] % channel_scale.shape[0]:
+            raise ValueError(f"channel_scale must be a contiguous [Hkv, {query.shape[2]}] tensor with "
+                             f"Hkv dividing {query.shape[1]}, got {tuple(channel_scale.shape)}")
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
         out = torch.empty(query.shape, dtype=KV_DTYPES[kv_dtype], device=query.device)
@@ -49,17 +62,20 @@ def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tenso
         out_scale = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=query.device)
     if num_tokens * num_heads == 0:
         return out, out_scale
-    grid, launch = quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype, _launch)
+    grid, launch = quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype, _launch,
+                                         channel_scale is not None)
     with device_guard(query.device):
-        compiled = _quantize_query_kernel[grid](*quantize_query_args(query, out, out_scale), **launch)
+        compiled = _quantize_query_kernel[grid](*quantize_query_args(query, out, out_scale, channel_scale),
+                                                **launch)
     launches.record("_quantize_query_kernel", compiled)
     return out, out_scale
 
 
 def quantize_query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dtype: str,
-                          overrides: dict | None = None) -> tuple[tuple, dict]:
-    """(grid, launch keywords) of the query quantization kernel for a [T, H, D] query:
-    host shapes only, so a caller that runs many same-shaped calls computes it once."""
+                          overrides: dict | None = None, has_lam: bool = False) -> tuple[tuple, dict]:
+    """(grid, launch keywords) of the query quantization kernel for a [T, H, D] query
+    (``has_lam``: with a channel-migration scale): host shapes only, so a caller that runs
+    many same-shaped calls computes it once."""
     num_rows = num_tokens * num_heads
     block_d = triton.next_power_of_2(head_dim)
     launch = {"BLOCK_R": max(1, min(TILE_ELEMS // block_d, triton.next_power_of_2(num_rows))),
@@ -67,16 +83,19 @@ def quantize_query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dty
     launch.update(overrides or {})
     block_r = launch["BLOCK_R"]
     launch.update(HEAD_DIM=head_dim, BLOCK_D=block_d, FULL=full_tiles(num_rows, block_r, head_dim, block_d),
-                  KIND=KV_KIND[kv_dtype], INTERPRET=interpret_mode())
+                  KIND=KV_KIND[kv_dtype], HAS_LAM=bool(has_lam), INTERPRET=interpret_mode())
     return (triton.cdiv(num_rows, block_r),), launch
 
 
-def quantize_query_args(query, out, out_scale) -> tuple:
+def quantize_query_args(query, out, out_scale, channel_scale=None) -> tuple:
     """The query quantization kernel's positional arguments for these tensors (launched
-    with the ``grid, launch`` of :func:`quantize_query_launch`; no validation)."""
+    with the ``grid, launch`` of :func:`quantize_query_launch`, ``has_lam`` exactly when
+    ``channel_scale`` is given; no validation)."""
     num_tokens, num_heads, _ = query.shape
     q_strides, out_strides, scale_strides = query.stride(), out.stride(), out_scale.stride()
-    return (query, out, out_scale, num_tokens * num_heads, num_heads,
+    lam = channel_scale if channel_scale is not None else out_scale  # dummy pointer when unused
+    group = num_heads // channel_scale.shape[0] if channel_scale is not None else 1
+    return (query, out, out_scale, lam, num_tokens * num_heads, num_heads, group,
             q_strides[0], q_strides[1], out_strides[0], out_strides[1], scale_strides[0], scale_strides[1])
 
 
@@ -123,6 +142,11 @@ def rope_quantize_and_write(
             slot at most once).
         out_q, out_q_scale: optional outputs.
 
+    Channel migration: a cache with ``channel_migration="first_write"`` and no
+    ``key_channel_scale`` yet calibrates it from this write's RoPE'd Q and K first
+    (:func:`int8attn.calibrate_channel_migration`); with a scale, K is divided and Q
+    multiplied by it before they are quantized.
+
     Effect and result: RoPE'd K (minus ``cache.key_mean`` when smoothing) and V are
     quantized into the cache exactly as :func:`int8attn.write_kv` would store them (up to
     the fp32 RoPE arithmetic); returns ``(q_out, q_scale)``: RoPE'd Q quantized per
@@ -144,12 +168,17 @@ def rope_quantize_and_write(
         out_q_scale = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=query.device)
     if num_tokens == 0:
         return out_q, out_q_scale
+    if cache.needs_channel_calibration:
+        # Once per cache: mean and migration scale from the RoPE'd Q and K of the first real write.
+        _first_write_migration_after_rope(cache, query, key, positions, cos_sin_cache, slot_mapping)
     if cache.key_smoothing == "first_write" and cache.key_mean is None:
         # Once per cache: the mean of the RoPE'd keys of the first real write.
         _first_write_mean_after_rope(cache, key, positions, cos_sin_cache, slot_mapping)
     rotary_dim = cos_sin_cache.shape[1]
     has_mean = cache.key_mean is not None
     mean = cache.key_mean if has_mean else cache.key
+    has_lam = cache.key_channel_scale is not None
+    lam = cache.key_channel_scale if has_lam else cache.key
     kscale = cache.key_scale if cache.quantized else cache.key
     vscale = cache.value_scale if cache.quantized else cache.value
     sscale = cache.key_scale.stride() if cache.quantized else (0, 0, 0)
@@ -174,7 +203,7 @@ def rope_quantize_and_write(
         compiled = _rope_quantize_write_kernel[grid](
             query, key, value, positions, cos_sin_cache, slot_mapping, error_flags(cache.device),
             out_q, qscale,
-            cache.key, cache.value, kscale, vscale, mean,
+            cache.key, cache.value, kscale, vscale, mean, lam,
             num_tokens, cache.num_slots, cos_sin_cache.shape[0], num_q_heads, cache.num_kv_heads,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             out_q.stride(0), out_q.stride(1), qscale_strides[0], qscale_strides[1],
@@ -182,13 +211,25 @@ def rope_quantize_and_write(
             sscale[0], sscale[1], sscale[2],
             BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, BLOCK_D=block_d,
             FULL_Q=full_tiles(num_q_heads, launch["BLOCK_HQ"], head_dim, block_d),
-            KIND=KV_KIND[cache.kv_dtype], HAS_MEAN=has_mean, INTERPRET=interpret_mode(),
+            KIND=KV_KIND[cache.kv_dtype], HAS_MEAN=has_mean, HAS_LAM=has_lam, INTERPRET=interpret_mode(),
             # RoPE rounds as PyTorch's fp32 x1 * cos - x2 * sin (no FMA): bit-exact tests
             enable_fp_fusion=False,
             **launch,
         )
     launches.record("_rope_quantize_write_kernel", compiled)
     return out_q, (out_q_scale if cache.quantized else None)
+
+
+def _first_write_migration_after_rope(cache, query, key, positions, cos_sin_cache, slot_mapping) -> None:
+    """The first-write migration scale (and mean, when smoothing waits for it) of the
+    RoPE'd Q and K; a token outside the cos/sin table counts as a non-finite row."""
+    from .migration import calibrate_channel_migration
+
+    pos_ok = (positions >= 0) & (positions < cos_sin_cache.shape[0])
+    safe = torch.where(pos_ok, positions, 0)
+    q_rope = torch.where(pos_ok[:, None, None], apply_rope_torch(query, safe, cos_sin_cache), float("nan"))
+    k_rope = torch.where(pos_ok[:, None, None], apply_rope_torch(key, safe, cos_sin_cache), float("nan"))
+    calibrate_channel_migration(cache, q_rope, k_rope, slot_mapping)
 
 
 def _first_write_mean_after_rope(cache, key, positions, cos_sin_cache, slot_mapping) -> None:

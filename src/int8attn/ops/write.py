@@ -95,7 +95,12 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
     as :func:`int8attn.reference.write_kv_reference`; a bf16 cache stores the values as
     bf16. Key smoothing: ``cache.key_mean`` ([Hkv, D] fp32) is subtracted
     from the keys before quantizing; with ``key_smoothing="first_write"`` and no mean
-    yet, the mean of this write's valid keys becomes ``cache.key_mean`` first.
+    yet, the mean of this write's valid keys becomes ``cache.key_mean`` first. Channel
+    migration: the smoothed keys are multiplied by ``1 / cache.key_channel_scale`` (fp32,
+    the reciprocal correctly rounded) before quantizing; a cache with
+    ``channel_migration="first_write"`` and no scale yet is refused (``ValueError``, cache
+    untouched): its scale needs the queries, see
+    :func:`int8attn.calibrate_channel_migration`.
 
     Non-finite input propagates, it is never turned into finite numbers: a (token, KV
     head) whose K or V row holds an inf or NaN is stored poisoned -- key scale NaN with
@@ -120,10 +125,18 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
+    if cache.needs_channel_calibration:
+        raise ValueError(
+            "this cache calibrates its channel migration from the first write that sees the queries: call "
+            "int8attn.calibrate_channel_migration(cache, query, key, slot_mapping) before write_kv, use "
+            "rope_quantize_and_write, or set it with cache.set_channel_migration"
+        )
     key_mean_of_first_write(cache, key, slot_mapping)
     kind = KV_KIND[cache.kv_dtype]
     has_mean = cache.key_mean is not None
     mean = cache.key_mean if has_mean else cache.key  # dummy pointer when unused
+    has_lam = cache.key_channel_scale is not None
+    lam = cache.key_channel_scale if has_lam else cache.key
     kscale = cache.key_scale if cache.quantized else cache.key
     vscale = cache.value_scale if cache.quantized else cache.value
     sscale = cache.key_scale.stride() if cache.quantized else (0, 0, 0)
@@ -133,13 +146,13 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
     with device_guard(cache.device):
         compiled = _write_kv_kernel[(triton.cdiv(num_tokens, launch["KV_TOKENS"]),)](
             key, value, slot_mapping, error_flags(cache.device),
-            cache.key, cache.value, kscale, vscale, mean,
+            cache.key, cache.value, kscale, vscale, mean, lam,
             num_tokens, cache.num_slots, cache.num_kv_heads,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             cache.key.stride(0), cache.key.stride(1), cache.key.stride(2),
             sscale[0], sscale[1], sscale[2],
             BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-            KIND=kind, HAS_MEAN=has_mean, INTERPRET=interpret_mode(),
+            KIND=kind, HAS_MEAN=has_mean, HAS_LAM=has_lam, INTERPRET=interpret_mode(),
             **launch,
         )
     launches.record("_write_kv_kernel", compiled)

@@ -10,6 +10,10 @@ from ...cache import PagedKVCache
 from ._common import _ops, _Step, _to_device, bind
 
 
+#: Int8PagedCache's channel_migration="auto" per kv_dtype (benchmarks/notes/real_models.md).
+DEFAULT_CHANNEL_MIGRATION = {"int8": "first_write"}
+
+
 class Int8PagedLayer(CacheLayerMixin):
     """One decoder layer's K/V in an :class:`int8attn.PagedKVCache`.
 
@@ -29,6 +33,9 @@ class Int8PagedLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.paged: PagedKVCache | None = None
         self.length = 0
+        # (key, value, slot_mapping) of a first write held back until the attention call
+        # brings the queries its channel-migration scale is calibrated from
+        self.pending_write: tuple | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         owner = self.owner
@@ -40,6 +47,7 @@ class Int8PagedLayer(CacheLayerMixin):
             self.paged = PagedKVCache(
                 owner.num_blocks, owner.block_size, key_states.shape[1], key_states.shape[-1],
                 kv_dtype=owner.kv_dtype, device=key_states.device, key_smoothing=owner.key_smoothing,
+                channel_migration=owner.channel_migration,
             )
         self.keys, self.values = self.paged.key, self.paged.value
         self.is_initialized = True
@@ -65,6 +73,7 @@ class Int8PagedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.length = 0
+        self.pending_write = None
 
     def crop(self, tokens_to_remove: int) -> None:
         # Cache.crop calls every layer; the pages stay allocated for the next write.
@@ -97,6 +106,11 @@ class Int8PagedCache(Cache):
         device: where the pages live; default: the device of the first K/V written.
         key_smoothing: as :class:`int8attn.PagedKVCache` ("auto" = first-write mean for
             int8/fp8).
+        channel_migration: "auto" (default: "first_write" for int8, "none" for fp8 and
+            bf16), "none" or "first_write": each layer's per-(KV head, channel) migration
+            scale is calibrated from its first step's queries and keys (the first write is
+            held back until the attention call brings the queries), see
+            :func:`int8attn.calibrate_channel_migration`. Pass "none" to turn it off.
         pv_mode: forwarded to :func:`int8attn.attention` (None = its default).
         use_custom_ops: route writes and attention through the ``int8attn::`` torch.library
             ops (needed to trace the model with ``torch.compile``); default False, the direct
@@ -119,6 +133,7 @@ class Int8PagedCache(Cache):
         num_blocks: int | None = None,
         device=None,
         key_smoothing: str = "auto",
+        channel_migration: str = "auto",
         pv_mode: str | None = None,
         use_custom_ops: bool = False,
         max_decode_tokens: int = 8,
@@ -144,11 +159,15 @@ class Int8PagedCache(Cache):
         if self.num_blocks < self.blocks_per_seq:
             raise ValueError(f"num_blocks={self.num_blocks} cannot hold one sequence of {max_cache_len} tokens")
         self.key_smoothing = key_smoothing
+        if channel_migration == "auto":
+            channel_migration = DEFAULT_CHANNEL_MIGRATION.get(kv_dtype, "none")
+        self.channel_migration = channel_migration
         self.pv_mode = pv_mode
         self.use_custom_ops = use_custom_ops
         self.max_decode_tokens = max_decode_tokens
         # Validate kv_dtype / key_smoothing now rather than at the first forward.
-        PagedKVCache(1, block_size, 1, 16, kv_dtype=kv_dtype, device="cpu", key_smoothing=key_smoothing)
+        PagedKVCache(1, block_size, 1, 16, kv_dtype=kv_dtype, device="cpu", key_smoothing=key_smoothing,
+                     channel_migration=channel_migration)
         self._write_kv, self._attention = _ops(use_custom_ops)
         self._device = torch.device(device) if device is not None else None
         self._buffers_ready = False
@@ -296,7 +315,10 @@ class Int8PagedCache(Cache):
         # [B, H, T, D] -> [B*T, H, D]; a view when the model produced [B, T, H, D] memory.
         key = key_states.transpose(1, 2).reshape(batch * num_new, num_kv_heads, head_dim)
         value = value_states.transpose(1, 2).reshape(batch * num_new, num_kv_heads, head_dim)
-        self._write_kv(layer.paged, key, value, step.slot_mapping)
+        if layer.paged.needs_channel_calibration:
+            layer.pending_write = (key, value, step.slot_mapping)  # written in _attend, after calibration
+        else:
+            self._write_kv(layer.paged, key, value, step.slot_mapping)
         layer.length = step.start + num_new
         layer.batch_size = batch
         bind(key_states, layer, step)
@@ -304,6 +326,13 @@ class Int8PagedCache(Cache):
 
     def _attend(self, layer: Int8PagedLayer, query: torch.Tensor, step: _Step, scaling) -> torch.Tensor:
         """query [B*T, Hq, D] -> out [B*T, Hq, D] (query's dtype)."""
+        if layer.pending_write is not None:
+            from ...ops.migration import calibrate_channel_migration
+
+            key, value, slot_mapping = layer.pending_write
+            layer.pending_write = None
+            calibrate_channel_migration(layer.paged, query, key, slot_mapping)
+            self._write_kv(layer.paged, key, value, slot_mapping)
         out = torch.empty_like(query)
         if self.use_custom_ops:
             kwargs = {} if self.pv_mode is None else {"pv_mode": self.pv_mode}
