@@ -124,14 +124,15 @@ def test_plan_without_reading_lengths(device):
     assert torch.equal(out, attention(*args_of(b)))
 
 
-def test_plan_mismatch_and_bad_inputs_raise_before_launch(monkeypatch):
-    b = mixed(seed=5)
+def test_plan_mismatch_and_bad_inputs_raise_before_launch(monkeypatch, device):
+    b = mixed(seed=5, device=device)
     plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, b.query.shape[1])
     watch_launches(monkeypatch, forbid=True)
     q, cache, bt, sl, qsl = args_of(b)
     out = poisoned(b)
     with pytest.raises(ValueError, match="AttentionPlan was made for"):
-        attention(q[:-1], cache, bt, sl, torch.tensor([0, 1, 4, 12, 21, 60, 60], dtype=torch.int32), plan=plan)
+        attention(q[:-1], cache, bt, sl, torch.tensor([0, 1, 4, 12, 21, 60, 60], dtype=torch.int32, device=device),
+                  plan=plan)
     with pytest.raises(TypeError):
         attention(q, cache, bt, sl, qsl, plan="not a plan")
     with pytest.raises(ValueError, match="differs from the plan"):
@@ -396,10 +397,10 @@ def test_non_power_of_two_head_dim_refused_before_launch_where_decode_may_run(de
     pytest.param([300, 70, 9, 1000] * 4, [1, 4, 9, 1] * 4, id="mixed_T_over_8"),
 ])
 def test_unplanned_call_never_synchronizes_by_default(monkeypatch, seq_lens, q_lens):
-    """attention() without a plan on a GPU, value checks at their default (off there):
-    no device synchronization (torch's sync debug mode turns one into an error), and the
-    result is still right."""
-    monkeypatch.delenv("INT8ATTN_CHECK_VALUES", raising=False)
+    """attention() without a plan on a GPU with value checks off (INT8ATTN_CHECK_VALUES=0,
+    as a serving loop that plans or trusts its metadata runs it): no device synchronization
+    (torch's sync debug mode turns one into an error), and the result is still right."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
     b = mixed(seq_lens=seq_lens, q_lens=q_lens, hq=24, hkv=4, d=256, seed=21, device="cuda")
     assert not _checks.value_checks_enabled(b.cache.device)
     attention(*args_of(b))  # compiles (first launches) outside the checked window

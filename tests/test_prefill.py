@@ -385,7 +385,8 @@ def _bad_calls(b):
         "block_table dtype": (TypeError, dict(block_table=bt.long())),
         "seq_lens shape": (ValueError, dict(seq_lens=sl[:1])),
         "qsl dtype": (TypeError, dict(query_start_loc=qsl.long())),
-        "seq shorter than chunk": (ValueError, dict(seq_lens=torch.tensor([3, 20], dtype=torch.int32))),
+        "seq shorter than chunk": (ValueError, dict(seq_lens=torch.tensor([3, 20], dtype=torch.int32,
+                                                                          device=q.device))),
         "block id out of range": (ValueError, dict(block_table=torch.full_like(bt, 10 ** 6))),
         "pv_mode": (ValueError, dict(pv_mode="fp8")),
         "min_query_len": (ValueError, dict(min_query_len=-1)),
@@ -398,8 +399,8 @@ def _bad_calls(b):
         "config v_late": (TypeError, dict(config=PrefillConfig(v_late=1))),
         "config cvt_asm": (TypeError, dict(config=PrefillConfig(cvt_asm="yes"))),
         "config v_flat": (TypeError, dict(config=PrefillConfig(v_flat=1))),
-        "q_scale without q_quant": (ValueError, dict(q_scale=torch.ones(q.shape[:2]))),
-        "out shape": (ValueError, dict(out=torch.empty(3, 4, 64, dtype=torch.bfloat16))),
+        "q_scale without q_quant": (ValueError, dict(q_scale=torch.ones(q.shape[:2], device=q.device))),
+        "out shape": (ValueError, dict(out=torch.empty(3, 4, 64, dtype=torch.bfloat16, device=q.device))),
         # 8-bit V pages must be stored [D, block_size]: neither row pages, nor the right
         # shape over row-major memory
         "V pages not transposed": (ValueError, dict(cache=_with_value(cache, cache.value_rows.contiguous()))),
@@ -409,10 +410,10 @@ def _bad_calls(b):
 
 
 @pytest.mark.parametrize("case", list(_bad_calls(batch([20, 20], [10, 10])).keys()))
-def test_bad_input_raises_before_launch(case, monkeypatch):
+def test_bad_input_raises_before_launch(case, monkeypatch, device):
     import int8attn.ops.prefill as ops
 
-    b = batch([20, 20], [10, 10])
+    b = batch([20, 20], [10, 10], device=device)
     err, change = _bad_calls(b)[case]
 
     def no_launch(*a, **k):
@@ -420,7 +421,7 @@ def test_bad_input_raises_before_launch(case, monkeypatch):
 
     monkeypatch.setattr(ops, "run_prefill", no_launch)
     kw = dict(zip(("query", "cache", "block_table", "seq_lens", "query_start_loc"), args_of(b)))
-    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16))
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
     kw.update(out=out, config=SMALL)
     kw.update(change)
     with pytest.raises(err):
