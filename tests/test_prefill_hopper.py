@@ -55,6 +55,9 @@ SPILL_BUDGET = {"int8-pv8-d256": 16,
                 "pipe-int8-pv8-d128-n32-s4": 48,
                 # 0 with Triton 3.6, 2 with 3.9
                 "pipe-fp8-pv8-d256-n32-m64-s4": 4}
+#: Triton 3.8 (the default CUDA torch 2.14 wheel's) spills more at head_dim 256: measured 41
+#: (int8 PV) and 48 (fp16 PV of an fp8 cache) local-memory instructions.
+SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56}}
 
 _COMPILE_ALL = r"""
 import json, re, sys
@@ -118,7 +121,8 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
         # (ptxas serialises every wgmma of a kernel whose in-flight registers it cannot keep)
         assert got["wgmma_waits"] and max(got["wgmma_waits"]) >= 1, got
         assert got["sass_wgmma_waits"] and max(got["sass_wgmma_waits"]) >= 1, got
-    assert got["local_memory"] <= SPILL_BUDGET.get(request.node.callspec.id, 0), got
+    budget = {**SPILL_BUDGET, **SPILL_BUDGET_BY_TRITON.get(".".join(compiled_variants["triton"].split(".")[:2]), {})}
+    assert got["local_memory"] <= budget.get(request.node.callspec.id, 0), got
 
 
 # --------------------------------------------------------------------------- routing (CPU)
