@@ -342,9 +342,9 @@ def test_first_write_mean_comes_from_finite_rows(gen, device):
         want = torch.stack([key[finite[:, h], h].float().mean(0) for h in range(hkv)])
         torch.testing.assert_close(cache.key_mean, want, rtol=1e-6, atol=1e-6)
         # bit for bit under the interpreter; a GPU sums in another order (float rounding)
-        exact = cache.device.type == "cpu"
+        bitwise = cache.device.type == "cpu"
         torch.testing.assert_close(cache.key_mean.cpu(), reference.key_mean_reference(key.cpu(), torch.arange(n)),
-                                   rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
+                                   rtol=0 if bitwise else 1e-6, atol=0 if bitwise else 1e-6)
         write_kv(cache, keys[n:], values[n:], torch.arange(64, 64 + m, device=device))  # pages 4..6
         out = reference.attention_reference(query, cache, table, lens, qsl)
         errors[poisoned] = reference.error_stats(out, exact)["rel_l2"]
