@@ -13,7 +13,7 @@ over). Sections, each under try/except so one failure does not lose the rest:
 2. ``tune``: a handful of tile / warps / stages configs per cache dtype (picked from the
    sm_90 static analysis) at bs16 L32k, bs1 L32k, bs64 L8k; the best (geometric mean)
    becomes the config of the headline table;
-3. ``grid``: the headline table, DESIGN.md section 4 shapes at q_len 1: eager (CUDA
+3. ``grid``: the headline table, docs/design.md §4 shapes at q_len 1: eager (CUDA
    events, L2 flushed) and CUDA-graph replay over rotating block tables (so the KV bytes
    never sit in L2), % of copy bandwidth, vs PyTorch SDPA BF16 on contiguous K/V and vs
    our own BF16-cache path;
@@ -474,7 +474,7 @@ def tune(r: Run) -> None:
 
 @H.section("grid")
 def grid(r: Run) -> None:
-    """Headline table (DESIGN.md section 4, q_len 1): eager + graph, vs SDPA and our bf16."""
+    """Headline table (docs/design.md §4, q_len 1): eager + graph, vs SDPA and our bf16."""
     for bs in BATCHES:
         for ctx in CONTEXTS:
             if r.late(f"grid bs{bs} L{ctx}"):

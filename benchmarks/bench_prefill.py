@@ -1,5 +1,5 @@
 """Chunked prefill on the GPU in one short run (<= 3 minutes on an H200, compilation
-included): a 4096-token chunk over a cached prefix (DESIGN.md section 4), INT8 / FP8 / BF16
+included): a 4096-token chunk over a cached prefix (docs/design.md §4), INT8 / FP8 / BF16
 caches through the same kernel, against PyTorch SDPA BF16 on contiguous K/V, ratios from
 the same run.
 
