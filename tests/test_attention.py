@@ -402,7 +402,7 @@ def test_unplanned_call_never_synchronizes_by_default(monkeypatch, seq_lens, q_l
     (torch's sync debug mode turns one into an error), and the result is still right."""
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
     b = mixed(seq_lens=seq_lens, q_lens=q_lens, hq=24, hkv=4, d=256, seed=21, device="cuda")
-    assert not _checks.value_checks_enabled(b.cache.device)
+    assert not _checks.value_checks_enabled()
     attention(*args_of(b))  # compiles (first launches) outside the checked window
     out = poisoned(b)
     torch.cuda.synchronize()

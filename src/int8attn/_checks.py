@@ -39,12 +39,11 @@ MAX_QUERY_ROWS = 2 ** 31 - 2 ** 16
 
 
 # --------------------------------------------------------------------------- policy
-def value_checks_enabled(device: torch.device | None = None) -> bool:
+def value_checks_enabled() -> bool:
     """True when checks that read device values back to the host should run: by default,
     and with ``INT8ATTN_CHECK_VALUES=1``; not with ``INT8ATTN_CHECK_VALUES=0`` (serving
     loops that trust their metadata, or plan once), and never while the current CUDA
-    stream captures a graph (a host sync would break the capture). ``device`` is the
-    device the values live on (kept for callers; the policy is the same on every device).
+    stream captures a graph (a host sync would break the capture).
 
     The prefill, write_kv and producer kernels clamp out-of-range metadata themselves and
     raise device error flags (:func:`int8attn.check_errors`); the decode kernel relies on
@@ -289,7 +288,7 @@ def check_attention_inputs(
         out_dtypes = (torch.bfloat16,) if query.dtype == torch.bfloat16 else (torch.bfloat16, query.dtype)
         check_tensor("out", out, dtypes=out_dtypes, shape=tuple(query.shape), device=dev)
     check_quantized_query(q_quant, q_scale, tuple(query.shape), cache)
-    if check_values and num_seqs > 0 and value_checks_enabled(dev):
+    if check_values and num_seqs > 0 and value_checks_enabled():
         check_attention_values(query.shape[0], cache, block_table, seq_lens, query_start_loc)
         check_errors(dev)  # what earlier kernels on this device found, now that we read back anyway
 
@@ -372,7 +371,7 @@ def check_pv_tile_keys(block_n: int, pv_mode: str) -> None:
 def check_kernel_options(cache, softmax_scale, op: str, any_multiple_of_16: bool = False) -> None:
     """What every attention kernel needs of the cache's head_dim and of softmax_scale
     (``any_multiple_of_16``: a kernel that pads its tile to the next power of two, as
-    decode does, takes every multiple of 16 in [16, 256])."""
+    prefill does, takes every multiple of 16 in [16, 256])."""
     d = cache.head_dim
     if any_multiple_of_16:
         if d % 16 or not 16 <= d <= 256:
@@ -444,10 +443,10 @@ def check_slot_values(slot_mapping, cache, extra=None) -> list:
 
 def check_slot_mapping(slot_mapping, num_tokens: int, cache, values: bool = True) -> None:
     """slot_mapping [N] int32 / int64 on the cache's device; with ``values`` (and value
-    checks enabled for the device) :func:`check_slot_values`."""
+    checks enabled) :func:`check_slot_values`."""
     check_tensor("slot_mapping", slot_mapping, dtypes=INDEX_DTYPES, shape=(num_tokens,), device=cache.device,
                  last_dim_contiguous=False)
-    if values and value_checks_enabled(cache.device) and num_tokens > 0:
+    if values and value_checks_enabled() and num_tokens > 0:
         check_slot_values(slot_mapping, cache)
 
 
@@ -520,7 +519,7 @@ def check_producer_inputs(query, key, value, positions, cos_sin_cache, cache, sl
     elif out_q_scale is not None:
         raise ValueError("out_q_scale must be None for a bf16 cache (its query is not scaled)")
     check_slot_mapping(slot_mapping, n, cache, values=False)
-    if value_checks_enabled(dev) and n > 0:
+    if value_checks_enabled() and n > 0:
         pos_bad = (positions < 0) | (positions >= max_pos)
         (pos_flag,) = check_slot_values(slot_mapping, cache, [pos_bad.any()])  # one sync
         if pos_flag:

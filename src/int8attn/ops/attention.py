@@ -431,7 +431,7 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     prefill_config = None
     if num_tokens > MAX_DECODE_QUERY_LEN:
         prefill_kernel, prefill_config = _prefill_route(cache, prefill_pv, query.shape[1], prefill_kernel,
-                                                        _checks.value_checks_enabled(cache.device))
+                                                        _checks.value_checks_enabled())
     _decode.run_decode(decode_plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                  q_quant, q_scale, None)
     if prefill_config is not None:
