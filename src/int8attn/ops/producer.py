@@ -220,15 +220,22 @@ def rope_quantize_and_write(
     return out_q, (out_q_scale if cache.quantized else None)
 
 
+def _rope_or_nan(x, positions, cos_sin_cache):
+    """RoPE'd ``x`` [N, H, D] in plain PyTorch for host-side calibration; the rows of a
+    token whose position is outside the cos/sin table (unchecked metadata) are NaN, as the
+    kernel stores that token, so calibration skips them like any non-finite row."""
+    pos_ok = (positions >= 0) & (positions < cos_sin_cache.shape[0])
+    rope = apply_rope_torch(x, torch.where(pos_ok, positions, 0), cos_sin_cache)
+    return torch.where(pos_ok[:, None, None], rope, float("nan"))
+
+
 def _first_write_migration_after_rope(cache, query, key, positions, cos_sin_cache, slot_mapping) -> None:
     """The first-write migration scale (and mean, when smoothing waits for it) of the
     RoPE'd Q and K; a token outside the cos/sin table counts as a non-finite row."""
     from .migration import calibrate_channel_migration
 
-    pos_ok = (positions >= 0) & (positions < cos_sin_cache.shape[0])
-    safe = torch.where(pos_ok, positions, 0)
-    q_rope = torch.where(pos_ok[:, None, None], apply_rope_torch(query, safe, cos_sin_cache), float("nan"))
-    k_rope = torch.where(pos_ok[:, None, None], apply_rope_torch(key, safe, cos_sin_cache), float("nan"))
+    q_rope = _rope_or_nan(query, positions, cos_sin_cache)
+    k_rope = _rope_or_nan(key, positions, cos_sin_cache)
     calibrate_channel_migration(cache, q_rope, k_rope, slot_mapping)
 
 
@@ -237,7 +244,5 @@ def _first_write_mean_after_rope(cache, key, positions, cos_sin_cache, slot_mapp
     cos/sin table (unchecked metadata) counts as a non-finite row, as the kernel stores it."""
     from .write import key_mean_of_first_write
 
-    pos_ok = (positions >= 0) & (positions < cos_sin_cache.shape[0])
-    rope = apply_rope_torch(key, torch.where(pos_ok, positions, 0), cos_sin_cache)
-    rope = torch.where(pos_ok[:, None, None], rope, float("nan"))
+    rope = _rope_or_nan(key, positions, cos_sin_cache)
     key_mean_of_first_write(cache, rope, slot_mapping)
