@@ -316,6 +316,12 @@ def test_gpu_min_query_len_leaves_rows_untouched():
 @needs_sm90
 def test_gpu_stale_slots_never_leak(kv, pv):
     """Stale bytes past each sequence's end (e4m3 NaN, int8 -128, NaN scales) reach no output."""
+    _check(_stale_batch(kv), pv, rows_per_seq=99)
+
+
+def _stale_batch(kv):
+    """A varlen batch written over pages poisoned first (e4m3 NaN bytes, int8 -128, NaN
+    scales), so only slots past each sequence's end keep stale values."""
     def poison_then_write(c, k, v, s):
         for t in (c.key, c.value):
             t.view(torch.uint8).fill_(0x7F) if kv == "fp8" else t.fill_(-128)
@@ -323,9 +329,8 @@ def test_gpu_stale_slots_never_leak(kv, pv):
         c.value_scale.fill_(float("nan"))
         reference.write_kv_reference(c, k, v, s)
 
-    b = testing.make_paged_batch([37, 150, 9], [20, 99, 9], num_q_heads=8, num_kv_heads=2, head_dim=128,
-                                 kv_dtype=kv, seed=17, device="cuda", writer=poison_then_write)
-    _check(b, pv, rows_per_seq=99)
+    return testing.make_paged_batch([37, 150, 9], [20, 99, 9], num_q_heads=8, num_kv_heads=2, head_dim=128,
+                                    kv_dtype=kv, seed=17, device="cuda", writer=poison_then_write)
 
 
 @pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16")])
@@ -361,15 +366,7 @@ def test_gpu_pipelined(case, kv, pv):
                    device="cuda")
         rows = 40
     elif case == "stale-d128":
-        def poison_then_write(c, k, v, s):
-            for t in (c.key, c.value):
-                t.view(torch.uint8).fill_(0x7F) if kv == "fp8" else t.fill_(-128)
-            c.key_scale.fill_(float("nan"))
-            c.value_scale.fill_(float("nan"))
-            reference.write_kv_reference(c, k, v, s)
-
-        b = testing.make_paged_batch([37, 150, 9], [20, 99, 9], num_q_heads=8, num_kv_heads=2, head_dim=128,
-                                     kv_dtype=kv, seed=17, device="cuda", writer=poison_then_write)
+        b = _stale_batch(kv)
         rows = 99
     else:
         hq, hkv, d = (24, 4, 256) if "d256" in case else (32, 8, 128)
