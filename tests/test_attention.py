@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from _ids import cases
-from int8attn import _checks, reference, testing
+from int8attn import PagedKVCache, _checks, reference, testing
 from int8attn.ops import attention as attention_mod
 from int8attn.ops import producer as producer_mod
 from int8attn.ops.attention import AttentionPlan, attention, plan_attention
@@ -377,18 +377,25 @@ def test_plan_first_run_inside_cuda_graph_capture(kv):
     assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("d", [pytest.param(96, id="D96"), pytest.param(192, id="D192")])
-def test_non_power_of_two_head_dim_refused_before_launch_where_decode_may_run(device, d):
-    """The decode kernel needs a power-of-two head_dim (the prefill kernel pads any
-    multiple of 16): attention() and plan_attention, which may launch it, refuse such a
-    cache with a clear error before any launch, and leave the output untouched."""
-    b = mixed(seq_lens=[17, 97, 123], q_lens=[1, 3, 2], hq=6, hkv=2, d=d, seed=d, device=device)
-    out = poisoned(b)
-    with pytest.raises(ValueError, match="power-of-two head_dim"):
-        attention(*args_of(b), out=out)
-    assert torch.isnan(out.float()).all()
-    with pytest.raises(ValueError, match="power-of-two head_dim"):
-        plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 6)
+@cases("kv,d", [("int8", 96), ("fp8", 192), ("bf16", 80)])
+def test_head_dims_that_are_not_powers_of_two(device, monkeypatch, kv, d):
+    """Every multiple of 16 runs in both kernels (tiles padded to the next power of two):
+    a mixed batch through attention() and through a plan launches decode and prefill,
+    writes every output element and matches the float64 reference."""
+    b = mixed(kv, seq_lens=[17, 97, 123], q_lens=[1, 3, 20], hq=6, hkv=2, d=d, seed=d, device=device)
+    log = watch_launches(monkeypatch)
+    out = attention(*args_of(b), out=poisoned(b))
+    assert routes(log) == ("decode", "prefill")
+    ref = reference.attention_reference(*args_of(b))
+    testing.assert_close_verbose(out, ref, rel_l2=TOL[kv], name=f"{kv} D{d}")
+    plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 6)
+    assert torch.equal(attention(*args_of(b), out=poisoned(b), plan=plan), out)
+
+
+@pytest.mark.parametrize("d", [pytest.param(72, id="D72"), pytest.param(272, id="D272")])
+def test_head_dim_outside_the_kernels_refused_at_cache_creation(d):
+    with pytest.raises(ValueError, match="head_dim"):
+        PagedKVCache(4, 16, 1, d, device="cpu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -73,6 +73,14 @@ CASES = [
     ("fp8", "fp8", 8, 1, 256, 16, [123], [1], None),
     ("bf16", None, 12, 2, 64, 16, [17, 97, 123], [1, 2, 4], 3),
     ("bf16", None, 8, 1, 256, 64, [123, 9], [4, 1], 1),
+    # head_dims that are not powers of two (tiles padded to the next one, channels masked)
+    ("int8", "int8", 6, 2, 96, 16, [17, 97, 123], [1, 2, 1], 3),
+    ("int8", "int8", 4, 1, 80, 16, [97, 5], [1, 3], None),
+    ("int8", "bf16", 8, 2, 112, 32, [123, 40], [2, 1], 2),
+    ("fp8", "fp8", 8, 1, 192, 16, [97, 17], [1, 2], 2),
+    ("fp8", "bf16", 4, 2, 160, 16, [70], [3], None),
+    ("bf16", None, 6, 2, 96, 16, [17, 123], [1, 4], 2),
+    ("bf16", None, 4, 1, 48, 16, [97], [2], None),
 ]
 
 
@@ -121,6 +129,8 @@ SWAPPED_CASES = [
     ("int8", "int8", 8, 2, 64, 16, [1, 17, 97, 123], [1, 1, 1, 1], None, 64),
     ("int8", "bf16", 6, 1, 256, 64, [123, 70], [1, 3], 2, 128),
     ("int8", "int8", 16, 4, 128, 16, [17, 300, 97], [1, 2, 1], None, 128),  # the D128 default's shape
+    ("int8", "int8", 8, 2, 96, 16, [17, 123], [1, 2], 2, 64),  # padded head_dim: V^T rows masked
+    ("fp8", "fp8", 8, 1, 192, 16, [97, 33], [1, 3], None, 64),
 ]
 
 
@@ -377,7 +387,7 @@ from int8attn.kernels.decode import _decode_split_kernel
 
 kv, pv, block_n, warps, stages, swap = json.loads(sys.argv[1])
 elem = {"int8": "*i8", "fp8": "*fp8e4nv", "bf16": "*bf16"}[kv]
-const = dict(GROUP=6, HEAD_DIM=256, PAGE=16, BLOCK_N=block_n, BLOCK_M=16, TOKENS_PER_PASS=1, MAX_QUERY_LEN=8,
+const = dict(GROUP=6, HEAD_DIM=256, BLOCK_D=256, PAGE=16, BLOCK_N=block_n, BLOCK_M=16, TOKENS_PER_PASS=1, MAX_QUERY_LEN=8,
              KV_KIND=KV_KIND[kv], PV_KIND=PV_KIND[pv], INTERPRET=False, SWAP_AB=swap)
 ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
             block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16",
@@ -407,9 +417,8 @@ def _ttgir_for_sm90(kv_dtype: str, pv_mode: str, config: DecodeConfig) -> str:
     args = json.dumps([kv_dtype, pv_mode, config.block_n, config.num_warps, config.num_stages, config.swap_ab])
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE, args], capture_output=True, text=True, env=env,
                           timeout=300)
-    if proc.returncode != 0 or "scf.for" not in proc.stdout:
-        pytest.skip("cannot compile for sm_90 here: " + proc.stderr.strip().splitlines()[-1][:200]
-                    if proc.stderr.strip() else "no output")
+    # a compile failure is a failure (ptxas ships in the Triton wheel: every machine can compile)
+    assert proc.returncode == 0 and "scf.for" in proc.stdout, f"sm_90 compile failed: {proc.stderr[-3000:]}"
     return proc.stdout
 
 

@@ -368,16 +368,13 @@ def check_pv_tile_keys(block_n: int, pv_mode: str) -> None:
                          f"needs block_n >= {MIN_8BIT_PV_KEYS}: 8-bit MMAs reduce over {MIN_8BIT_PV_KEYS} keys)")
 
 
-def check_kernel_options(cache, softmax_scale, op: str, any_multiple_of_16: bool = False) -> None:
-    """What every attention kernel needs of the cache's head_dim and of softmax_scale
-    (``any_multiple_of_16``: a kernel that pads its tile to the next power of two, as
-    prefill does, takes every multiple of 16 in [16, 256])."""
+def check_kernel_options(cache, softmax_scale, op: str) -> None:
+    """What every attention kernel needs of the cache's head_dim and of softmax_scale: a
+    head_dim that is a multiple of 16 in [16, 256] (the kernels pad their tiles to the next
+    power of two and mask the padding channels)."""
     d = cache.head_dim
-    if any_multiple_of_16:
-        if d % 16 or not 16 <= d <= 256:
-            raise ValueError(f"{op} needs a head_dim that is a multiple of 16 in [16, 256], got {d}")
-    elif d & (d - 1) or not 16 <= d <= 256:
-        raise ValueError(f"{op} needs a power-of-two head_dim in [16, 256], got {d}")
+    if d % 16 or not 16 <= d <= 256:
+        raise ValueError(f"{op} needs a head_dim that is a multiple of 16 in [16, 256], got {d}")
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
             raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")

@@ -95,8 +95,8 @@ class PagedKVCache:
         num_blocks: number of physical pages.
         block_size: tokens per page, a power of two >= 8.
         num_kv_heads: KV heads stored.
-        head_dim: any multiple of 16 from 16 to 256 (``SUPPORTED_HEAD_DIMS``); the decode
-            kernel (and so ``attention()``) needs a power of two.
+        head_dim: any multiple of 16 from 16 to 256 (``SUPPORTED_HEAD_DIMS``), in every
+            kernel (tiles padded to the next power of two, the padding channels masked).
         kv_dtype: "int8" (default), "fp8" (e4m3) or "bf16".
         device: where the storage lives: a CUDA GPU (default), or the CPU when the kernels run in
             Triton's interpreter (``TRITON_INTERPRET=1`` set before int8attn is imported).

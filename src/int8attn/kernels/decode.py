@@ -42,6 +42,11 @@ unnormalized output) per row to the workspace and :func:`_decode_merge_kernel` c
 them. Sequences with ``q_len == 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows
 are not written).
 
+head_dim: any multiple of 16 from 16 to 256. The tiles span ``BLOCK_D``, head_dim rounded
+up to a power of two (``tl.arange`` and the MMA shapes need one); when the two differ, every
+load masks the padding channels to zero (they add nothing to a score) and the stores skip
+them. A power-of-two head_dim compiles without those masks.
+
 Tensor layouts (strides passed explicitly, last dims unit stride):
 
 * q [T, Hq, D] (int8 | e4m3 | bf16/fp16/fp32 for the bf16 cache), q_scale [T, Hq] fp32;
@@ -107,7 +112,7 @@ def _decode_split_kernel(
     stride_ot, stride_oh,
     stride_pt, stride_ph, stride_ps,
     stride_mt, stride_mh, stride_ms,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
     MAX_QUERY_LEN: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
     INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr = False,
@@ -144,10 +149,10 @@ def _decode_split_kernel(
         tok = (q_start + row_tok).to(tl.int64)
         row_limit = tl.where(row_valid, seq_len - q_len + row_tok, -1)
         q, row_scale = _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_qt, stride_qh,
-                                   stride_qst, stride_qsh, HEAD_DIM, BLOCK_M, KV_KIND, INTERPRET)
+                                   stride_qst, stride_qsh, HEAD_DIM, BLOCK_D, BLOCK_M, KV_KIND, INTERPRET)
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l_i = _zero_sums(BLOCK_N, BLOCK_M, SWAP_AB)
-        acc = _zero_acc(HEAD_DIM, BLOCK_M, SWAP_AB)
+        acc = _zero_acc(BLOCK_D, BLOCK_M, SWAP_AB)
         # Only the sequence's last tile holds slots past seq_len. An fp8 cache zeroes their
         # V (stale e4m3 bytes may be NaN), so that tile is peeled off the loop and the
         # others skip the select; int8 and bf16 tiles take one loop.
@@ -158,17 +163,17 @@ def _decode_split_kernel(
         for tile in range(tile_lo, loop_end):
             m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
                                     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
-                                    stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
+                                    stride_cb, stride_sb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
                                     KV_KIND != KIND_FP8, INTERPRET, SWAP_AB)
         if KV_KIND == KIND_FP8:
             if loop_end < tile_end:
                 m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_end - 1, seq_len, bt_row,
                                         k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
-                                        stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND,
-                                        PV_KIND, True, INTERPRET, SWAP_AB)
+                                        stride_cb, stride_sb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M,
+                                        KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB)
         _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, _row_sums(l_i, SWAP_AB), tok, row_head, split,
                     n_active, row_valid, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
-                    stride_ms, HEAD_DIM, SWAP_AB)
+                    stride_ms, HEAD_DIM, BLOCK_D, SWAP_AB)
     else:
         # Longer queries: one flat loop over (pass, tile). Two things keep Triton's
         # software pipeline intact (checked in the TTGIR: async waits leave tiles in
@@ -180,7 +185,7 @@ def _decode_split_kernel(
         num_iters = tl.cdiv(q_len, TOKENS_PER_PASS) * tile_count
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l_i = _zero_sums(BLOCK_N, BLOCK_M, SWAP_AB)
-        acc = _zero_acc(HEAD_DIM, BLOCK_M, SWAP_AB)
+        acc = _zero_acc(BLOCK_D, BLOCK_M, SWAP_AB)
         for it in range(0, num_iters):
             pass_idx = it // tile_count
             tile_idx = it - pass_idx * tile_count
@@ -190,7 +195,8 @@ def _decode_split_kernel(
             # Causal limit of each row: its own position; -1 hides every key from padding rows.
             row_limit = tl.where(row_valid, seq_len - q_len + tok0 + row_tok, -1)
             q, row_scale = _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_qt,
-                                       stride_qh, stride_qst, stride_qsh, HEAD_DIM, BLOCK_M, KV_KIND, INTERPRET)
+                                       stride_qh, stride_qst, stride_qsh, HEAD_DIM, BLOCK_D, BLOCK_M, KV_KIND,
+                                       INTERPRET)
             # A new pass starts from an empty state: alpha = 0 drops the previous pass.
             fresh = tile_idx == 0
             m_i = tl.where(fresh, NEG_BIG, m_i)
@@ -198,23 +204,23 @@ def _decode_split_kernel(
             acc = tl.where(fresh, 0.0, acc)
             m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_lo + tile_idx, seq_len,
                                     bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
-                                    stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
-                                    True, INTERPRET, SWAP_AB)
+                                    stride_cb, stride_sb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND,
+                                    PV_KIND, True, INTERPRET, SWAP_AB)
             # Last tile of the pass: its rows go to out (one active split) or to the partials.
             # (tl.where rather than `row_valid & last`: the interpreter mistypes that mask)
             last = tile_idx == tile_count - 1
             _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, _row_sums(l_i, SWAP_AB), tok, row_head, split,
-                        n_active, tl.where(last, row_valid, False), stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
-                        stride_mt, stride_mh, stride_ms, HEAD_DIM, SWAP_AB)
+                        n_active, tl.where(last, row_valid, False), stride_ot, stride_oh, stride_pt, stride_ph,
+                        stride_ps, stride_mt, stride_mh, stride_ms, HEAD_DIM, BLOCK_D, SWAP_AB)
 
 
 @triton.jit
-def _zero_acc(HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SWAP_AB: tl.constexpr):
-    """The empty output accumulator: O [BLOCK_M, D], or O^T [D, BLOCK_M] when swapped."""
+def _zero_acc(BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SWAP_AB: tl.constexpr):
+    """The empty output accumulator: O [BLOCK_M, BLOCK_D], or O^T [BLOCK_D, BLOCK_M] when swapped."""
     if SWAP_AB:
-        acc = tl.zeros([HEAD_DIM, BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_D, BLOCK_M], tl.float32)
     else:
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     return acc
 
 
@@ -238,30 +244,34 @@ def _row_sums(l_i, SWAP_AB: tl.constexpr):
 
 @triton.jit
 def _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
-            data_head, scale_head, stride_cb, stride_sb, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
-            TAIL: tl.constexpr, INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr):
+            data_head, scale_head, stride_cb, stride_sb, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr,
+            PV_KIND: tl.constexpr, TAIL: tl.constexpr, INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr):
     """One tile in the orientation the launch chose (see _attend_tile_swapped)."""
     if SWAP_AB:
         m_i, l_i, acc = _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr,
                                              v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb,
-                                             stride_sb, HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, TAIL,
-                                             INTERPRET)
+                                             stride_sb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
+                                             TAIL, INTERPRET)
     else:
         m_i, l_i, acc = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr, v_ptr,
                                      k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
-                                     HEAD_DIM, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, TAIL, INTERPRET)
+                                     HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, TAIL, INTERPRET)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, INTERPRET: tl.constexpr):
-    """The packed query rows [BLOCK_M, D] in the dot's precision and each row's score
-    scale ``sQ * softmax_scale * log2(e)`` (padding rows: zeros)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_valid[:, None], other=0.0)
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """The packed query rows [BLOCK_M, BLOCK_D] in the dot's precision and each row's score
+    scale ``sQ * softmax_scale * log2(e)`` (padding rows and padding channels: zeros)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :]
+    if BLOCK_D == HEAD_DIM:
+        q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     if KV_KIND == KIND_BF16:
         q = q.to(tl.bfloat16)
         if INTERPRET:
@@ -294,22 +304,36 @@ def _tile_addresses(tile, seq_len, bt_row, data_head, scale_head, stride_cb, str
 
 
 @triton.jit
+def _load_key_rows(ptrs, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A [keys, BLOCK_D] K tile: unmasked (see _attend_tile) but for the padding channels
+    of a head_dim below BLOCK_D, which load as zeros (they would read the next row)."""
+    if BLOCK_D == HEAD_DIM:
+        k = tl.load(ptrs)
+    else:
+        k = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    return k
+
+
+@triton.jit
 def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
                  k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
-                 HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                 KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr, INTERPRET: tl.constexpr):
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     """One KV tile (keys ``tile * BLOCK_N ...``) folded into the online-softmax state.
 
     Loads carry as few masks as correctness allows: a key past ``seq_len`` reads block 0
     (the block id load is masked to 0) or a stale slot of its own last page -- valid
     memory either way -- and is removed by the score mask (a ``where``, so a NaN K scale
     there cannot leak). Only what the PV product would multiply by P = 0 must be finite:
-    the V scale always, and V itself for fp8 / bf16 caches (int8 is always finite)."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    the V scale always, and V itself for fp8 / bf16 caches (int8 is always finite).
+    A head_dim padded to BLOCK_D masks the padding channels of every load (zeros: they add
+    nothing to the scores, and their output columns are not stored)."""
+    offs_d = tl.arange(0, BLOCK_D)
     pos, in_seq, page, blk_page, row_off, scale_off = _tile_addresses(tile, seq_len, bt_row, data_head, scale_head,
                                                                       stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N)
     NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
-    k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :])
+    k = _load_key_rows(k_ptr + row_off[:, None] + offs_d[None, :], offs_d, HEAD_DIM, BLOCK_D)
     if KV_KIND == KIND_INT8:
         k_scale = tl.load(k_scale_ptr + scale_off)
         qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
@@ -332,9 +356,13 @@ def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
     acc = acc * alpha[:, None]
 
     if KV_KIND == KIND_BF16:
-        v = tl.load(v_ptr + row_off[:, None] + offs_d[None, :], mask=in_seq[:, None], other=0.0)
+        v_ptrs = v_ptr + row_off[:, None] + offs_d[None, :]
+        if BLOCK_D == HEAD_DIM:
+            v = tl.load(v_ptrs, mask=in_seq[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=in_seq[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     else:
-        v = _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM, PAGE, NUM_PAGES,
+        v = _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM, BLOCK_D, PAGE, NUM_PAGES,
                           KV_KIND == KIND_FP8 and TAIL)
     if KV_KIND == KIND_BF16:
         if INTERPRET:
@@ -355,25 +383,25 @@ def _max_pair(a, b, c, d):
 @triton.jit
 def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, tile, seq_len, bt_row,
                          k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
-                         HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                         KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr,
                          INTERPRET: tl.constexpr):
     """:func:`_attend_tile` with the operands swapped, for 8-bit caches: the tile's keys
     fill the MMA's M rows and the packed query rows its N columns.
 
-    ``S^T = K . Q^T`` [BLOCK_N, BLOCK_M] and ``O^T += V^T . P^T`` [HEAD_DIM, BLOCK_M]: M is
-    BLOCK_N (64, 128) and HEAD_DIM, so Hopper's warpgroup MMA applies with only 16 query
+    ``S^T = K . Q^T`` [BLOCK_N, BLOCK_M] and ``O^T += V^T . P^T`` [BLOCK_D, BLOCK_M]: M is
+    BLOCK_N (64, 128) and BLOCK_D, so Hopper's warpgroup MMA applies with only 16 query
     rows (N = 16), where the row-major form needs 64 padded rows (4x the MMA work and a
     64-row accumulator that spills). Both 8-bit operands stay K-major as the MMA needs:
     K rows are D-contiguous, and the transposed V pages are key-contiguous, exactly
     V^T's reduction axis. The softmax runs down the columns (axis 0); ``acc_t`` is O^T.
     P (v_scale folded in) is quantized per column (query row) to its exact max, found
     by the same reduction as the score max."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     pos, in_seq, page, blk_page, row_off, scale_off = _tile_addresses(tile, seq_len, bt_row, data_head, scale_head,
                                                                       stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N)
     NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
-    k = tl.load(k_ptr + row_off[:, None] + offs_d[None, :])
+    k = _load_key_rows(k_ptr + row_off[:, None] + offs_d[None, :], offs_d, HEAD_DIM, BLOCK_D)
     k_scale = tl.load(k_scale_ptr + scale_off)
     if KV_KIND == KIND_INT8:
         qk = tl.dot(k, tl.trans(q), out_dtype=tl.int32).to(tl.float32)
@@ -401,7 +429,7 @@ def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, tile, seq_len
     l_i = l_i * alpha[None, :] + p
     acc_t = acc_t * alpha[None, :]
 
-    v_t = _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM, PAGE, NUM_PAGES,
+    v_t = _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM, BLOCK_D, PAGE, NUM_PAGES,
                         KV_KIND == KIND_FP8 and TAIL, True)
     pv = p * v_scale[:, None]
     if PV_KIND == PV_BF16:
@@ -430,33 +458,40 @@ def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, tile, seq_len
 
 
 @triton.jit
-def _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-                  NUM_PAGES: tl.constexpr, ZERO_STALE: tl.constexpr, KEYS_LAST: tl.constexpr = False):
-    """The [NUM_PAGES * PAGE, HEAD_DIM] V tile of an 8-bit cache, whose pages are stored
+def _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM: tl.constexpr,
+                  BLOCK_D: tl.constexpr, PAGE: tl.constexpr, NUM_PAGES: tl.constexpr, ZERO_STALE: tl.constexpr,
+                  KEYS_LAST: tl.constexpr = False):
+    """The [NUM_PAGES * PAGE, BLOCK_D] V tile of an 8-bit cache, whose pages are stored
     transposed ([HEAD_DIM, PAGE], keys contiguous; see int8attn.cache).
 
-    Loaded page by page as a [NUM_PAGES, HEAD_DIM, PAGE] tile -- one base address per
+    Loaded page by page as a [NUM_PAGES, BLOCK_D, PAGE] tile -- one base address per
     page, so the compiler sees PAGE contiguous bytes per (page, channel) and issues 16-byte
-    async copies -- then permuted to [keys, HEAD_DIM] in registers. That view is K-major
+    async copies -- then permuted to [keys, BLOCK_D] in registers. That view is K-major
     for the PV dot (the keys are its reduction axis), the operand layout 8-bit MMAs need,
     so no byte transpose happens. (Gathering per key instead loses the contiguity and
     falls back to 1-byte loads.) int8 loads need no mask: stale slots past ``seq_len``
     are finite and meet P = 0; stale e4m3 bytes may be NaN, so on a tile that may hold
     keys past ``seq_len`` (ZERO_STALE) an fp8 cache's are set to 0.
 
-    ``KEYS_LAST``: return the tile as [HEAD_DIM, keys] instead (V^T, the left operand of
-    the operand-swapped product; keys stay the contiguous reduction axis)."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    ``KEYS_LAST``: return the tile as [BLOCK_D, keys] instead (V^T, the left operand of
+    the operand-swapped product; keys stay the contiguous reduction axis). Padding channels
+    of a head_dim below BLOCK_D load as zeros (a mask that is constant along the pages'
+    contiguous axis, so the copies stay 16 bytes wide)."""
+    offs_d = tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, PAGE)
     base = blk_page.to(tl.int64) * stride_cb + data_head
     ptrs = v_ptr + base[:, None, None] + (offs_d * PAGE)[None, :, None] + offs_s[None, None, :]
     key_pos = tl.reshape(page[:, None] * PAGE + offs_s[None, :], (NUM_PAGES * PAGE,))
+    if BLOCK_D == HEAD_DIM:
+        pages = tl.load(ptrs)
+    else:
+        pages = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :, None], other=0.0)
     if KEYS_LAST:
-        v = tl.reshape(tl.permute(tl.load(ptrs), (1, 0, 2)), (HEAD_DIM, NUM_PAGES * PAGE))
+        v = tl.reshape(tl.permute(pages, (1, 0, 2)), (BLOCK_D, NUM_PAGES * PAGE))
         if ZERO_STALE:
             v = tl.where((key_pos < seq_len)[None, :], v, 0.0)
     else:
-        v = tl.reshape(tl.permute(tl.load(ptrs), (0, 2, 1)), (NUM_PAGES * PAGE, HEAD_DIM))
+        v = tl.reshape(tl.permute(pages, (0, 2, 1)), (NUM_PAGES * PAGE, BLOCK_D))
         if ZERO_STALE:
             # a mask on the load itself would cost the 16-byte copies (its pattern varies
             # along the contiguous axis); zero the stale keys in registers instead
@@ -467,24 +502,35 @@ def _load_v_pages(v_ptr, blk_page, page, seq_len, data_head, stride_cb, HEAD_DIM
 @triton.jit
 def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, row_head, split, n_active, rows,
                 stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
-                HEAD_DIM: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TRANSPOSED: tl.constexpr = False):
     """Rows ``rows`` of a finished pass: normalized to ``out`` when the sequence has one
     active split, else (unnormalized acc, max, sum) to the split partials. ``acc`` is
-    [rows, D], or [D, rows] when TRANSPOSED (the swapped tile's O^T)."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    [rows, BLOCK_D], or [BLOCK_D, rows] when TRANSPOSED (the swapped tile's O^T); only the
+    first HEAD_DIM columns are stored."""
+    offs_d = tl.arange(0, BLOCK_D)
     direct = tl.where(n_active == 1, rows, False)
     partial = tl.where(n_active > 1, rows, False)
     inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
     part = tok * stride_pt + row_head * stride_ph + split * stride_ps
     out_row = tok * stride_ot + row_head * stride_oh
     if TRANSPOSED:
+        direct_t = direct[None, :]
+        partial_t = partial[None, :]
+        if BLOCK_D != HEAD_DIM:
+            direct_t = direct_t & (offs_d < HEAD_DIM)[:, None]
+            partial_t = partial_t & (offs_d < HEAD_DIM)[:, None]
         tl.store(out_ptr + out_row[None, :] + offs_d[:, None], (acc * inv_l[None, :]).to(out_ptr.dtype.element_ty),
-                 mask=direct[None, :])
-        tl.store(part_acc_ptr + part[None, :] + offs_d[:, None], acc, mask=partial[None, :])
+                 mask=direct_t)
+        tl.store(part_acc_ptr + part[None, :] + offs_d[:, None], acc, mask=partial_t)
     else:
+        direct_r = direct[:, None]
+        partial_r = partial[:, None]
+        if BLOCK_D != HEAD_DIM:
+            direct_r = direct_r & (offs_d < HEAD_DIM)[None, :]
+            partial_r = partial_r & (offs_d < HEAD_DIM)[None, :]
         tl.store(out_ptr + out_row[:, None] + offs_d[None, :], (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=direct[:, None])
-        tl.store(part_acc_ptr + part[:, None] + offs_d[None, :], acc, mask=partial[:, None])
+                 mask=direct_r)
+        tl.store(part_acc_ptr + part[:, None] + offs_d[None, :], acc, mask=partial_r)
     ml = tok * stride_mt + row_head * stride_mh + split * stride_ms
     tl.store(part_ml_ptr + ml, m_i, mask=partial)
     tl.store(part_ml_ptr + ml + 1, l_i, mask=partial)

@@ -254,7 +254,7 @@ class AttentionPlan:
         if memo is not None and memo[0] is softmax_scale or (
                 type(softmax_scale) is float and memo is not None and softmax_scale == memo[0]):
             return memo[1]
-        _checks.check_kernel_options(cache, softmax_scale, "attention", any_multiple_of_16=True)
+        _checks.check_kernel_options(cache, softmax_scale, "attention")
         qk_scale = _decode.qk_scale_of(softmax_scale, self.head_dim)
         self._scale_memo = (softmax_scale, qk_scale)
         return qk_scale
@@ -284,8 +284,8 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     if not _checks.is_int(num_q_heads, 1) or num_q_heads % cache.num_kv_heads:
         raise ValueError(f"num_q_heads must be a positive multiple of the cache's {cache.num_kv_heads} KV heads, "
                          f"got {num_q_heads!r}")
-    _checks.check_kernel_options(cache, None, "attention", any_multiple_of_16=True)
-    if has_decode is not False:  # the decode kernel needs a power-of-two head_dim
+    _checks.check_kernel_options(cache, None, "attention")
+    if has_decode is not False:
         _decode.check_decode_options(cache, None, None)
     dev = cache.device
     _checks.check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
@@ -405,9 +405,9 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     kernel never moves an address outside its tensors whatever the metadata (the affected
     sequences' rows are NaN and a device error flag is raised, which
     :func:`int8attn.check_errors` turns into :class:`int8attn.DeviceMetadataError`); the
-    decode kernel trusts metadata that skipped the checks. Prefill takes any head_dim
-    that is a multiple of 16 from 16 to 256; decode (and so an unplanned call, which may
-    launch it) needs a power of two.
+    decode kernel trusts metadata that skipped the checks. Decode and prefill take any
+    head_dim that is a multiple of 16 from 16 to 256 (a tile padded to the next power of
+    two, the padding channels masked).
     """
     if plan is not None:
         if not isinstance(plan, AttentionPlan):

@@ -31,8 +31,8 @@ from .producer import quantize_query_args, quantize_query_launch
 #: Longest query (new tokens of one sequence) the decode kernel handles; sequences with
 #: more are skipped here and left to the prefill kernel.
 MAX_DECODE_QUERY_LEN = 8
-#: Output columns per merge program (attention head_dims are powers of two, so this
-#: divides any head_dim >= 64).
+#: Most output columns per merge program; a program takes the largest power of two up to
+#: this that divides head_dim (see merge_columns).
 MERGE_BLOCK_D = 64
 #: Most split partials a merge program loads at once (more are folded in further chunks).
 MERGE_MAX_CHUNK = 64
@@ -271,7 +271,8 @@ def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None
         raise ValueError(f"pv_mode for a {cache.kv_dtype!r} cache must be one of {allowed}, got {pv_mode!r}")
     tokens, block_m = rows_per_program(num_tokens, num_seqs, group, max_query_len=max_query_len)
     if config is None:
-        config = default_config(cache.kv_dtype, head_dim, block_m, cache.block_size, pv_mode)
+        # tiles, registers and shared memory scale with the padded head_dim
+        config = default_config(cache.kv_dtype, padded_head_dim(head_dim), block_m, cache.block_size, pv_mode)
     elif config.min_block_m > 16:
         tokens, block_m = rows_per_program(num_tokens, num_seqs, group, config.min_block_m, max_query_len)
     if config.block_n % cache.block_size or config.block_n & (config.block_n - 1) or config.block_n < 16:
@@ -285,7 +286,7 @@ def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None
         raise ValueError(f"maxnreg must be None or an int in [32, 255], got {config.maxnreg!r}")
     elem = cache.elem_bytes
     if num_splits is None:
-        slots = sm_count(cache.device) * _programs_per_sm(config, head_dim, elem)
+        slots = sm_count(cache.device) * _programs_per_sm(config, padded_head_dim(head_dim), elem)
         num_splits = choose_num_splits(num_seqs, cache.num_kv_heads, max_blocks * cache.block_size, config.block_n,
                                        group * tokens, head_dim, elem, slots)
     elif not _checks.is_int(num_splits, 1, MAX_NUM_SPLITS):
@@ -363,6 +364,18 @@ def check_num_seqs(num_seqs: int) -> None:
     if num_seqs > MAX_DECODE_SEQS:
         raise ValueError(f"decode_attention launches one grid row per sequence: at most {MAX_DECODE_SEQS}, "
                          f"got {num_seqs}")
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The split kernel's tile width: head_dim rounded up to a power of two (the padding
+    channels are masked, see kernels.decode)."""
+    return triton.next_power_of_2(head_dim)
+
+
+def merge_columns(head_dim: int) -> int:
+    """Output columns per merge program: the largest power of two <= MERGE_BLOCK_D that
+    divides head_dim (>= 16 for any multiple of 16), so the merge needs no column mask."""
+    return math.gcd(head_dim, MERGE_BLOCK_D)
 
 
 def qk_scale_of(softmax_scale, head_dim: int) -> float:
@@ -461,7 +474,8 @@ class DecodeLaunch:
             *part_strides,
         )
         self._split_constexprs = dict(
-            GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, PAGE=cache.block_size,
+            GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+            PAGE=cache.block_size,
             BLOCK_N=block_n, BLOCK_M=plan.block_m, TOKENS_PER_PASS=plan.tokens_per_pass,
             MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[plan.pv_mode],
             INTERPRET=interpret, SWAP_AB=cfg.swap_ab,
@@ -478,7 +492,7 @@ class DecodeLaunch:
             self._quantize_kernel = CachedLaunch(_quantize_query_kernel, *self._query_launch)
         self._merge_grid = None
         if splits > 1:
-            merge_cols = min(head_dim, MERGE_BLOCK_D)
+            merge_cols = merge_columns(head_dim)
             # The tile of partials a program loads is [chunk, merge_cols]: sized to the split
             # count, not to the largest one, so a few splits take few registers and warps and
             # every merge program of a large batch is resident in one wave (a fixed 64-split

@@ -108,7 +108,7 @@ def resolve_pv_mode(kv_dtype: str, pv_mode: str | None) -> str:
 
 def check_prefill_options(cache, softmax_scale, min_query_len, max_query_len) -> None:
     """The non-tensor arguments of a prefill call (cache, softmax_scale, query-length bounds)."""
-    _checks.check_kernel_options(cache, softmax_scale, "prefill_attention", any_multiple_of_16=True)
+    _checks.check_kernel_options(cache, softmax_scale, "prefill_attention")
     if not _checks.is_int(min_query_len):
         raise ValueError(f"min_query_len must be an int >= 0, got {min_query_len!r}")
     if max_query_len is not None and not _checks.is_int(max_query_len):

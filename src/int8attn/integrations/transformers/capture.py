@@ -138,9 +138,9 @@ def table_variants(block_n: dict | None = None) -> list[Variant]:
 
 def decode_block_n(kv_dtype: str, head_dim: int, block_size: int = 16, pv_mode: str | None = None) -> int:
     """Keys per decode tile (P's 8-bit quantization group) as the decode planner picks it."""
-    from ...ops.decode import default_config
+    from ...ops.decode import default_config, padded_head_dim
 
-    return default_config(kv_dtype, head_dim, 16, block_size, pv_mode).block_n
+    return default_config(kv_dtype, padded_head_dim(head_dim), 16, block_size, pv_mode).block_n
 
 
 def layer_errors(layer: LayerQKV, variants: list[Variant], mean_tokens: int | None = None,
