@@ -138,6 +138,75 @@ def _issue_tile(j, k_buf, v_buf, k_ptr, v_ptr, bt_row, data_head, stride_cb, las
 
 
 @gluon.jit
+def _program_tile(query_start_loc_ptr, num_seqs, num_tiles, BLOCK_Q: gl.constexpr):
+    """The (query tile, KV head) of this program, longest tiles first: its KV head, sequence,
+    the sequence's first query token, the tile's index within the sequence and q_len."""
+    tile = num_tiles - 1 - gl.program_id(0)
+    kv_head = gl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_tile = tile - (q_start // BLOCK_Q + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    return kv_head, seq, q_start, q_tile, q_len
+
+
+@gluon.jit
+def _load_q_tile(q_ptr, q_scale_ptr, k_ptr, q_start, q_tile, q_len, kv_head, qk_scale,
+                 stride_qt, stride_qh, stride_qst, stride_qsh,
+                 GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr,
+                 KV_KIND: gl.constexpr, ROW: gl.constexpr, Q_SMEM: gl.constexpr, LOAD_Q: gl.constexpr):
+    """The program's Q codes in shared memory (the A operand of every QK MMA, in the cache's
+    element type), each row's query token and its score scale ``sQ * qk_scale``."""
+    qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD_Q))
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD_Q))
+    q_tok = q_tile * BLOCK_Q + qm // GROUP
+    q_valid = (qm // GROUP < BLOCK_Q) & (q_tok < q_len)
+    q_rows = (q_start + q_tok).to(gl.int64) * stride_qt + (kv_head * GROUP + qm % GROUP) * stride_qh
+    q = gl.load(q_ptr + q_rows[:, None] + qd[None, :], mask=q_valid[:, None], other=0)
+    if KV_KIND == KIND_FP8:
+        q = q.to(gl.float8e4nv, bitcast=True)  # e4m3 codes travel as uint8 (masked lanes load 0)
+    q_smem = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [BLOCK_M, HEAD_DIM], Q_SMEM, q)
+
+    offs_m = gl.arange(0, BLOCK_M, layout=ROW)
+    tok = q_tile * BLOCK_Q + offs_m // GROUP
+    row_valid = (offs_m // GROUP < BLOCK_Q) & (tok < q_len)
+    q_scale = gl.load(q_scale_ptr + (q_start + tok).to(gl.int64) * stride_qst
+                      + (kv_head * GROUP + offs_m % GROUP) * stride_qsh, mask=row_valid, other=1.0)
+    return q_smem, tok, q_scale * qk_scale
+
+
+@gluon.jit
+def _kv_range(ctx, q_tile, q_len, tok, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, PAGE: gl.constexpr):
+    """The keys the tile's rows see: ``[0, full_end)`` is visible to every row, ``[full_end,
+    kv_end)`` is the diagonal band; each row's last visible key, the sequence's last page
+    that holds one and the number of KV tiles."""
+    first_tok = q_tile * BLOCK_Q
+    last_tok = gl.minimum(q_len, first_tok + BLOCK_Q) - 1
+    kv_end = ctx + last_tok + 1
+    full_end = ((ctx + first_tok + 1) // BLOCK_N) * BLOCK_N
+    row_limit = gl.minimum(ctx + tok, kv_end - 1)
+    last_page = (kv_end - 1) // PAGE
+    num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
+    return kv_end, full_end, row_limit, last_page, num_kv_tiles
+
+
+@gluon.jit
+def _start_ring(k_ptr, v_ptr, bt_row, data_head, stride_cb, last_page, num_kv_tiles,
+                HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr):
+    """The K and V shared-memory rings, with tiles 0 .. STAGES - 2 in flight (one commit group
+    each, empty past the last tile)."""
+    k_ring = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
+    v_ring = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
+    for i in gl.static_range(STAGES - 1):
+        if i < num_kv_tiles:
+            _issue_tile(i, k_ring.index(i), v_ring.index(i), k_ptr, v_ptr, bt_row, data_head, stride_cb,
+                        last_page, HEAD_DIM, PAGE, BLOCK_N, LOAD_K, LOAD_V)
+        async_copy.commit_group()
+    return k_ring, v_ring
+
+
+@gluon.jit
 def _zero_tail_keys(v_buf, start, kv_end, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_V: gl.constexpr):
     """Zero the V^T columns of keys >= kv_end in shared memory (e4m3 stale bytes may be NaN,
     and NaN * 0 = NaN in the MMA)."""
@@ -173,6 +242,25 @@ def _store_rows(out_ptr, acc, col0, norm, q_start, q_tile, q_len, kv_head, strid
 
 
 @gluon.jit
+def _store_output(out_ptr, acc0, acc1, acc2, acc3, l_i, r_i, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, DV: gl.constexpr,
+                  NUM_DV: gl.constexpr, PV_LAYOUT: gl.constexpr):
+    """The normalized output rows (``acc * r / l``; 0 for a row that saw no key) of the
+    ``NUM_DV`` column chunks (acc1..acc3 are ignored past NUM_DV)."""
+    norm = gl.convert_layout(gl.where(l_i > 0.0, r_i / l_i, 0.0), gl.SliceLayout(1, PV_LAYOUT))
+    _store_rows(out_ptr, acc0, 0, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+                GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
+    if NUM_DV > 1:
+        _store_rows(out_ptr, acc1, DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+                    GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
+    if NUM_DV > 2:
+        _store_rows(out_ptr, acc2, 2 * DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+                    GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
+        _store_rows(out_ptr, acc3, 3 * DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+                    GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
+
+
+@gluon.jit
 def _prefill_hopper_kernel(
     q_ptr, q_scale_ptr, out_ptr,
     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
@@ -194,55 +282,21 @@ def _prefill_hopper_kernel(
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV_LAYOUT)
     NUM_DV: gl.constexpr = HEAD_DIM // DV
 
-    tile = num_tiles - 1 - gl.program_id(0)  # longest tiles first
-    kv_head = gl.program_id(1)
-    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
-    q_start = gl.load(query_start_loc_ptr + seq)
-    q_tile = tile - (q_start // BLOCK_Q + seq)
-    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    kv_head, seq, q_start, q_tile, q_len = _program_tile(query_start_loc_ptr, num_seqs, num_tiles, BLOCK_Q)
     if (q_len <= min_query_len) | (q_tile * BLOCK_Q >= q_len):
         return
     seq_len = gl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
-
-    # ---- Q codes into shared memory (the A operand of every QK MMA), row scales
-    qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD_Q))
-    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD_Q))
-    q_tok = q_tile * BLOCK_Q + qm // GROUP
-    q_valid = (qm // GROUP < BLOCK_Q) & (q_tok < q_len)
-    q_rows = (q_start + q_tok).to(gl.int64) * stride_qt + (kv_head * GROUP + qm % GROUP) * stride_qh
-    q = gl.load(q_ptr + q_rows[:, None] + qd[None, :], mask=q_valid[:, None], other=0)
-    if KV_KIND == KIND_FP8:
-        q = q.to(gl.float8e4nv, bitcast=True)  # e4m3 codes travel as uint8 (masked lanes load 0)
-    q_smem = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [BLOCK_M, HEAD_DIM], Q_SMEM, q)
-
-    offs_m = gl.arange(0, BLOCK_M, layout=ROW)
-    tok = q_tile * BLOCK_Q + offs_m // GROUP
-    row_valid = (offs_m // GROUP < BLOCK_Q) & (tok < q_len)
-    q_scale = gl.load(q_scale_ptr + (q_start + tok).to(gl.int64) * stride_qst
-                      + (kv_head * GROUP + offs_m % GROUP) * stride_qsh, mask=row_valid, other=1.0)
-    row_scale = q_scale * qk_scale
-
-    # Keys [0, full_end) are visible to every row; [full_end, kv_end) is the diagonal band.
-    first_tok = q_tile * BLOCK_Q
-    last_tok = gl.minimum(q_len, first_tok + BLOCK_Q) - 1
-    kv_end = ctx + last_tok + 1
-    full_end = ((ctx + first_tok + 1) // BLOCK_N) * BLOCK_N
-    row_limit = gl.minimum(ctx + tok, kv_end - 1)
-    last_page = (kv_end - 1) // PAGE
-    num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-
+    q_smem, tok, row_scale = _load_q_tile(q_ptr, q_scale_ptr, k_ptr, q_start, q_tile, q_len, kv_head, qk_scale,
+                                          stride_qt, stride_qh, stride_qst, stride_qsh,
+                                          GROUP, HEAD_DIM, BLOCK_M, BLOCK_Q, KV_KIND, ROW, Q_SMEM, LOAD_Q)
+    kv_end, full_end, row_limit, last_page, num_kv_tiles = _kv_range(ctx, q_tile, q_len, tok, BLOCK_Q, BLOCK_N,
+                                                                     PAGE)
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
     data_head = kv_head.to(gl.int64) * stride_ch
     scale_head = kv_head.to(gl.int64) * stride_sh
-
-    k_ring = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
-    v_ring = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
-    for i in gl.static_range(STAGES - 1):
-        if i < num_kv_tiles:
-            _issue_tile(i, k_ring.index(i), v_ring.index(i), k_ptr, v_ptr, bt_row, data_head, stride_cb,
-                        last_page, HEAD_DIM, PAGE, BLOCK_N, LOAD_K, LOAD_V)
-        async_copy.commit_group()
+    k_ring, v_ring = _start_ring(k_ptr, v_ptr, bt_row, data_head, stride_cb, last_page, num_kv_tiles,
+                                 HEAD_DIM, PAGE, BLOCK_N, STAGES, K_SMEM, V_SMEM, LOAD_K, LOAD_V)
 
     m_i = gl.full([BLOCK_M], NEG_BIG, gl.float32, ROW)
     l_i = gl.zeros([BLOCK_M], gl.float32, ROW)
@@ -261,11 +315,9 @@ def _prefill_hopper_kernel(
         r_i = r_i * unit
         v16 = gl.allocate_shared_memory(gl.float16, [HEAD_DIM, BLOCK_N], V16_SMEM)
     acc0 = gl.zeros([BLOCK_M, DV], gl.float32, PV_LAYOUT)
-    if NUM_DV > 1:
-        acc1 = gl.zeros([BLOCK_M, DV], gl.float32, PV_LAYOUT)
-    if NUM_DV > 2:
-        acc2 = gl.zeros([BLOCK_M, DV], gl.float32, PV_LAYOUT)
-        acc3 = gl.zeros([BLOCK_M, DV], gl.float32, PV_LAYOUT)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
 
     for j in range(0, num_kv_tiles):
         stage = j % STAGES
@@ -358,15 +410,5 @@ def _prefill_hopper_kernel(
                 acc3 = _pv_8bit(acc3, p_op, factor, v_buf.slice(3 * DV, DV, dim=0).permute((1, 0)),
                                 BLOCK_M, DV, PV_KIND, PV_LAYOUT)
     async_copy.wait_group(0)
-
-    norm = gl.convert_layout(gl.where(l_i > 0.0, r_i / l_i, 0.0), PV_ROW)
-    _store_rows(out_ptr, acc0, 0, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
-                GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
-    if NUM_DV > 1:
-        _store_rows(out_ptr, acc1, DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
-                    GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
-    if NUM_DV > 2:
-        _store_rows(out_ptr, acc2, 2 * DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
-                    GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
-        _store_rows(out_ptr, acc3, 3 * DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
-                    GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
+    _store_output(out_ptr, acc0, acc1, acc2, acc3, l_i, r_i, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+                  GROUP, BLOCK_M, BLOCK_Q, DV, NUM_DV, PV_LAYOUT)

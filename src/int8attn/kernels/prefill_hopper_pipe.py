@@ -31,8 +31,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 
 from . import _gluon_compat as _gc
 from .codes import KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
-from .prefill_hopper import (MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _find_seq, _issue_tile, _store_rows,
-                             _zero_tail_keys)
+from .prefill_hopper import (MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _issue_tile, _kv_range, _load_q_tile,
+                             _program_tile, _start_ring, _store_output, _zero_tail_keys)
 
 
 @gluon.jit
@@ -112,55 +112,22 @@ def _prefill_hopper_pipe_kernel(
     gl.static_assert(STAGES >= 3, "the pipelined kernel keeps three KV tiles live")
     gl.static_assert(PV_KIND != PV_BF16, "the pipelined kernel runs 8-bit PV only")
 
-    tile = num_tiles - 1 - gl.program_id(0)  # longest tiles first
-    kv_head = gl.program_id(1)
-    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
-    q_start = gl.load(query_start_loc_ptr + seq)
-    q_tile = tile - (q_start // BLOCK_Q + seq)
-    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    kv_head, seq, q_start, q_tile, q_len = _program_tile(query_start_loc_ptr, num_seqs, num_tiles, BLOCK_Q)
     if (q_len <= min_query_len) | (q_tile * BLOCK_Q >= q_len):
         return
     seq_len = gl.load(seq_lens_ptr + seq)
     ctx = seq_len - q_len
-
-    # ---- Q codes into shared memory, row scales
-    qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD_Q))
-    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD_Q))
-    q_tok = q_tile * BLOCK_Q + qm // GROUP
-    q_valid = (qm // GROUP < BLOCK_Q) & (q_tok < q_len)
-    q_rows = (q_start + q_tok).to(gl.int64) * stride_qt + (kv_head * GROUP + qm % GROUP) * stride_qh
-    q = gl.load(q_ptr + q_rows[:, None] + qd[None, :], mask=q_valid[:, None], other=0)
-    if KV_KIND == KIND_FP8:
-        q = q.to(gl.float8e4nv, bitcast=True)
-    q_smem = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [BLOCK_M, HEAD_DIM], Q_SMEM, q)
-
-    offs_m = gl.arange(0, BLOCK_M, layout=ROW)
-    tok = q_tile * BLOCK_Q + offs_m // GROUP
-    row_valid = (offs_m // GROUP < BLOCK_Q) & (tok < q_len)
-    q_scale = gl.load(q_scale_ptr + (q_start + tok).to(gl.int64) * stride_qst
-                      + (kv_head * GROUP + offs_m % GROUP) * stride_qsh, mask=row_valid, other=1.0)
-    row_scale = q_scale * qk_scale
-
-    first_tok = q_tile * BLOCK_Q
-    last_tok = gl.minimum(q_len, first_tok + BLOCK_Q) - 1
-    kv_end = ctx + last_tok + 1
-    full_end = ((ctx + first_tok + 1) // BLOCK_N) * BLOCK_N
-    row_limit = gl.minimum(ctx + tok, kv_end - 1)
-    last_page = (kv_end - 1) // PAGE
-    num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
-
+    q_smem, tok, row_scale = _load_q_tile(q_ptr, q_scale_ptr, k_ptr, q_start, q_tile, q_len, kv_head, qk_scale,
+                                          stride_qt, stride_qh, stride_qst, stride_qsh,
+                                          GROUP, HEAD_DIM, BLOCK_M, BLOCK_Q, KV_KIND, ROW, Q_SMEM, LOAD_Q)
+    kv_end, full_end, row_limit, last_page, num_kv_tiles = _kv_range(ctx, q_tile, q_len, tok, BLOCK_Q, BLOCK_N,
+                                                                     PAGE)
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
     data_head = kv_head.to(gl.int64) * stride_ch
     scale_head = kv_head.to(gl.int64) * stride_sh
-
-    k_ring = gl.allocate_shared_memory(k_ptr.dtype.element_ty, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
-    v_ring = gl.allocate_shared_memory(v_ptr.dtype.element_ty, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
     # tiles 0 .. STAGES - 2 in flight; iteration j refills tile j + STAGES - 2
-    for i in gl.static_range(STAGES - 1):
-        if i < num_kv_tiles:
-            _issue_tile(i, k_ring.index(i), v_ring.index(i), k_ptr, v_ptr, bt_row, data_head, stride_cb,
-                        last_page, HEAD_DIM, PAGE, BLOCK_N, LOAD_K, LOAD_V)
-        async_copy.commit_group()
+    k_ring, v_ring = _start_ring(k_ptr, v_ptr, bt_row, data_head, stride_cb, last_page, num_kv_tiles,
+                                 HEAD_DIM, PAGE, BLOCK_N, STAGES, K_SMEM, V_SMEM, LOAD_K, LOAD_V)
 
     m_i = gl.full([BLOCK_M], NEG_BIG, gl.float32, ROW)
     l_i = gl.zeros([BLOCK_M], gl.float32, ROW)
@@ -298,15 +265,5 @@ def _prefill_hopper_pipe_kernel(
         acc2 = _fold_pv(acc2, o2, f_prev, PV_KIND)
         acc3 = _fold_pv(acc3, o3, f_prev, PV_KIND)
     async_copy.wait_group(0)
-
-    norm = gl.convert_layout(gl.where(l_i > 0.0, r_i / l_i, 0.0), PV_ROW)
-    _store_rows(out_ptr, acc0, 0, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
-                GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
-    if NUM_DV > 1:
-        _store_rows(out_ptr, acc1, DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
-                    GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
-    if NUM_DV > 2:
-        _store_rows(out_ptr, acc2, 2 * DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
-                    GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
-        _store_rows(out_ptr, acc3, 3 * DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
-                    GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT)
+    _store_output(out_ptr, acc0, acc1, acc2, acc3, l_i, r_i, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+                  GROUP, BLOCK_M, BLOCK_Q, DV, NUM_DV, PV_LAYOUT)
