@@ -14,7 +14,8 @@ Variants (``--variants``):
   ``fp8+mig``, ``bf16`` (the BF16 cache);
 * ``naive``: vLLM's ``int8_per_token_head`` -- per-(token, head) INT8 K and V, Q exact,
   attention otherwise exact: always emulated;
-* lever variants (emulation only): ``int8+mig+sink1``, ``int8+sink1`` (first token exact).
+* lever variants and single-rounding floors (emulation only): ``LEVERS`` and ``FLOORS``
+  below (e.g. ``int8+sink4``, ``int8+rot``, ``floor-k``).
 
 Paths (``--path``): ``kernels`` runs the transformers integration (``Int8PagedCache`` and the
 ``"int8attn"`` attention: the real kernels; under Triton's interpreter on a CPU, which is
@@ -80,11 +81,37 @@ def emulated_variant(name: str) -> tuple[Variant, Variant]:
     if name == "bf16":
         v = cache_variant("bf16")
         return v, v
-    levers = {"int8+mig": dict(migrate=0.5), "int8+mig+sink1": dict(migrate=0.5, sinks=1),
-              "int8+sink1": dict(sinks=1)}
-    if name in levers:
-        return cache_variant("int8", "bf16", **levers[name]), cache_variant("int8", "int8", **levers[name])
+    if name in LEVERS:
+        levers, decode_pv = LEVERS[name]
+        return cache_variant("int8", "bf16", **levers), cache_variant("int8", decode_pv, **levers)
+    if name in FLOORS:
+        v = Variant(name, pv="exact", **FLOORS[name])
+        return v, v
     raise ValueError(f"unknown variant {name!r}")
+
+
+#: Accuracy levers of the INT8 cache (emulation only): name -> (Variant options, decode PV).
+#: Migration (alpha 0.5) is the library's INT8 default; "sink4": the first 4 positions' K/V
+#: exact; "rot": Q and K Hadamard-rotated before their rounding; "dec-pv-bf16": decode's P
+#: rounded to bf16 instead of 8 bits.
+LEVERS = {
+    "int8+mig": (dict(migrate=0.5), "int8"),
+    "int8+mig+sink1": (dict(migrate=0.5, sinks=1), "int8"),
+    "int8+sink1": (dict(sinks=1), "int8"),
+    "int8+sink4": (dict(migrate=0.5, sinks=4), "int8"),
+    "int8+rot": (dict(migrate=0.5, rotate=True), "int8"),
+    "int8+qsplit": (dict(migrate=0.5, q_split=True), "int8"),
+    "int8+dec-pv-bf16": (dict(migrate=0.5), "bf16"),
+    "int8+rot+sink4+dec-pv-bf16": (dict(migrate=0.5, rotate=True, sinks=4), "bf16"),
+}
+#: What one rounding of the INT8 default costs alone (PV exact; emulation only): "floor-k"
+#: K rounded as the cache stores it (smoothed, migrated), Q and V exact; "floor-kv" K and V;
+#: "floor-q" Q rounded as the kernels do (migrated), K and V exact.
+FLOORS = {
+    "floor-k": dict(q="exact", kv="int8", v="exact", smoothing=True, migrate=0.5),
+    "floor-kv": dict(q="exact", kv="int8", smoothing=True, migrate=0.5),
+    "floor-q": dict(q="int8", kv="exact", migrate=0.5),
+}
 
 
 LAST_CACHE = None  # the Int8PagedCache of the last kernels run (tests inspect it)

@@ -26,6 +26,12 @@ What each :class:`Variant` field emulates (kernel semantics in brackets):
   rounding moves. Non-finite or zero ranges give ``lam = 1``.
 * ``q_split``: a finer query -- the query's residual after INT8 rounding quantized again
   (two INT8 terms, i.e. ~15 bits): a lever for layers whose queries carry outliers.
+* ``v``: round V as this instead of ``kv`` (e.g. "exact" with ``pv="exact"``: the error of
+  the K rounding alone, a floor of the format).
+* ``rotate``: Q and K multiplied by the orthonormal Hadamard matrix of head_dim before
+  everything else (scores unchanged: ``(qH)(kH)^T = q k^T``); the rotation spreads an
+  outlier channel over all channels before the per-row rounding (QuaRot's lever). It could
+  fold into the producer as migration does; head_dim must be a power of two.
 """
 
 from __future__ import annotations
@@ -53,10 +59,12 @@ class Variant:
     sinks: int = 0
     migrate: float | None = None
     q_split: bool = False
+    v: str | None = None
+    rotate: bool = False
 
     def __post_init__(self):
-        if self.q not in DTYPES or self.kv not in DTYPES:
-            raise ValueError(f"{self.name}: q and kv must be in {DTYPES}, got {self.q!r}, {self.kv!r}")
+        if self.q not in DTYPES or self.kv not in DTYPES or self.v not in (None, *DTYPES):
+            raise ValueError(f"{self.name}: q, kv and v must be in {DTYPES}, got {self.q!r}, {self.kv!r}, {self.v!r}")
         if self.pv not in PV_MODES:
             raise ValueError(f"{self.name}: pv must be in {PV_MODES}, got {self.pv!r}")
         if self.smoothing and self.kv in ("exact", "bf16"):
@@ -86,6 +94,16 @@ def _fake_quant(x: torch.Tensor, dtype: str) -> torch.Tensor:
         return x.to(torch.float32).to(torch.bfloat16).to(torch.float64)
     q, s = quantize_rows(x.to(torch.float32), dtype)
     return dequantize_rows(q, s)
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """[n, n] float32 orthonormal Hadamard matrix (Sylvester's construction; n a power of two)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard rotation needs a power-of-two head_dim, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(n)).to(torch.float32)
 
 
 def channel_amax(x: torch.Tensor) -> torch.Tensor:
@@ -151,6 +169,10 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
     scaling = d ** -0.5 if scaling is None else scaling
     n_cal = t if mean_tokens is None else min(mean_tokens, t)
     qf, kf, vf = q.to(torch.float32), k.to(torch.float32), v.to(torch.float32)
+    if variant.rotate:
+        rot = hadamard(d)
+        qf, kf = qf @ rot, kf @ rot
+    v_kind = variant.v or variant.kv
     # keys: smoothing offset, migration, sinks
     mean = kf[:n_cal].mean(dim=0) if variant.smoothing else torch.zeros_like(kf[0])
     k_s = kf - mean
@@ -160,7 +182,7 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
         k_s = k_s / lam
         qf = qf * lam.repeat_interleave(group, dim=0)
     k_hat = _fake_quant(k_s, variant.kv)
-    v_hat = _fake_quant(vf, variant.kv)
+    v_hat = _fake_quant(vf, v_kind)
     if variant.sinks:
         k_hat[: variant.sinks] = k_s[: variant.sinks].to(torch.float64)
         v_hat[: variant.sinks] = vf[: variant.sinks].to(torch.float64)
@@ -168,8 +190,8 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
     if variant.q_split and variant.q in ("int8", "fp8"):
         q_hat = q_hat + _fake_quant((qf.to(torch.float64) - q_hat).to(torch.float32), variant.q)
     # V as codes x per-key scale (the kernels' split) for the PV roundings
-    if variant.kv in ("int8", "fp8"):
-        v_codes, v_scale = quantize_rows(vf, variant.kv)
+    if v_kind in ("int8", "fp8"):
+        v_codes, v_scale = quantize_rows(vf, v_kind)
         v_codes = v_codes.to(torch.float64)
         v_scale = v_scale.to(torch.float64)
     else:
