@@ -30,7 +30,7 @@ PY
 echo "$(echo $files | wc -w) test files in $SHARDS shards (limit ${LIMIT}s)" | tee "$OUT/tests.log"
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 (
-  for op in write producer prefill; do
+  for op in write producer prefill decode; do
     INT8ATTN_CHECK_VALUES=0 timeout 90 "$SAN" --tool memcheck --error-exitcode 9 \
       python3 benchmarks/memcheck_cases.py --op $op 2>&1 | tail -3
   done

@@ -1,10 +1,11 @@
-"""Bad-metadata cases for compute-sanitizer: prefill, write_kv and the producer with value
-checks off and one sequence / token out of range, so only the kernels' own clamps stand
-between the metadata and memory.
+"""Bad-metadata cases for compute-sanitizer: prefill, write_kv, the producer and decode
+(with ``INT8ATTN_DECODE_SAFE=1``, which this script sets) with value checks off and one
+sequence / token out of range, so only the kernels' own clamps stand between the
+metadata and memory.
 
 Run on the GPU, one op per sanitizer process (a process stops at its first error report)::
 
-    for op in prefill write producer; do
+    for op in prefill write producer decode; do
         INT8ATTN_CHECK_VALUES=0 compute-sanitizer --tool memcheck --error-exitcode 1 \\
             python benchmarks/memcheck_cases.py --op $op || echo "memcheck FAILED: $op"
     done
@@ -24,11 +25,13 @@ import sys
 import torch
 
 os.environ["INT8ATTN_CHECK_VALUES"] = "0"
+os.environ["INT8ATTN_DECODE_SAFE"] = "1"
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from int8attn import reference, testing  # noqa: E402
 from int8attn.cache import PagedKVCache  # noqa: E402
+from int8attn.ops.decode import decode_attention  # noqa: E402
 from int8attn.errors import DeviceMetadataError, check_errors  # noqa: E402
 from int8attn.ops.prefill import prefill_attention  # noqa: E402
 from int8attn.ops.producer import rope_quantize_and_write  # noqa: E402
@@ -97,6 +100,40 @@ def prefill_cases() -> None:
                 expect_flag(bad_seq, what)
 
 
+def decode_cases() -> None:
+    # GPU: long sequences over real head counts, several splits; interpreter: small
+    big = DEVICE == "cuda"
+    seq_lens, q_lens = ([9000, 32768, 700], [1, 4, 2]) if big else ([37, 97, 20], [1, 3, 2])
+    for kv in ("int8", "fp8", "bf16"):
+        b = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=24 if big else 4, num_kv_heads=4 if big else 2,
+                                     head_dim=256 if big else 64, kv_dtype=kv, seed=5, device=DEVICE)
+        starts = b.query_start_loc.tolist()
+        capacity = b.block_table.shape[1] * b.cache.block_size
+        cases = {
+            "block id 10**6": (("bt", (1, 1), 10 ** 6), 1),
+            "block id -3": (("bt", (1, 0), -3), 1),
+            "block id num_blocks": (("bt", (1, 2), b.cache.num_blocks), 1),
+            "seq_len beyond table": (("sl", 1, capacity + 4096), 1),
+            "seq_len negative": (("sl", 1, -7), 1),
+            "seq_len below q_len": (("sl", 1, 2), 1),
+            "qsl end past num_tokens": (("qsl", 3, starts[3] + 3), 2),
+        }
+        good = decode_attention(b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+        for name, ((which, index, value), bad_seq) in cases.items():
+            bt, sl, qsl = b.block_table.clone(), b.seq_lens.clone(), b.query_start_loc.clone()
+            {"bt": bt, "sl": sl, "qsl": qsl}[which][index] = value
+            for splits in (None, 1):
+                out = torch.full(b.query.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
+                decode_attention(b.query, b.cache, bt, sl, qsl, out=out, num_splits=splits)
+                want = torch.zeros(b.query.shape[0], dtype=torch.bool)
+                want[starts[bad_seq]:starts[bad_seq + 1]] = True
+                what = f"decode {kv} {name} splits={splits or 'auto'}"
+                rows = out.cpu()
+                expect(bool(torch.isnan(rows[want].float()).all()), f"{what}: the bad sequence's rows are NaN")
+                expect(torch.equal(rows[~want], good.cpu()[~want]), f"{what}: other rows unchanged")
+                expect_flag(bad_seq, what)
+
+
 def write_cases() -> None:
     for kv in ("int8", "fp8", "bf16"):
         for n in (1, 17, 4096 if DEVICE == "cuda" else 64):
@@ -143,11 +180,11 @@ def producer_cases() -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--op", choices=("prefill", "write", "producer", "all"), default="all")
+    ap.add_argument("--op", choices=("prefill", "write", "producer", "decode", "all"), default="all")
     args = ap.parse_args()
-    ops = ("prefill", "write", "producer") if args.op == "all" else (args.op,)
+    ops = ("prefill", "write", "producer", "decode") if args.op == "all" else (args.op,)
     for op in ops:
-        {"prefill": prefill_cases, "write": write_cases, "producer": producer_cases}[op]()
+        {"prefill": prefill_cases, "write": write_cases, "producer": producer_cases, "decode": decode_cases}[op]()
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     print(f"{len(FAILURES)} failure(s)" + (": " + "; ".join(FAILURES) if FAILURES else ""))

@@ -36,7 +36,7 @@ step tests 150 python3 -m pytest -q -p no:warnings tests/test_write.py tests/tes
   "tests/test_prefill.py::test_gpu_default_tiles_poisoned_token_query_and_bad_block_id" \
   "tests/test_prefill.py::test_gpu_default_config" "tests/test_prefill.py::test_gpu_8bit_pv_needs_32_key_tiles"
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
-for op in write producer prefill; do
+for op in write producer prefill decode; do
   step memcheck 90 env INT8ATTN_CHECK_VALUES=0 "$SAN" --tool memcheck --error-exitcode 1 \
     python3 benchmarks/memcheck_cases.py --op $op
 done

@@ -16,10 +16,13 @@ Two exercises (``--exercise``):
 
 Launches are paired by their order (both trees run the same exercise), so a new constexpr
 does not break the pairing. Compared: the kernel's instruction text, debug labels and the
-DWARF sections removed (they carry file paths and line numbers).
+DWARF sections removed (they carry file paths and line numbers), and the entry's parameter
+declarations (an argument appended to a kernel and not read leaves its instructions, which
+name the parameters they load, unchanged).
 
     python benchmarks/sm90_codegen_diff.py --ref HEAD              # working tree vs HEAD
     python benchmarks/sm90_codegen_diff.py --ref v0.3 --exercise hopper
+    python benchmarks/sm90_codegen_diff.py --ref HEAD --compile-python /path/to/venv-triton36/bin/python
 
 Exit status 0 when every paired launch compiles to the same instructions, 1 otherwise.
 """
@@ -98,35 +101,36 @@ sys.stdout.write(json.dumps(out))
 def instructions(ptx: str) -> str:
     """The kernel body of a PTX listing without what names the source: everything up to
     the entry's closing brace (the DWARF sections follow it), minus debug labels,
-    ``.loc`` / ``.file`` lines and comments."""
+    ``.loc`` / ``.file`` lines, comments and parameter declarations."""
     lines = ptx.splitlines()
     end = next((i for i, line in enumerate(lines) if line.strip() == "}"), len(lines) - 1)
     keep = []
     for line in lines[:end + 1]:
         s = line.strip()
-        if s.startswith((".loc", ".file", "//")) or re.fullmatch(r"\$L__tmp\d+:", s):
+        if s.startswith((".loc", ".file", "//", ".param")) or re.fullmatch(r"\$L__tmp\d+:", s):
             continue
         keep.append(line)
     return "\n".join(keep)
 
 
-def _run(code: str, src: Path, interpret: bool, stdin: str | None = None) -> str:
+def _run(code: str, src: Path, interpret: bool, stdin: str | None = None, python: str = sys.executable) -> str:
     env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0",
                PYTHONPATH=os.pathsep.join([str(src), str(ROOT / "tests")]))
-    proc = subprocess.run([sys.executable, "-c", code], input=stdin, capture_output=True, text=True, env=env,
+    proc = subprocess.run([python, "-c", code], input=stdin, capture_output=True, text=True, env=env,
                           cwd=tempfile.gettempdir(), timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"subprocess failed with PYTHONPATH={src}:\n{proc.stderr[-4000:]}")
     return proc.stdout
 
 
-def compiled(src: Path, exercise: str) -> list[tuple[str, str]]:
-    """(label, instruction-text sha256) per launch of the exercise, with ``src`` on the path."""
+def compiled(src: Path, exercise: str, python: str) -> list[tuple[str, str]]:
+    """(label, instruction-text sha256) per launch of the exercise, with ``src`` on the path;
+    the sm_90 compile runs under ``python`` (the launches are recorded under this one)."""
     if exercise == "attention":
         records = _run(_RECORD_ATTENTION, src, interpret=True)
-        listing = json.loads(_run(_COMPILE_RECORDS, src, interpret=False, stdin=records))
+        listing = json.loads(_run(_COMPILE_RECORDS, src, interpret=False, stdin=records, python=python))
     else:
-        listing = json.loads(_run(_COMPILE_HOPPER, src, interpret=False))
+        listing = json.loads(_run(_COMPILE_HOPPER, src, interpret=False, python=python))
     return [(label, hashlib.sha256(instructions(ptx).encode()).hexdigest()) for label, ptx in listing]
 
 
@@ -144,10 +148,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ref", default="HEAD", help="git revision to compare the working tree's src/ with")
     ap.add_argument("--exercise", choices=("attention", "hopper"), default="attention")
+    ap.add_argument("--compile-python", default=sys.executable,
+                    help="the Python (and so the Triton) that compiles for sm_90, e.g. a venv with the GPU "
+                         "machine's Triton; launches are still recorded by this one's interpreter")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        old = compiled(export_src(args.ref, Path(tmp)), args.exercise)
-    new = compiled(ROOT / "src", args.exercise)
+        old = compiled(export_src(args.ref, Path(tmp)), args.exercise, args.compile_python)
+    new = compiled(ROOT / "src", args.exercise, args.compile_python)
     if len(old) != len(new):
         print(f"{args.ref}: {len(old)} launches, working tree: {len(new)}: the exercise launches differ")
         return 1

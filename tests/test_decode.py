@@ -14,6 +14,7 @@ import torch
 
 from _ids import cases
 from int8attn import launches, reference, testing
+from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.ops.decode import (
     MAX_DECODE_QUERY_LEN,
     DecodeConfig,
@@ -387,11 +388,11 @@ from int8attn.kernels.decode import _decode_split_kernel
 
 kv, pv, block_n, warps, stages, swap = json.loads(sys.argv[1])
 elem = {"int8": "*i8", "fp8": "*fp8e4nv", "bf16": "*bf16"}[kv]
-const = dict(GROUP=6, HEAD_DIM=256, BLOCK_D=256, PAGE=16, BLOCK_N=block_n, BLOCK_M=16, TOKENS_PER_PASS=1, MAX_QUERY_LEN=8,
-             KV_KIND=KV_KIND[kv], PV_KIND=PV_KIND[pv], INTERPRET=False, SWAP_AB=swap)
+const = dict(GROUP=6, HEAD_DIM=256, BLOCK_D=256, PAGE=16, BLOCK_N=block_n, BLOCK_M=16, TOKENS_PER_PASS=1,
+             MAX_QUERY_LEN=8, KV_KIND=KV_KIND[kv], PV_KIND=PV_KIND[pv], INTERPRET=False, SWAP_AB=swap)
 ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
             block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16",
-            part_acc_ptr="*fp32", part_ml_ptr="*fp32", qk_scale="fp32")
+            part_acc_ptr="*fp32", part_ml_ptr="*fp32", flags_ptr="*i32", qk_scale="fp32")
 names = _decode_split_kernel.arg_names
 sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
 aligned = [i for i, n in enumerate(names) if (n in ptrs and n != "qk_scale")
@@ -453,3 +454,114 @@ def test_split_kernel_is_software_pipelined(kv_dtype, pv_mode, swap):
         assert waits, f"loop {i}: no asynchronous copies: the K/V loads are not pipelined"
         assert waits.count(0) <= 1, f"loop {i}: loads waited for in their own iteration: async_wait nums {waits}"
     assert re.search(r"memdesc<[2-9]x\d+x256x", ttgir), "K/V tiles are not multi-buffered"
+
+
+# --------------------------------------------------------------------------- in-kernel clamps (INT8ATTN_DECODE_SAFE=1)
+def _clear_error_flags():
+    try:
+        check_errors()
+    except DeviceMetadataError:
+        pass
+
+
+def _bad_decode_metadata(b):
+    """name -> (block_table, seq_lens, query_start_loc, bad sequence, error words): one
+    decode sequence's metadata out of range."""
+    bt, sl, qsl = b.block_table, b.seq_lens, b.query_start_loc
+    capacity = bt.shape[1] * b.cache.block_size
+
+    def with_(t, index, value):
+        t = t.clone()
+        t[index] = value
+        return t
+
+    return {
+        "block id too large": (with_(bt, (1, 2), 10 ** 6), sl, qsl, 1, "block id"),
+        "block id negative": (with_(bt, (1, 0), -3), sl, qsl, 1, "block id"),
+        "seq_len beyond table": (bt, with_(sl, 1, capacity + 40), qsl, 1, "seq_len"),
+        "seq_len negative": (bt, with_(sl, 1, -5), qsl, 1, "seq_len"),
+        "seq_len below q_len": (bt, with_(sl, 1, 2), qsl, 1, "query range"),
+        "query range past num_tokens": (bt, sl, with_(qsl, 3, int(qsl[3]) + 2), 2, "query range"),
+    }
+
+
+#: (kv, q_heads, kv_heads, swap, num_splits): the row-major and swapped tiles, one and
+#: several splits, one pass and several passes (16 heads x 3 tokens > 32 packed rows)
+SAFE_CONFIGS = [("int8", 4, 2, False, 3), ("int8", 4, 2, False, 1), ("int8", 4, 2, True, 3),
+                ("fp8", 4, 2, True, 2), ("bf16", 4, 2, False, 2), ("int8", 16, 2, False, 2)]
+
+
+@cases("kv,hq,hkv,swap,splits", SAFE_CONFIGS)
+def test_safe_launch_equals_the_default_on_valid_metadata(device, monkeypatch, kv, hq, hkv, swap, splits):
+    """The clamps change nothing for metadata in range: bit-identical output."""
+    if swap:
+        import int8attn.ops.decode as dec
+
+        config = DecodeConfig(block_n=64, num_warps=4, num_stages=3, swap_ab=True)
+        monkeypatch.setattr(dec, "default_config", lambda *args: config)
+    b = testing.make_paged_batch([37, 97, 20], [1, 3, 2], num_q_heads=hq, num_kv_heads=hkv, head_dim=64,
+                                 kv_dtype=kv, seed=41, device=device)
+    args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    plain = decode_attention(*args, out=testing.poisoned_like(b.query), num_splits=splits)
+    monkeypatch.setenv("INT8ATTN_DECODE_SAFE", "1")
+    safe = decode_attention(*args, out=testing.poisoned_like(b.query), num_splits=splits)
+    assert launches.last("_decode_split_kernel").facts["safe"] is True
+    assert torch.equal(plain, safe)
+
+
+_BAD_DECODE_CASES = list(_bad_decode_metadata(testing.make_paged_batch(
+    [37, 97, 20], [1, 3, 2], num_q_heads=4, num_kv_heads=2, head_dim=64)).keys())
+#: every case on the row-major, several-split tile; two cases on each other configuration
+BAD_DECODE_RUNS = ([(case, "int8", 4, 2, False, 3) for case in _BAD_DECODE_CASES]
+                   + [(case, *config) for config in SAFE_CONFIGS if config != ("int8", 4, 2, False, 3)
+                      for case in ("block id too large", "seq_len beyond table")])
+
+
+@cases("case,kv,hq,hkv,swap,splits", BAD_DECODE_RUNS)
+def test_safe_launch_keeps_bad_metadata_in_bounds(device, monkeypatch, case, kv, hq, hkv, swap, splits):
+    """With value checks off and INT8ATTN_DECODE_SAFE=1, out-of-range metadata of one
+    sequence makes its rows NaN (the others equal the run on valid metadata), and raises a
+    device flag that check_errors() turns into an error naming the sequence."""
+    if swap:
+        import int8attn.ops.decode as dec
+
+        config = DecodeConfig(block_n=64, num_warps=4, num_stages=3, swap_ab=True)
+        monkeypatch.setattr(dec, "default_config", lambda *args: config)
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    monkeypatch.setenv("INT8ATTN_DECODE_SAFE", "1")
+    _clear_error_flags()
+    b = testing.make_paged_batch([37, 97, 20], [1, 3, 2], num_q_heads=hq, num_kv_heads=hkv, head_dim=64,
+                                 kv_dtype=kv, seed=43, device=device)
+    good = decode_attention(b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc, num_splits=splits)
+    bt, sl, qsl, bad_seq, words = _bad_decode_metadata(b)[case]
+    out = decode_attention(b.query, b.cache, bt, sl, qsl, out=testing.poisoned_like(b.query), num_splits=splits)
+    starts = b.query_start_loc.tolist()
+    rows = torch.zeros(out.shape[0], dtype=torch.bool)
+    rows[starts[bad_seq]:starts[bad_seq + 1]] = True
+    assert torch.isnan(out[rows].float()).all(), f"{case}: rows of sequence {bad_seq} are not all NaN"
+    assert torch.equal(out[~rows], good[~rows]), f"{case}: other sequences changed"
+    with pytest.raises(DeviceMetadataError, match=f"{words}.*index {bad_seq};"):
+        check_errors(device)
+    check_errors(device)  # cleared
+
+
+def test_safe_plan_survives_metadata_changed_after_planning(device, monkeypatch):
+    """A plan checked at planning whose seq_lens and block table are then changed in place
+    (the metadata a serving loop may corrupt between steps): NaN rows and an error, no
+    access outside the cache."""
+    from int8attn.ops.attention import plan_attention
+
+    monkeypatch.setenv("INT8ATTN_DECODE_SAFE", "1")
+    _clear_error_flags()
+    b = testing.make_paged_batch([37, 97, 20], [1, 1, 1], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                 kv_dtype="int8", seed=47, device=device)
+    plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 4)
+    args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    good = plan.run(*args)
+    b.seq_lens[0] = b.block_table.shape[1] * b.cache.block_size + 100
+    b.block_table[2, 0] = -7
+    out = plan.run(*args, out=testing.poisoned_like(b.query))
+    assert torch.isnan(out[0].float()).all() and torch.isnan(out[2].float()).all()
+    assert torch.equal(out[1], good[1])
+    with pytest.raises(DeviceMetadataError, match="index 0;"):
+        check_errors(device)

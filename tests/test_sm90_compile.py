@@ -52,3 +52,26 @@ def test_every_launched_kernel_compiles_for_sm90(kv_dtype, head_dim):
     results = compile_for_sm90(records)
     failed = [r for r in results if not r["ok"]]
     assert not failed, "\n".join(f"{r['name']}: {r['error']}" for r in failed)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
+def test_safe_decode_compiles_for_sm90(kv_dtype, monkeypatch):
+    """The decode kernels with in-kernel clamps (INT8ATTN_DECODE_SAFE=1; head_dim 96, so
+    padded tiles, and the swapped 8-bit tile the defaults pick there) compile for sm_90."""
+    monkeypatch.setenv("INT8ATTN_DECODE_SAFE", "1")
+    torch.manual_seed(0)
+    cache = int8attn.PagedKVCache(8, 16, 2, 96, kv_dtype=kv_dtype, device="cpu")
+    alloc = int8attn.BlockAllocator.for_cache(cache)
+    n = 40
+    int8attn.write_kv(cache, torch.randn(n, 2, 96, dtype=torch.bfloat16), torch.randn(n, 2, 96, dtype=torch.bfloat16),
+                      alloc.slot_mapping(0, n))
+    query = torch.randn(3, 4, 96, dtype=torch.bfloat16)
+    table, lens = alloc.block_table([0]), alloc.seq_lens([0])
+    with launched_kernels() as records:
+        for t in (1, 3):
+            int8attn.attention(query[:t], cache, table, lens, torch.tensor([0, t], dtype=torch.int32))
+    safe = [r for r in records if r["name"] == "_decode_split_kernel" and r["constexprs"].get("SAFE")]
+    assert safe, [r["name"] for r in records]
+    results = compile_for_sm90(records)
+    failed = [r for r in results if not r["ok"]]
+    assert not failed, "\n".join(f"{r['name']}: {r['error']}" for r in failed)

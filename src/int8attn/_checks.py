@@ -39,6 +39,15 @@ MAX_QUERY_ROWS = 2 ** 31 - 2 ** 16
 
 
 # --------------------------------------------------------------------------- policy
+def decode_clamps_enabled() -> bool:
+    """True with ``INT8ATTN_DECODE_SAFE=1``: decode launches built from then on clamp their
+    metadata in-kernel (query ranges, lengths, block ids), give a sequence whose metadata
+    is out of range NaN rows and raise device error flags, as prefill always does. Off by
+    default until its cost is measured on the H200 (the default decode kernel relies on
+    the host value checks or a checked plan)."""
+    return os.environ.get("INT8ATTN_DECODE_SAFE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def value_checks_enabled() -> bool:
     """True when checks that read device values back to the host should run: by default,
     and with ``INT8ATTN_CHECK_VALUES=1``; not with ``INT8ATTN_CHECK_VALUES=0`` (serving
@@ -47,7 +56,8 @@ def value_checks_enabled() -> bool:
 
     The prefill, write_kv and producer kernels clamp out-of-range metadata themselves and
     raise device error flags (:func:`int8attn.check_errors`); the decode kernel relies on
-    these checks (or on a checked plan), so they stay on by default.
+    these checks (or on a checked plan) unless :func:`decode_clamps_enabled`, so they stay
+    on by default.
     """
     env = os.environ.get("INT8ATTN_CHECK_VALUES", "").strip().lower()
     if env in ("0", "false", "no", "off"):

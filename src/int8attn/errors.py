@@ -6,7 +6,8 @@ the cache) read the device back, so serving loops skip them (CUDA-graph capture,
 kernels never trust that metadata: every block id, length, slot and position is clamped
 or masked in-kernel before it forms an address, the output of a sequence whose metadata
 is out of range is NaN (a bad slot is skipped), and the kernel raises a flag here. (The
-decode kernel still relies on the host checks.) Nothing is read back until the host asks:
+decode kernel relies on the host checks unless ``INT8ATTN_DECODE_SAFE=1`` makes its
+launches clamp in-kernel the same way.) Nothing is read back until the host asks:
 :func:`check_errors` (also called by ``plan_attention`` and by every call that runs its
 value checks) turns a raised flag into :class:`DeviceMetadataError` naming the first
 sequence (or token) and what was wrong, and clears the flags.

@@ -47,6 +47,13 @@ up to a power of two (``tl.arange`` and the MMA shapes need one); when the two d
 load masks the padding channels to zero (they add nothing to a score) and the stores skip
 them. A power-of-two head_dim compiles without those masks.
 
+Metadata: by default the kernels trust it (the host value checks, or a checked plan).
+``SAFE`` launches (``INT8ATTN_DECODE_SAFE=1``) clamp query ranges, lengths and block ids
+before they form an address, give a sequence whose metadata is out of range NaN rows and
+raise device error flags (``flags_ptr``, :mod:`int8attn.errors`), as the prefill kernel
+always does; the trailing arguments ``flags_ptr, num_tokens, num_blocks, max_blocks`` are
+read only then.
+
 Tensor layouts (strides passed explicitly, last dims unit stride):
 
 * q [T, Hq, D] (int8 | e4m3 | bf16/fp16/fp32 for the bf16 cache), q_scale [T, Hq] fp32;
@@ -63,6 +70,7 @@ The merge kernel folds a sequence's split partials online, a chunk of splits per
 import triton
 import triton.language as tl
 
+from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN, _raise_error
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8, PV_INT8_SIGNED
 from .quantize import _round_to_e4m3_grid
 
@@ -92,10 +100,30 @@ def _split_tiles(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
     return lo, count
 
 
+@triton.jit
+def _untrusted_metadata(q_start, q_len, seq_len, num_tokens, max_blocks, PAGE: tl.constexpr,
+                        MAX_QUERY_LEN: tl.constexpr):
+    """``SAFE`` launches: a decode sequence's query range and length clamped into its
+    tensors. A query range past ``num_tokens``, decreasing or longer than ``seq_len``, or a
+    ``seq_len`` beyond its block-table row or negative, is bad: the range is clamped to the
+    tokens that exist, ``seq_len`` into ``[1, max_blocks * PAGE]`` (so the sequence's
+    programs still run and write its NaN rows). Shared by both kernels, so they agree on the splits.
+    Returns (q_start, q_len, seq_len, bad_q, bad_len)."""
+    q_end = q_start + q_len
+    decode = (q_len > 0) & (q_len <= MAX_QUERY_LEN)
+    # a decreasing range is flagged (it has no rows to poison); longer queries are prefill's
+    bad_q = (q_len < 0) | (decode & ((q_start < 0) | (q_end > num_tokens) | (q_len > seq_len)))
+    bad_len = decode & ((seq_len < 0) | (seq_len > max_blocks * PAGE))
+    q_start = tl.minimum(tl.maximum(q_start, 0), num_tokens)
+    q_len = tl.where(decode, tl.maximum(tl.minimum(q_end, num_tokens) - q_start, 0), q_len)
+    seq_len = tl.where(bad_q | bad_len, tl.minimum(tl.maximum(seq_len, 1), max_blocks * PAGE), seq_len)
+    return q_start, q_len, seq_len, bad_q, bad_len
+
+
 # Integer arguments that only index scalars: not specialized, so one compiled kernel
 # serves every split count and batch width (the vector strides stay specialized).
 _SCALAR_ARGS = ["num_splits", "stride_qst", "stride_qsh", "stride_sb", "stride_sh", "stride_bt",
-                "stride_mt", "stride_mh", "stride_ms"]
+                "stride_mt", "stride_mh", "stride_ms", "num_tokens", "num_blocks", "max_blocks"]
 
 
 @triton.jit(do_not_specialize=_SCALAR_ARGS)
@@ -112,10 +140,11 @@ def _decode_split_kernel(
     stride_ot, stride_oh,
     stride_pt, stride_ph, stride_ps,
     stride_mt, stride_mh, stride_ms,
+    flags_ptr, num_tokens, num_blocks, max_blocks,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
     MAX_QUERY_LEN: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
-    INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr = False,
+    INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr = False, SAFE: tl.constexpr = False,
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,6 +156,13 @@ def _decode_split_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
+    bad = False
+    if SAFE:
+        q_start, q_len, seq_len, bad_q, bad_len = _untrusted_metadata(q_start, q_len, seq_len, num_tokens,
+                                                                     max_blocks, PAGE, MAX_QUERY_LEN)
+        bad = bad_q | bad_len
+        _raise_error(flags_ptr, tl.where(bad_q, ERR_QUERY_LEN, 0) | tl.where(bad_len, ERR_SEQ_LEN, 0), seq,
+                     bad & (split == 0) & (kv_head == 0))
     if (q_len <= 0) | (q_len > MAX_QUERY_LEN) | (seq_len <= 0):
         return
     n_active = _num_active_splits(seq_len, num_splits, BLOCK_N)
@@ -160,17 +196,24 @@ def _decode_split_kernel(
         loop_end = tile_end
         if KV_KIND == KIND_FP8:
             loop_end = tl.minimum(tile_end, tl.cdiv(seq_len, BLOCK_N) - 1)
+        bad_pages = _no_bad_pages(SAFE)
         for tile in range(tile_lo, loop_end):
-            m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
-                                    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
-                                    stride_cb, stride_sb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
-                                    KV_KIND != KIND_FP8, INTERPRET, SWAP_AB)
+            m_i, l_i, acc, n_bad = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
+                                           k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                           stride_cb, stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
+                                           BLOCK_M, KV_KIND, PV_KIND, KV_KIND != KIND_FP8, INTERPRET, SWAP_AB, SAFE)
+            if SAFE:
+                bad_pages += n_bad
         if KV_KIND == KIND_FP8:
             if loop_end < tile_end:
-                m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_end - 1, seq_len, bt_row,
-                                        k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
-                                        stride_cb, stride_sb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M,
-                                        KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB)
+                m_i, l_i, acc, n_bad = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_end - 1, seq_len,
+                                               bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                               stride_cb, stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
+                                               BLOCK_M, KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB, SAFE)
+                if SAFE:
+                    bad_pages += n_bad
+        if SAFE:
+            acc, l_i = _poison_bad(acc, l_i, bad, bad_pages, flags_ptr, seq, True)
         _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, _row_sums(l_i, SWAP_AB), tok, row_head, split,
                     n_active, row_valid, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
                     stride_ms, HEAD_DIM, BLOCK_D, SWAP_AB)
@@ -186,6 +229,7 @@ def _decode_split_kernel(
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l_i = _zero_sums(BLOCK_N, BLOCK_M, SWAP_AB)
         acc = _zero_acc(BLOCK_D, BLOCK_M, SWAP_AB)
+        bad_pages = _no_bad_pages(SAFE)
         for it in range(0, num_iters):
             pass_idx = it // tile_count
             tile_idx = it - pass_idx * tile_count
@@ -202,16 +246,43 @@ def _decode_split_kernel(
             m_i = tl.where(fresh, NEG_BIG, m_i)
             l_i = tl.where(fresh, 0.0, l_i)
             acc = tl.where(fresh, 0.0, acc)
-            m_i, l_i, acc = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_lo + tile_idx, seq_len,
-                                    bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
-                                    stride_cb, stride_sb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND,
-                                    PV_KIND, True, INTERPRET, SWAP_AB)
+            m_i, l_i, acc, n_bad = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_lo + tile_idx, seq_len,
+                                           bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                           stride_cb, stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
+                                           BLOCK_M, KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB, SAFE)
             # Last tile of the pass: its rows go to out (one active split) or to the partials.
             # (tl.where rather than `row_valid & last`: the interpreter mistypes that mask)
             last = tile_idx == tile_count - 1
-            _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, _row_sums(l_i, SWAP_AB), tok, row_head, split,
-                        n_active, tl.where(last, row_valid, False), stride_ot, stride_oh, stride_pt, stride_ph,
-                        stride_ps, stride_mt, stride_mh, stride_ms, HEAD_DIM, BLOCK_D, SWAP_AB)
+            acc_out, l_out = acc, l_i
+            if SAFE:
+                # every pass walks the same tiles: the first pass's last tile has seen them all
+                bad_pages += tl.where(pass_idx == 0, n_bad, 0)
+                acc_out, l_out = _poison_bad(acc, l_i, bad, bad_pages, flags_ptr, seq, last & (pass_idx == 0))
+            _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc_out, m_i, _row_sums(l_out, SWAP_AB), tok, row_head,
+                        split, n_active, tl.where(last, row_valid, False), stride_ot, stride_oh, stride_pt,
+                        stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEAD_DIM, BLOCK_D, SWAP_AB)
+
+
+@triton.jit
+def _no_bad_pages(SAFE: tl.constexpr):
+    """The running count of out-of-range block ids: an int32 scalar with ``SAFE``, else a
+    compile-time 0 that leaves no trace in the loop."""
+    if SAFE:
+        n = tl.zeros([], tl.int32)
+    else:
+        n = 0
+    return n
+
+
+@triton.jit
+def _poison_bad(acc, l_i, bad, bad_pages, flags_ptr, seq, raise_flag):
+    """``SAFE``: a sequence with bad metadata (``bad``) or an out-of-range block id in the
+    program's tiles gets NaN rows -- NaN accumulator and denominators, so its partials
+    carry NaN into the merge too -- and a block-id error flag naming it (raised when
+    ``raise_flag``: once per program)."""
+    _raise_error(flags_ptr, ERR_BLOCK_ID, seq, (bad_pages > 0) & raise_flag)
+    poisoned = bad | (bad_pages > 0)
+    return tl.where(poisoned, float("nan"), acc), tl.where(poisoned, float("nan"), l_i)
 
 
 @triton.jit
@@ -244,20 +315,23 @@ def _row_sums(l_i, SWAP_AB: tl.constexpr):
 
 @triton.jit
 def _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
-            data_head, scale_head, stride_cb, stride_sb, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+            data_head, scale_head, stride_cb, stride_sb, num_blocks, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr,
-            PV_KIND: tl.constexpr, TAIL: tl.constexpr, INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr):
-    """One tile in the orientation the launch chose (see _attend_tile_swapped)."""
+            PV_KIND: tl.constexpr, TAIL: tl.constexpr, INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr,
+            SAFE: tl.constexpr):
+    """One tile in the orientation the launch chose (see _attend_tile_swapped); also
+    returns the tile's count of out-of-range block ids (``SAFE``; else 0)."""
     if SWAP_AB:
-        m_i, l_i, acc = _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr,
-                                             v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb,
-                                             stride_sb, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND,
-                                             TAIL, INTERPRET)
+        m_i, l_i, acc, n_bad = _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
+                                                    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
+                                                    stride_cb, stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE,
+                                                    BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, TAIL, INTERPRET, SAFE)
     else:
-        m_i, l_i, acc = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr, v_ptr,
-                                     k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
-                                     HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, TAIL, INTERPRET)
-    return m_i, l_i, acc
+        m_i, l_i, acc, n_bad = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr,
+                                            v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb,
+                                            stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M,
+                                            KV_KIND, PV_KIND, TAIL, INTERPRET, SAFE)
+    return m_i, l_i, acc, n_bad
 
 
 @triton.jit
@@ -284,10 +358,11 @@ def _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_q
 
 
 @triton.jit
-def _tile_addresses(tile, seq_len, bt_row, data_head, scale_head, stride_cb, stride_sb, HEAD_DIM: tl.constexpr,
-                    PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile_addresses(tile, seq_len, bt_row, data_head, scale_head, stride_cb, stride_sb, num_blocks,
+                    HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SAFE: tl.constexpr):
     """Where the keys of tile ``tile`` live: their positions, which are in the sequence,
-    the tile's pages and block ids, and each key's K-row and scale offsets. One
+    the tile's pages and block ids, each key's K-row and scale offsets, and (``SAFE``) how
+    many of the tile's block ids were outside ``[0, num_blocks)`` (read as block 0). One
     block-table entry per page, broadcast to the page's keys; a page past ``seq_len``
     reads block 0 (valid memory, masked later)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -296,11 +371,16 @@ def _tile_addresses(tile, seq_len, bt_row, data_head, scale_head, stride_cb, str
     NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
     page = tile * NUM_PAGES + tl.arange(0, NUM_PAGES)
     blk_page = tl.load(bt_row + page, mask=page * PAGE < seq_len, other=0)
+    n_bad = 0
+    if SAFE:
+        out_of_range = (blk_page < 0) | (blk_page >= num_blocks)
+        n_bad = tl.sum(out_of_range.to(tl.int32), 0)
+        blk_page = tl.where(out_of_range, 0, blk_page)
     blk = tl.reshape(tl.broadcast_to(blk_page[:, None], (NUM_PAGES, PAGE)), (BLOCK_N,)).to(tl.int64)
     slot = offs_n % PAGE
     row_off = blk * stride_cb + data_head + slot * HEAD_DIM
     scale_off = blk * stride_sb + scale_head + slot
-    return pos, in_seq, page, blk_page, row_off, scale_off
+    return pos, in_seq, page, blk_page, row_off, scale_off, n_bad
 
 
 @triton.jit
@@ -316,10 +396,10 @@ def _load_key_rows(ptrs, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
-                 k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+                 k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb, num_blocks,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 INTERPRET: tl.constexpr, SAFE: tl.constexpr):
     """One KV tile (keys ``tile * BLOCK_N ...``) folded into the online-softmax state.
 
     Loads carry as few masks as correctness allows: a key past ``seq_len`` reads block 0
@@ -330,8 +410,8 @@ def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
     A head_dim padded to BLOCK_D masks the padding channels of every load (zeros: they add
     nothing to the scores, and their output columns are not stored)."""
     offs_d = tl.arange(0, BLOCK_D)
-    pos, in_seq, page, blk_page, row_off, scale_off = _tile_addresses(tile, seq_len, bt_row, data_head, scale_head,
-                                                                      stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N)
+    pos, in_seq, page, blk_page, row_off, scale_off, n_bad = _tile_addresses(
+        tile, seq_len, bt_row, data_head, scale_head, stride_cb, stride_sb, num_blocks, HEAD_DIM, PAGE, BLOCK_N, SAFE)
     NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
     k = _load_key_rows(k_ptr + row_off[:, None] + offs_d[None, :], offs_d, HEAD_DIM, BLOCK_D)
     if KV_KIND == KIND_INT8:
@@ -372,7 +452,7 @@ def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
     else:
         v_scale = tl.load(v_scale_ptr + scale_off, mask=in_seq, other=0.0)
         acc += _pv_product(p * v_scale[None, :], v, BLOCK_M, BLOCK_N, PV_KIND, INTERPRET)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, n_bad
 
 
 @triton.jit
@@ -383,9 +463,9 @@ def _max_pair(a, b, c, d):
 @triton.jit
 def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, tile, seq_len, bt_row,
                          k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         num_blocks, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
+                         TAIL: tl.constexpr, INTERPRET: tl.constexpr, SAFE: tl.constexpr):
     """:func:`_attend_tile` with the operands swapped, for 8-bit caches: the tile's keys
     fill the MMA's M rows and the packed query rows its N columns.
 
@@ -398,8 +478,8 @@ def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, tile, seq_len
     P (v_scale folded in) is quantized per column (query row) to its exact max, found
     by the same reduction as the score max."""
     offs_d = tl.arange(0, BLOCK_D)
-    pos, in_seq, page, blk_page, row_off, scale_off = _tile_addresses(tile, seq_len, bt_row, data_head, scale_head,
-                                                                      stride_cb, stride_sb, HEAD_DIM, PAGE, BLOCK_N)
+    pos, in_seq, page, blk_page, row_off, scale_off, n_bad = _tile_addresses(
+        tile, seq_len, bt_row, data_head, scale_head, stride_cb, stride_sb, num_blocks, HEAD_DIM, PAGE, BLOCK_N, SAFE)
     NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
     k = _load_key_rows(k_ptr + row_off[:, None] + offs_d[None, :], offs_d, HEAD_DIM, BLOCK_D)
     k_scale = tl.load(k_scale_ptr + scale_off)
@@ -454,7 +534,7 @@ def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, tile, seq_len
             ones = tl.full([BLOCK_N, BLOCK_M], 1, tl.int8)
             o_i32 = tl.dot(v_t, p8, out_dtype=tl.int32) + 128 * tl.dot(v_t, ones, out_dtype=tl.int32)
             acc_t += o_i32.to(tl.float32) * (p_max * (1.0 / 255.0))[None, :]
-    return m_new, l_i, acc_t
+    return m_new, l_i, acc_t, n_bad
 
 
 @triton.jit
@@ -572,7 +652,7 @@ def _pv_product(pv, v, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PV_KIND: tl
     return o
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_mt", "stride_mh", "stride_ms"])
+@triton.jit(do_not_specialize=["num_splits", "stride_mt", "stride_mh", "stride_ms", "num_tokens", "max_blocks"])
 def _decode_merge_kernel(
     out_ptr, part_acc_ptr, part_ml_ptr,
     seq_lens_ptr, query_start_loc_ptr,
@@ -580,8 +660,9 @@ def _decode_merge_kernel(
     stride_ot, stride_oh,
     stride_pt, stride_ph, stride_ps,
     stride_mt, stride_mh, stride_ms,
+    num_tokens, max_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MAX_QUERY_LEN: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, PAGE: tl.constexpr = 16, SAFE: tl.constexpr = False,
 ):
     """One program per (query head, sequence, BLOCK_D output columns): combine the split
     partials of each of the sequence's query tokens into ``out`` (log-sum-exp weights in
@@ -593,6 +674,9 @@ def _decode_merge_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)  # tested with q_len: one round trip (see the split kernel)
+    if SAFE:  # the split kernel's clamps (its partials of a bad sequence are NaN)
+        q_start, q_len, seq_len, bad_q, bad_len = _untrusted_metadata(q_start, q_len, seq_len, num_tokens,
+                                                                     max_blocks, PAGE, MAX_QUERY_LEN)
     if (q_len <= 0) | (q_len > MAX_QUERY_LEN) | (seq_len <= 0):
         return
     n_active = _num_active_splits(seq_len, num_splits, BLOCK_N)

@@ -405,7 +405,8 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     kernel never moves an address outside its tensors whatever the metadata (the affected
     sequences' rows are NaN and a device error flag is raised, which
     :func:`int8attn.check_errors` turns into :class:`int8attn.DeviceMetadataError`); the
-    decode kernel trusts metadata that skipped the checks. Decode and prefill take any
+    decode kernel trusts metadata that skipped the checks, unless ``INT8ATTN_DECODE_SAFE=1``
+    makes its launches clamp it the same way. Decode and prefill take any
     head_dim that is a multiple of 16 from 16 to 256 (a tile padded to the next power of
     two, the padding channels masked).
     """

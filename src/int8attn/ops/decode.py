@@ -21,6 +21,7 @@ import triton
 
 from .. import _checks
 from ..cache import PagedKVCache
+from ..errors import error_flags
 from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
 from ..kernels.decode import _decode_merge_kernel, _decode_split_kernel
 from ..kernels.quantize import _quantize_query_kernel
@@ -426,7 +427,9 @@ class DecodeLaunch:
         q_strides: (token, head) strides of the query the kernel reads (``q_quant`` when
             given, else the query; ignored with ``quantize``); q_scale_strides: of
             ``q_scale`` (8-bit caches with a given ``q_quant``), else None;
-        out_strides: (token, head) strides of ``out``; block_table_stride: its row stride.
+        out_strides: (token, head) strides of ``out``; block_table_stride: its row stride;
+        max_blocks: the block table's width (read by the in-kernel clamps of
+        ``INT8ATTN_DECODE_SAFE=1``, see :func:`int8attn._checks.decode_clamps_enabled`).
     """
 
     __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_part_acc", "_part_ml",
@@ -436,7 +439,7 @@ class DecodeLaunch:
 
     def __init__(self, plan: DecodePlan, cache: PagedKVCache, num_tokens: int, num_q_heads: int, num_seqs: int, *,
                  device, q_strides, q_scale_strides, out_strides, block_table_stride: int,
-                 workspace: DecodeWorkspace | None = None, quantize: bool = False):
+                 workspace: DecodeWorkspace | None = None, quantize: bool = False, max_blocks: int = 0):
         head_dim = cache.head_dim
         splits = plan.num_splits
         self.plan, self.quantize, self._device = plan, quantize, device
@@ -472,20 +475,22 @@ class DecodeLaunch:
             block_table_stride,
             out_strides[0], out_strides[1],
             *part_strides,
+            error_flags(device), num_tokens, cache.num_blocks, max_blocks,
         )
+        safe = _checks.decode_clamps_enabled()
         self._split_constexprs = dict(
             GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
             PAGE=cache.block_size,
             BLOCK_N=block_n, BLOCK_M=plan.block_m, TOKENS_PER_PASS=plan.tokens_per_pass,
             MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[plan.pv_mode],
-            INTERPRET=interpret, SWAP_AB=cfg.swap_ab,
+            INTERPRET=interpret, SWAP_AB=cfg.swap_ab, **({"SAFE": True} if safe else {}),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
         )
         # launched through CachedLaunch: Triton binds the arguments on the first call only
         # recorded in int8attn.launches with the plan: launches.last("_decode_split_kernel")
         self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs,
-                                          {"plan": plan})
+                                          {"plan": plan, "safe": safe})
         self._quantize_kernel = self._merge_kernel = self._quantize_kernel_lam = None
         self._query_dims = (num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
         if quantize:
@@ -501,10 +506,10 @@ class DecodeLaunch:
             chunk = min(MERGE_MAX_CHUNK, triton.next_power_of_2(splits))
             self._merge_grid = (num_q_heads, num_seqs, head_dim // merge_cols)
             # the merge kernel's arguments after query_start_loc
-            self._merge_args = (splits, out_strides[0], out_strides[1], *part_strides)
+            self._merge_args = (splits, out_strides[0], out_strides[1], *part_strides, num_tokens, max_blocks)
             self._merge_constexprs = dict(
                 HEAD_DIM=head_dim, BLOCK_N=block_n, MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN,
-                SPLIT_CHUNK=chunk, BLOCK_D=merge_cols,
+                SPLIT_CHUNK=chunk, BLOCK_D=merge_cols, **({"PAGE": cache.block_size, "SAFE": True} if safe else {}),
                 num_warps=max(1, min(4, chunk * merge_cols // 256)),
             )
             self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs,
@@ -522,7 +527,7 @@ class DecodeLaunch:
         return cls(plan, cache, num_tokens, num_q_heads, block_table.shape[0], device=cache.device,
                    q_strides=q_in.stride(), q_scale_strides=None if q_scale is None else q_scale.stride(),
                    out_strides=out_strides, block_table_stride=block_table.stride(0), workspace=workspace,
-                   quantize=cache.quantized and q_quant is None)
+                   quantize=cache.quantized and q_quant is None, max_blocks=block_table.shape[1])
 
     def __call__(self, query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out,
                  qk_scale: float) -> None:
