@@ -11,7 +11,7 @@ Variants (``--variants``):
 * ``int8`` (int8attn default: INT8 K/V, key smoothing, channel migration as
   ``Int8PagedCache``'s default, Q rounded to INT8, decode PV 8-bit, prefill PV bf16),
   ``int8+mig`` / ``int8-nomig`` (channel migration on / off), ``int8-nosmooth``, ``fp8``,
-  ``fp8+mig``, ``bf16`` (the BF16 cache);
+  ``fp8+mig``, ``bf16`` (the BF16 cache), ``int8+rot`` (``qk_rotation="hadamard"``);
 * ``naive``: vLLM's ``int8_per_token_head`` -- per-(token, head) INT8 K and V, Q exact,
   attention otherwise exact: always emulated;
 * lever variants and single-rounding floors (emulation only): ``LEVERS`` and ``FLOORS``
@@ -57,6 +57,7 @@ KERNEL_VARIANTS = {  # name -> Int8PagedCache options
     "int8+mig": dict(kv_dtype="int8", channel_migration="first_write"),
     "int8-nomig": dict(kv_dtype="int8", channel_migration="none"),
     "int8-nosmooth": dict(kv_dtype="int8", key_smoothing="none", channel_migration="none"),
+    "int8+rot": dict(kv_dtype="int8", qk_rotation="hadamard"),
     "fp8": dict(kv_dtype="fp8"),
     "fp8+mig": dict(kv_dtype="fp8", channel_migration="first_write"),
     "bf16": dict(kv_dtype="bf16"),

@@ -290,3 +290,27 @@ def test_channel_migration_calibrates_each_layer_on_its_first_step(model, migrat
             assert lam is not None and torch.isfinite(lam).all() and (lam > 0).all() and not (lam == 1).all()
     for step in range(logits.shape[1]):
         assert rel_l2(logits[:, step], ref_logits[:, step]) < 0.05, f"step {step}"
+
+
+# --------------------------------------------------------------------------- Q/K rotation
+def test_qk_rotation_leaves_the_model_output_and_refuses_what_it_cannot_rotate(model):
+    """qk_rotation="hadamard" rotates queries and keys by one orthonormal matrix: scores,
+    and so the model's output, stay those of SDPA within the INT8 cache's error; the
+    stored keys are the rotated ones. A head_dim that is not a power of two is refused."""
+    ids = prompt(model, 2, 13, seed=5)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(ids, max_new_tokens=4, do_sample=False)
+    ref_logits = teacher_forced_logits(model, DynamicCache(config=model.config), ref, ids.shape[1])
+    model.set_attn_implementation("int8attn")
+    try:
+        cache = Int8PagedCache(model.config, max_batch_size=2, max_cache_len=32, qk_rotation="hadamard")
+        logits = teacher_forced_logits(model, cache, ref, ids.shape[1])
+    finally:
+        model.set_attn_implementation("sdpa")
+    for step in range(logits.shape[1]):
+        assert rel_l2(logits[:, step], ref_logits[:, step]) < 0.05, f"step {step}"
+    assert cache._rotation is not None and cache._rotation.shape == (64, 64)
+    with pytest.raises(ValueError, match="power-of-two head_dim"):
+        Int8PagedCache(tiny_config(head_dim=96), max_batch_size=1, max_cache_len=16, qk_rotation="hadamard")
+    with pytest.raises(ValueError, match="qk_rotation"):
+        Int8PagedCache(model.config, max_batch_size=1, max_cache_len=16, qk_rotation="random")
