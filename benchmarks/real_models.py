@@ -106,10 +106,12 @@ LEVERS = {
     "int8+rot+sink4+dec-pv-bf16": (dict(migrate=0.5, rotate=True, sinks=4), "bf16"),
 }
 #: What one rounding of the INT8 default costs alone (PV exact; emulation only): "floor-k"
-#: K rounded as the cache stores it (smoothed, migrated), Q and V exact; "floor-kv" K and V;
+#: K rounded as the cache stores it (smoothed, migrated), Q and V exact ("+rot": Q and K
+#: Hadamard-rotated first); "floor-kv" K and V;
 #: "floor-q" Q rounded as the kernels do (migrated), K and V exact.
 FLOORS = {
     "floor-k": dict(q="exact", kv="int8", v="exact", smoothing=True, migrate=0.5),
+    "floor-k+rot": dict(q="exact", kv="int8", v="exact", smoothing=True, migrate=0.5, rotate=True),
     "floor-kv": dict(q="exact", kv="int8", smoothing=True, migrate=0.5),
     "floor-q": dict(q="int8", kv="exact", migrate=0.5),
 }

@@ -36,6 +36,26 @@ def set_command(command: str | None) -> None:
     _COMMAND = command
 
 
+def source_commit() -> str | None:
+    """The git commit of the int8attn source that runs (``+dirty`` when its tree has
+    uncommitted changes); outside a git checkout (a copied tree, as on a lent GPU machine)
+    ``INT8ATTN_COMMIT`` as the caller set it, else None."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    fallback = os.environ.get("INT8ATTN_COMMIT") or None
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return fallback
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", "src"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return fallback
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
 def environment() -> dict:
     import triton
 
@@ -49,6 +69,7 @@ def environment() -> dict:
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": _COMMAND or " ".join([os.path.basename(sys.executable)] + sys.argv),
         "interpreter": os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        "commit": source_commit(),
     }
 
 
@@ -63,6 +84,8 @@ class Recorder:
 
     def add(self, **row) -> dict:
         full = {**row, **self.env}
+        if row.get("commit"):  # a row that names its commit keeps it
+            full["commit"] = row["commit"]
         self.rows.append(full)
         return full
 
