@@ -56,6 +56,18 @@ def expect_flag(index: int, what: str) -> None:
     expect(False, f"{what}: no flag raised")
 
 
+def _cases(b, overrun: int) -> dict:
+    """testing.bad_metadata_cases plus a block id just past the cache and a negative query start."""
+    cases = testing.bad_metadata_cases(b, overrun=overrun)
+    bt = b.block_table.clone()
+    bt[1, 2] = b.cache.num_blocks
+    cases["block id num_blocks"] = (bt, b.seq_lens, b.query_start_loc, 1, "block id")
+    qsl = b.query_start_loc.clone()
+    qsl[0] = -50
+    cases["qsl start negative"] = (b.block_table, b.seq_lens, qsl, 0, "query range")
+    return cases
+
+
 def prefill_cases() -> None:
     # GPU: a long prefix and real head counts; interpreter: small
     big = DEVICE == "cuda"
@@ -64,30 +76,18 @@ def prefill_cases() -> None:
         b = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=8 if big else 4, num_kv_heads=2,
                                      head_dim=128 if big else 64, kv_dtype=kv, seed=3, device=DEVICE)
         starts = b.query_start_loc.tolist()
-        capacity = b.block_table.shape[1] * b.cache.block_size
-        cases = {
-            "block id 10**6": (("bt", (1, 1), 10 ** 6), 1),
-            "block id -3": (("bt", (1, 0), -3), 1),
-            "block id num_blocks": (("bt", (1, 2), b.cache.num_blocks), 1),
-            "seq_len beyond table": (("sl", 1, capacity + 4096), 1),
-            "seq_len negative": (("sl", 1, -7), 1),
-            "seq_len below q_len": (("sl", 1, 3), 1),
-            "qsl end past num_tokens": (("qsl", 3, starts[3] + 10 ** 6), 2),
-            "qsl start negative": (("qsl", 0, -50), 0),
-        }
+        cases = _cases(b, overrun=10 ** 6)
         ref = reference.attention_reference(b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
-        for name, ((which, index, value), bad_seq) in cases.items():
-            bt, sl, qsl = b.block_table.clone(), b.seq_lens.clone(), b.query_start_loc.clone()
-            {"bt": bt, "sl": sl, "qsl": qsl}[which][index] = value
+        for name, (bt, sl, qsl, bad_seq, _) in cases.items():
             # the dense grid (max_query_len given) for the first case, the searched one for all
-            for max_query_len in ((None, max(q_lens)) if name == "block id 10**6" else (None,)):
+            for max_query_len in ((None, max(q_lens)) if name == "block id too large" else (None,)):
                 out = torch.full(b.query.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
                 prefill_attention(b.query, b.cache, bt, sl, qsl, out=out, max_query_len=max_query_len)
                 nan_rows = torch.isnan(out.float()).any(-1).any(-1).cpu()
                 want = torch.zeros(b.query.shape[0], dtype=torch.bool)
                 want[starts[bad_seq]:starts[bad_seq + 1]] = True
                 what = f"prefill {kv} {name} grid={'dense' if max_query_len else 'searched'}"
-                if which == "qsl" and bad_seq == 0:
+                if name == "qsl start negative":
                     # the searched grid maps tiles from the (broken) offsets: only the flag
                     # and the other sequences' rows are defined
                     keep = ~want
@@ -108,20 +108,10 @@ def decode_cases() -> None:
         b = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=24 if big else 4, num_kv_heads=4 if big else 2,
                                      head_dim=256 if big else 64, kv_dtype=kv, seed=5, device=DEVICE)
         starts = b.query_start_loc.tolist()
-        capacity = b.block_table.shape[1] * b.cache.block_size
-        cases = {
-            "block id 10**6": (("bt", (1, 1), 10 ** 6), 1),
-            "block id -3": (("bt", (1, 0), -3), 1),
-            "block id num_blocks": (("bt", (1, 2), b.cache.num_blocks), 1),
-            "seq_len beyond table": (("sl", 1, capacity + 4096), 1),
-            "seq_len negative": (("sl", 1, -7), 1),
-            "seq_len below q_len": (("sl", 1, 2), 1),
-            "qsl end past num_tokens": (("qsl", 3, starts[3] + 3), 2),
-        }
+        cases = _cases(b, overrun=3)
+        del cases["qsl start negative"]  # a decode-length range from a negative start is prefill's case
         good = decode_attention(b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
-        for name, ((which, index, value), bad_seq) in cases.items():
-            bt, sl, qsl = b.block_table.clone(), b.seq_lens.clone(), b.query_start_loc.clone()
-            {"bt": bt, "sl": sl, "qsl": qsl}[which][index] = value
+        for name, (bt, sl, qsl, bad_seq, _) in cases.items():
             for splits in (None, 1):
                 out = torch.full(b.query.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
                 decode_attention(b.query, b.cache, bt, sl, qsl, out=out, num_splits=splits)

@@ -104,6 +104,8 @@ LEVERS = {
     "int8+qsplit": (dict(migrate=0.5, q_split=True), "int8"),
     "int8+dec-pv-bf16": (dict(migrate=0.5), "bf16"),
     "int8+rot+sink4+dec-pv-bf16": (dict(migrate=0.5, rotate=True, sinks=4), "bf16"),
+    "int8+rot+qsplit": (dict(migrate=0.5, rotate=True, q_split=True), "int8"),
+    "int8+rot+qsplit+dec-pv-bf16": (dict(migrate=0.5, rotate=True, q_split=True), "bf16"),
 }
 #: What one rounding of the INT8 default costs alone (PV exact; emulation only): "floor-k"
 #: K rounded as the cache stores it (smoothed, migrated), Q and V exact ("+rot": Q and K

@@ -465,24 +465,8 @@ def _clear_error_flags():
 
 
 def _bad_decode_metadata(b):
-    """name -> (block_table, seq_lens, query_start_loc, bad sequence, error words): one
-    decode sequence's metadata out of range."""
-    bt, sl, qsl = b.block_table, b.seq_lens, b.query_start_loc
-    capacity = bt.shape[1] * b.cache.block_size
-
-    def with_(t, index, value):
-        t = t.clone()
-        t[index] = value
-        return t
-
-    return {
-        "block id too large": (with_(bt, (1, 2), 10 ** 6), sl, qsl, 1, "block id"),
-        "block id negative": (with_(bt, (1, 0), -3), sl, qsl, 1, "block id"),
-        "seq_len beyond table": (bt, with_(sl, 1, capacity + 40), qsl, 1, "seq_len"),
-        "seq_len negative": (bt, with_(sl, 1, -5), qsl, 1, "seq_len"),
-        "seq_len below q_len": (bt, with_(sl, 1, 2), qsl, 1, "query range"),
-        "query range past num_tokens": (bt, sl, with_(qsl, 3, int(qsl[3]) + 2), 2, "query range"),
-    }
+    """One decode sequence's metadata out of range (its query range stays decode-length)."""
+    return testing.bad_metadata_cases(b, overrun=2)
 
 
 #: (kv, q_heads, kv_heads, swap, num_splits): the row-major and swapped tiles, one and

@@ -58,6 +58,22 @@ def rel_l2(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+def sdpa_and_cache_logits(model, seed: int, **cache_options):
+    """Greedy continuation of a 2 x 13 prompt under SDPA, then the teacher-forced logits of
+    SDPA and of an Int8PagedCache with ``cache_options`` over it: (cache, logits, ref_logits)."""
+    ids = prompt(model, 2, 13, seed=seed)
+    model.set_attn_implementation("sdpa")
+    ref = model.generate(ids, max_new_tokens=4, do_sample=False)
+    ref_logits = teacher_forced_logits(model, DynamicCache(config=model.config), ref, ids.shape[1])
+    model.set_attn_implementation("int8attn")
+    try:
+        cache = Int8PagedCache(model.config, max_batch_size=2, max_cache_len=32, **cache_options)
+        logits = teacher_forced_logits(model, cache, ref, ids.shape[1])
+    finally:
+        model.set_attn_implementation("sdpa")
+    return cache, logits, ref_logits
+
+
 # --------------------------------------------------------------------------- generate
 @pytest.mark.slow  # 20-25 s per case under the interpreter
 @cases("kv_dtype,bound", [("int8", 0.05), ("bf16", 0.02)])
@@ -271,16 +287,7 @@ def test_continuous_batching_paged_variant(model):
 def test_channel_migration_calibrates_each_layer_on_its_first_step(model, migration):
     """The first write of each layer waits for the attention call's queries, calibrates the
     layer's scale from them and its keys, then writes; later steps write at once."""
-    ids = prompt(model, 2, 13, seed=3)
-    model.set_attn_implementation("sdpa")
-    ref = model.generate(ids, max_new_tokens=4, do_sample=False)
-    ref_logits = teacher_forced_logits(model, DynamicCache(config=model.config), ref, ids.shape[1])
-    model.set_attn_implementation("int8attn")
-    try:
-        cache = Int8PagedCache(model.config, max_batch_size=2, max_cache_len=32, channel_migration=migration)
-        logits = teacher_forced_logits(model, cache, ref, ids.shape[1])
-    finally:
-        model.set_attn_implementation("sdpa")
+    cache, logits, ref_logits = sdpa_and_cache_logits(model, 3, channel_migration=migration)
     for layer in cache.layers:
         assert layer.pending_write is None
         if migration == "none":
@@ -297,16 +304,7 @@ def test_qk_rotation_leaves_the_model_output_and_refuses_what_it_cannot_rotate(m
     """qk_rotation="hadamard" rotates queries and keys by one orthonormal matrix: scores,
     and so the model's output, stay those of SDPA within the INT8 cache's error; the
     stored keys are the rotated ones. A head_dim that is not a power of two is refused."""
-    ids = prompt(model, 2, 13, seed=5)
-    model.set_attn_implementation("sdpa")
-    ref = model.generate(ids, max_new_tokens=4, do_sample=False)
-    ref_logits = teacher_forced_logits(model, DynamicCache(config=model.config), ref, ids.shape[1])
-    model.set_attn_implementation("int8attn")
-    try:
-        cache = Int8PagedCache(model.config, max_batch_size=2, max_cache_len=32, qk_rotation="hadamard")
-        logits = teacher_forced_logits(model, cache, ref, ids.shape[1])
-    finally:
-        model.set_attn_implementation("sdpa")
+    cache, logits, ref_logits = sdpa_and_cache_logits(model, 5, qk_rotation="hadamard")
     for step in range(logits.shape[1]):
         assert rel_l2(logits[:, step], ref_logits[:, step]) < 0.05, f"step {step}"
     assert cache._rotation is not None and cache._rotation.shape == (64, 64)

@@ -303,24 +303,8 @@ def _clear_error_flags():
 
 
 def _bad_metadata_cases(b):
-    """name -> (block_table, seq_lens, query_start_loc, bad sequence, error words): one
-    sequence's metadata out of range (sequence 1, or 2 for the query range)."""
-    bt, sl, qsl = b.block_table, b.seq_lens, b.query_start_loc
-    capacity = bt.shape[1] * b.cache.block_size
-
-    def with_(t, index, value):
-        t = t.clone()
-        t[index] = value
-        return t
-
-    return {
-        "block id too large": (with_(bt, (1, 1), 10 ** 6), sl, qsl, 1, "block id"),
-        "block id negative": (with_(bt, (1, 0), -3), sl, qsl, 1, "block id"),
-        "seq_len beyond table": (bt, with_(sl, 1, capacity + 40), qsl, 1, "seq_len"),
-        "seq_len negative": (bt, with_(sl, 1, -5), qsl, 1, "seq_len"),
-        "seq_len below q_len": (bt, with_(sl, 1, 3), qsl, 1, "query range"),
-        "query range past num_tokens": (bt, sl, with_(qsl, 3, int(qsl[3]) + 50), 2, "query range"),
-    }
+    """One sequence's metadata out of range (sequence 1, or 2 for the query range)."""
+    return testing.bad_metadata_cases(b, overrun=50)
 
 
 _BAD_CASES = list(_bad_metadata_cases(batch([30, 40, 25], [12, 21, 9])).keys())

@@ -125,6 +125,32 @@ def make_paged_batch(
     )
 
 
+def bad_metadata_cases(batch: PagedBatch, *, overrun: int) -> dict:
+    """Out-of-range metadata of one sequence of ``batch`` (three sequences or more), for the
+    kernels' in-kernel clamps: name -> (block_table, seq_lens, query_start_loc, the bad
+    sequence, words of the error :func:`int8attn.check_errors` raises). Sequence 1 takes the
+    block-id and length cases (its ``seq_len`` below its query length for "seq_len below
+    q_len"); sequence 2's query range ends ``overrun`` tokens past the batch (keep it a
+    decode-length query for a decode test). Each case is a copy; the batch is untouched."""
+    bt, sl, qsl = batch.block_table, batch.seq_lens, batch.query_start_loc
+    capacity = bt.shape[1] * batch.cache.block_size
+    q_len_1 = int(qsl[2] - qsl[1])
+
+    def with_(t, index, value):
+        t = t.clone()
+        t[index] = value
+        return t
+
+    return {
+        "block id too large": (with_(bt, (1, 1), 10 ** 6), sl, qsl, 1, "block id"),
+        "block id negative": (with_(bt, (1, 0), -3), sl, qsl, 1, "block id"),
+        "seq_len beyond table": (bt, with_(sl, 1, capacity + 40), qsl, 1, "seq_len"),
+        "seq_len negative": (bt, with_(sl, 1, -5), qsl, 1, "seq_len"),
+        "seq_len below q_len": (bt, with_(sl, 1, q_len_1 - 1), qsl, 1, "query range"),
+        "query range past num_tokens": (bt, sl, with_(qsl, 3, int(qsl[3]) + overrun), 2, "query range"),
+    }
+
+
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     """A tensor shaped like ``t`` filled with NaN, to prove a kernel wrote every element."""
     return torch.full_like(t, POISON)
