@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import sys
 import time
@@ -45,6 +46,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # --path kernels on a CPU: the kernels run in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from int8attn.bench import Recorder  # noqa: E402
 from int8attn.emulation import Variant, cache_variant  # noqa: E402
