@@ -295,3 +295,18 @@ def test_meta_caches_leave_no_error_flags_behind():
     assert meta.device.type == "meta"
     assert all(key[0] != "meta" for key in errors._FLAGS)
     errors.check_errors()
+
+
+def test_clear_errors_drops_raised_flags_without_raising(device):
+    """A raised flag is dropped by clear_errors() (no exception), after which check_errors()
+    finds nothing; a fresh flag raises again."""
+    from int8attn import errors
+
+    PagedKVCache(2, 16, 1, 64, device=device)  # allocates the device's flag buffer
+    flags = errors.error_flags(device)
+    flags[0], flags[1], flags[2] = errors.ERR_BLOCK_ID, 3, 1
+    errors.clear_errors(device)
+    errors.check_errors(device)
+    flags[0], flags[1], flags[2] = errors.ERR_SEQ_LEN, 5, 1
+    with pytest.raises(errors.DeviceMetadataError, match="seq_len.*index 5;"):
+        errors.check_errors(device)

@@ -14,7 +14,7 @@ import torch
 
 from _ids import cases
 from int8attn import launches, reference, testing
-from int8attn.errors import DeviceMetadataError, check_errors
+from int8attn.errors import DeviceMetadataError, check_errors, clear_errors
 from int8attn.ops.decode import (
     MAX_DECODE_QUERY_LEN,
     DecodeConfig,
@@ -457,13 +457,6 @@ def test_split_kernel_is_software_pipelined(kv_dtype, pv_mode, swap):
 
 
 # --------------------------------------------------------------------------- in-kernel clamps (INT8ATTN_DECODE_SAFE=1)
-def _clear_error_flags():
-    try:
-        check_errors()
-    except DeviceMetadataError:
-        pass
-
-
 def _bad_decode_metadata(b):
     """One decode sequence's metadata out of range (its query range stays decode-length)."""
     return testing.bad_metadata_cases(b, overrun=2)
@@ -513,7 +506,7 @@ def test_safe_launch_keeps_bad_metadata_in_bounds(device, monkeypatch, case, kv,
         monkeypatch.setattr(dec, "default_config", lambda *args: config)
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
     monkeypatch.setenv("INT8ATTN_DECODE_SAFE", "1")
-    _clear_error_flags()
+    clear_errors()
     b = testing.make_paged_batch([37, 97, 20], [1, 3, 2], num_q_heads=hq, num_kv_heads=hkv, head_dim=64,
                                  kv_dtype=kv, seed=43, device=device)
     good = decode_attention(b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc, num_splits=splits)
@@ -536,7 +529,7 @@ def test_safe_plan_survives_metadata_changed_after_planning(device, monkeypatch)
     from int8attn.ops.attention import plan_attention
 
     monkeypatch.setenv("INT8ATTN_DECODE_SAFE", "1")
-    _clear_error_flags()
+    clear_errors()
     b = testing.make_paged_batch([37, 97, 20], [1, 1, 1], num_q_heads=4, num_kv_heads=2, head_dim=64,
                                  kv_dtype="int8", seed=47, device=device)
     plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 4)

@@ -3,7 +3,7 @@ tensor-core dots, and a gate that measures whether a low-precision path pays off
 
 from . import _interpreter, reference
 from .cache import BlockAllocator, PagedKVCache
-from .errors import DeviceMetadataError, check_errors
+from .errors import DeviceMetadataError, check_errors, clear_errors
 from .ops.attention import AttentionPlan, attention, plan_attention
 from .ops.producer import quantize_query, rope_quantize_and_write
 from .ops.migration import calibrate_channel_migration
@@ -22,6 +22,7 @@ __all__ = [
     "BlockAllocator",
     "calibrate_channel_migration",
     "check_errors",
+    "clear_errors",
     "DeviceMetadataError",
     "PagedKVCache",
     "quantize_query",
