@@ -89,6 +89,20 @@ def _fold_pv(acc, o, factor, PV_KIND: gl.constexpr):
 
 
 @gluon.jit
+def _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, factor, NUM_DV: gl.constexpr, PV_KIND: gl.constexpr):
+    """Wait for the PV MMAs in flight and fold their results into the ``NUM_DV`` accumulators
+    (see _fold_pv); accumulators past NUM_DV come back as they were."""
+    o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
+    acc0 = _fold_pv(acc0, o0, factor, PV_KIND)
+    if NUM_DV > 1:
+        acc1 = _fold_pv(acc1, o1, factor, PV_KIND)
+    if NUM_DV > 2:
+        acc2 = _fold_pv(acc2, o2, factor, PV_KIND)
+        acc3 = _fold_pv(acc3, o3, factor, PV_KIND)
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
 def _prefill_hopper_pipe_kernel(
     q_ptr, q_scale_ptr, out_ptr,
     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
@@ -198,13 +212,7 @@ def _prefill_hopper_pipe_kernel(
                                         scale_head, stride_sb, kv_end, last_page, PAGE, BLOCK_N, COL)
 
         # ---- 2. PV(j - 1) done: fold it in
-        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
-        acc0 = _fold_pv(acc0, o0, f_prev, PV_KIND)
-        if NUM_DV > 1:
-            acc1 = _fold_pv(acc1, o1, f_prev, PV_KIND)
-        if NUM_DV > 2:
-            acc2 = _fold_pv(acc2, o2, f_prev, PV_KIND)
-            acc3 = _fold_pv(acc3, o3, f_prev, PV_KIND)
+        acc0, acc1, acc2, acc3 = _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, f_prev, NUM_DV, PV_KIND)
 
         # ---- 3. tile j + 1 landed (every thread's copies: one CTA barrier), then refill the
         # stage of tile j - 2 with tile j + STAGES - 2 (every thread finished PV(j - 2) before
@@ -257,13 +265,7 @@ def _prefill_hopper_pipe_kernel(
             o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3])
         f_prev = factor
 
-    o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
-    acc0 = _fold_pv(acc0, o0, f_prev, PV_KIND)
-    if NUM_DV > 1:
-        acc1 = _fold_pv(acc1, o1, f_prev, PV_KIND)
-    if NUM_DV > 2:
-        acc2 = _fold_pv(acc2, o2, f_prev, PV_KIND)
-        acc3 = _fold_pv(acc3, o3, f_prev, PV_KIND)
+    acc0, acc1, acc2, acc3 = _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, f_prev, NUM_DV, PV_KIND)
     async_copy.wait_group(0)
     _store_output(out_ptr, acc0, acc1, acc2, acc3, l_i, r_i, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
                   GROUP, BLOCK_M, BLOCK_Q, DV, NUM_DV, PV_LAYOUT)
