@@ -21,8 +21,11 @@ import os
 
 import torch
 
-from int8attn import bench, testing
-from int8attn.ops.decode import DecodeWorkspace, decode_attention
+if not torch.cuda.is_available():  # one tiny case in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from int8attn import bench, testing  # noqa: E402
+from int8attn.ops.decode import DecodeWorkspace, decode_attention  # noqa: E402
 
 HQ, HKV, D, BLOCK = 24, 4, 256, 16
 

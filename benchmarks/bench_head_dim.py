@@ -27,9 +27,12 @@ import os
 
 import torch
 
-from int8attn import bench, reference, testing
-from int8attn.ops.decode import DecodeWorkspace, decode_attention
-from int8attn.ops.prefill import prefill_attention
+if not torch.cuda.is_available():  # one tiny case in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from int8attn import bench, reference, testing  # noqa: E402
+from int8attn.ops.decode import DecodeWorkspace, decode_attention  # noqa: E402
+from int8attn.ops.prefill import prefill_attention  # noqa: E402
 
 HQ, HKV, CHUNK, PREFIX, BLOCK = 32, 8, 4096, 8192, 16
 DECODE_BATCH, DECODE_LEN = 16, 8192
