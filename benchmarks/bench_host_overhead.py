@@ -14,8 +14,9 @@ caches:
 * ``step of 16 layers`` (stub mode) -- a fresh plan plus one run per layer, each layer with
   its own cache, divided by 16: the per-layer host cost of a planned eager step.
 
-Each no-plan call is measured with value checks on (the default: a host sync per call) and
-off (``INT8ATTN_CHECK_VALUES=0``). Two modes:
+Each no-plan call is measured with value checks on (``INT8ATTN_CHECK_VALUES=1``: a host
+sync per call) and off (``INT8ATTN_CHECK_VALUES=0``; on a GPU an unplanned call's default
+is the same as off). Two modes:
 
 * ``stub`` (the only mode without a GPU): every Triton launch is replaced by a no-op that
   records its grid, so the figure is the Python (and PyTorch) work of the call: checks,

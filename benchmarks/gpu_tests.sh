@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU test file in parallel pytest shards (compilation dominates their time; the GPU box
-# has 16 cores), with compute-sanitizer memcheck over the bad-metadata cases alongside, from
-# the repo root:
+# Every GPU test file in parallel pytest workers (pytest-xdist when installed, else one shard
+# per group of files; compilation dominates their time and the GPU box has 16 cores), with
+# compute-sanitizer memcheck over the bad-metadata cases alongside, from the repo root:
 #
 #   OUT=/some/dir bash benchmarks/gpu_tests.sh            # SHARDS=8 LIMIT=240 by default
 #
@@ -36,9 +36,17 @@ SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 
   done
 ) >"$OUT/memcheck.log" 2>&1 &
 san=$!
-for f in "$tmp"/ids.??; do
-  timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short $(cat "$f") >"$f.log" 2>&1 &
-done
+if [ "${XDIST:-1}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+  # pytest-xdist spreads single tests over the workers (a file's compiles no longer sit on one)
+  echo "pytest-xdist: one run, $SHARDS workers" | tee -a "$OUT/tests.log"
+  rm -f "$tmp"/ids.??
+  timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -n "$SHARDS" --dist load -rfE --tb=short $files \
+    >"$tmp/ids.00.log" 2>&1
+else
+  for f in "$tmp"/ids.??; do
+    timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short $(cat "$f") >"$f.log" 2>&1 &
+  done
+fi
 wait
 for f in "$tmp"/ids.??.log; do grep -E "^(FAILED|ERROR) " "$f"; done | tee -a "$OUT/tests.log"
 for f in "$tmp"/ids.??.log; do echo "--- shard $f: $(tail -1 "$f")"; done | tee -a "$OUT/tests.log"

@@ -26,3 +26,21 @@ def device() -> str:
 def gen() -> torch.Generator:
     """A freshly seeded CPU generator (random data is drawn on the CPU, then moved)."""
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_error_flags():
+    """Every test starts with no device error flag raised: a flag an earlier test raised on
+    purpose (bad metadata with value checks off) must not surface in the next one."""
+    from int8attn.errors import clear_errors
+
+    clear_errors()
+    yield
+
+
+@pytest.fixture
+def host_value_checks(monkeypatch):
+    """Value checks on whatever the device: a CUDA device runs them in unplanned calls only
+    when asked (INT8ATTN_CHECK_VALUES=1), CPU tensors by default. Tests of host-side value
+    errors take this fixture so they assert the same thing on both."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")

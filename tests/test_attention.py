@@ -124,7 +124,7 @@ def test_plan_without_reading_lengths(device):
     assert torch.equal(out, attention(*args_of(b)))
 
 
-def test_plan_mismatch_and_bad_inputs_raise_before_launch(monkeypatch, device):
+def test_plan_mismatch_and_bad_inputs_raise_before_launch(monkeypatch, device, host_value_checks):
     b = mixed(seed=5, device=device)
     plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, b.query.shape[1])
     watch_launches(monkeypatch, forbid=True)
@@ -216,7 +216,7 @@ def test_plan_run_equals_decode_attention(kv, device, monkeypatch):
                        decode_attention(query, cache, bt, sl, qsl, out=poisoned(b)))
 
 
-def test_planned_run_rejects_bad_input_before_launch(device, monkeypatch):
+def test_planned_run_rejects_bad_input_before_launch(device, monkeypatch, host_value_checks):
     """After good runs primed the plan's fast path, every kind of bad input still raises a
     clear error before any kernel launch, and the cache stays untouched."""
     b = decode_batch("int8", seed=11, device=device)
@@ -404,12 +404,12 @@ def test_head_dim_outside_the_kernels_refused_at_cache_creation(d):
     pytest.param([300, 70, 9, 1000] * 4, [1, 4, 9, 1] * 4, id="mixed_T_over_8"),
 ])
 def test_unplanned_call_never_synchronizes_by_default(monkeypatch, seq_lens, q_lens):
-    """attention() without a plan on a GPU with value checks off (INT8ATTN_CHECK_VALUES=0,
-    as a serving loop that plans or trusts its metadata runs it): no device synchronization
+    """attention() without a plan on a GPU at the default value-check policy (a CUDA
+    device checks values only with INT8ATTN_CHECK_VALUES=1): no device synchronization
     (torch's sync debug mode turns one into an error), and the result is still right."""
-    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    monkeypatch.delenv("INT8ATTN_CHECK_VALUES", raising=False)
     b = mixed(seq_lens=seq_lens, q_lens=q_lens, hq=24, hkv=4, d=256, seed=21, device="cuda")
-    assert not _checks.value_checks_enabled()
+    assert not _checks.value_checks_enabled(b.cache.device)
     attention(*args_of(b))  # compiles (first launches) outside the checked window
     out = poisoned(b)
     torch.cuda.synchronize()

@@ -74,7 +74,7 @@ def _mutations(args, device):
         yield "device", ValueError, dict(query=q.to("meta")), "cache is on"
 
 
-def test_each_bad_input_raises_clearly(device):
+def test_each_bad_input_raises_clearly(device, host_value_checks):
     args = attention_args(device)
     for what, exc, change, match in _mutations(args, device):
         with pytest.raises(exc, match=match):
@@ -89,18 +89,40 @@ def test_padding_blocks_past_seq_len_are_not_checked(device):
 
 
 def test_value_checks_policy(device, monkeypatch):
+    """Planning (device=None) and CPU tensors check by default, a CUDA device only when
+    asked; INT8ATTN_CHECK_VALUES=0 turns every value check off."""
+    monkeypatch.delenv("INT8ATTN_CHECK_VALUES", raising=False)
     assert _checks.value_checks_enabled()
+    assert _checks.value_checks_enabled("cpu")
+    assert not _checks.value_checks_enabled("cuda") and not _checks.value_checks_enabled(torch.device("cuda", 0))
     args = attention_args(device)
     bad = args["block_table"].clone()
     bad[0, 0] = 99
+    if device == "cuda":
+        _checks.check_attention_inputs(**{**args, "block_table": bad})  # not asked for on a GPU
+    else:
+        with pytest.raises(ValueError, match="outside"):
+            _checks.check_attention_inputs(**{**args, "block_table": bad})
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
-    assert not _checks.value_checks_enabled()
+    assert not _checks.value_checks_enabled() and not _checks.value_checks_enabled("cpu")
     _checks.check_attention_inputs(**{**args, "block_table": bad})  # skipped
     with pytest.raises(TypeError):  # metadata checks always run
         _checks.check_attention_inputs(**{**args, "block_table": bad.long()})
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")
+    assert _checks.value_checks_enabled("cuda")
     with pytest.raises(ValueError):
         _checks.check_attention_inputs(**{**args, "block_table": bad})
+
+
+def test_decode_clamps_policy(monkeypatch):
+    """Decode's in-kernel clamps are on unless INT8ATTN_DECODE_SAFE=0."""
+    monkeypatch.delenv("INT8ATTN_DECODE_SAFE", raising=False)
+    assert _checks.decode_clamps_enabled()
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv("INT8ATTN_DECODE_SAFE", off)
+        assert not _checks.decode_clamps_enabled()
+    monkeypatch.setenv("INT8ATTN_DECODE_SAFE", "1")
+    assert _checks.decode_clamps_enabled()
 
 
 def test_value_read_reports_the_batch_facts(device):
@@ -156,12 +178,12 @@ def test_value_checks_skipped_under_graph_capture():
     with torch.cuda.stream(s):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, stream=s):
-            seen.append(_checks.value_checks_enabled())
+            seen.append(_checks.value_checks_enabled() or _checks.value_checks_enabled("cpu"))
             _checks.check_attention_inputs(**args)  # must not sync
     assert seen == [False]
 
 
-def test_write_checks(device):
+def test_write_checks(device, host_value_checks):
     cache = PagedKVCache(4, 8, 2, 64, device=device)
     key = torch.randn(5, 2, 64, device=device)
     slots = torch.tensor([0, 1, -1, 31, 9], device=device)

@@ -323,7 +323,7 @@ def small_batch(device):
     ({"out": "torch.empty_like(q, dtype=torch.float64)"}, TypeError),
     ({"out": "q.new_empty((3, 4, 64))"}, ValueError),
 ])
-def test_bad_inputs_raise_before_launch(small_batch, device, kw, exc):
+def test_bad_inputs_raise_before_launch(small_batch, device, kw, exc, host_value_checks):
     b = small_batch
     env = {"q": b.query, "bt": b.block_table, "sl": b.seq_lens, "qsl": b.query_start_loc, "torch": torch,
            "ws_small": DecodeWorkspace(1, 4, 64, max_splits=2, device=device)}
@@ -456,7 +456,7 @@ def test_split_kernel_is_software_pipelined(kv_dtype, pv_mode, swap):
     assert re.search(r"memdesc<[2-9]x\d+x256x", ttgir), "K/V tiles are not multi-buffered"
 
 
-# --------------------------------------------------------------------------- in-kernel clamps (INT8ATTN_DECODE_SAFE=1)
+# --------------------------------------------------------------------------- in-kernel clamps (default; INT8ATTN_DECODE_SAFE=0 off)
 def _bad_decode_metadata(b):
     """One decode sequence's metadata out of range (its query range stays decode-length)."""
     return testing.bad_metadata_cases(b, overrun=2)
@@ -470,7 +470,8 @@ SAFE_CONFIGS = [("int8", 4, 2, False, 3), ("int8", 4, 2, False, 1), ("int8", 4, 
 
 @cases("kv,hq,hkv,swap,splits", SAFE_CONFIGS)
 def test_safe_launch_equals_the_default_on_valid_metadata(device, monkeypatch, kv, hq, hkv, swap, splits):
-    """The clamps change nothing for metadata in range: bit-identical output."""
+    """The clamps (default) change nothing for metadata in range: bit-identical output to a
+    launch built without them (INT8ATTN_DECODE_SAFE=0)."""
     if swap:
         import int8attn.ops.decode as dec
 
@@ -479,8 +480,10 @@ def test_safe_launch_equals_the_default_on_valid_metadata(device, monkeypatch, k
     b = testing.make_paged_batch([37, 97, 20], [1, 3, 2], num_q_heads=hq, num_kv_heads=hkv, head_dim=64,
                                  kv_dtype=kv, seed=41, device=device)
     args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    monkeypatch.setenv("INT8ATTN_DECODE_SAFE", "0")
     plain = decode_attention(*args, out=testing.poisoned_like(b.query), num_splits=splits)
-    monkeypatch.setenv("INT8ATTN_DECODE_SAFE", "1")
+    assert launches.last("_decode_split_kernel").facts["safe"] is False
+    monkeypatch.delenv("INT8ATTN_DECODE_SAFE")
     safe = decode_attention(*args, out=testing.poisoned_like(b.query), num_splits=splits)
     assert launches.last("_decode_split_kernel").facts["safe"] is True
     assert torch.equal(plain, safe)
@@ -496,7 +499,7 @@ BAD_DECODE_RUNS = ([(case, "int8", 4, 2, False, 3) for case in _BAD_DECODE_CASES
 
 @cases("case,kv,hq,hkv,swap,splits", BAD_DECODE_RUNS)
 def test_safe_launch_keeps_bad_metadata_in_bounds(device, monkeypatch, case, kv, hq, hkv, swap, splits):
-    """With value checks off and INT8ATTN_DECODE_SAFE=1, out-of-range metadata of one
+    """With value checks off and the default clamps, out-of-range metadata of one
     sequence makes its rows NaN (the others equal the run on valid metadata), and raises a
     device flag that check_errors() turns into an error naming the sequence."""
     if swap:
@@ -505,7 +508,7 @@ def test_safe_launch_keeps_bad_metadata_in_bounds(device, monkeypatch, case, kv,
         config = DecodeConfig(block_n=64, num_warps=4, num_stages=3, swap_ab=True)
         monkeypatch.setattr(dec, "default_config", lambda *args: config)
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
-    monkeypatch.setenv("INT8ATTN_DECODE_SAFE", "1")
+    monkeypatch.delenv("INT8ATTN_DECODE_SAFE", raising=False)
     clear_errors()
     b = testing.make_paged_batch([37, 97, 20], [1, 3, 2], num_q_heads=hq, num_kv_heads=hkv, head_dim=64,
                                  kv_dtype=kv, seed=43, device=device)
@@ -528,7 +531,7 @@ def test_safe_plan_survives_metadata_changed_after_planning(device, monkeypatch)
     access outside the cache."""
     from int8attn.ops.attention import plan_attention
 
-    monkeypatch.setenv("INT8ATTN_DECODE_SAFE", "1")
+    monkeypatch.delenv("INT8ATTN_DECODE_SAFE", raising=False)
     clear_errors()
     b = testing.make_paged_batch([37, 97, 20], [1, 1, 1], num_q_heads=4, num_kv_heads=2, head_dim=64,
                                  kv_dtype="int8", seed=47, device=device)

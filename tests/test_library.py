@@ -72,7 +72,7 @@ def test_write_kv_op_matches_eager_bit_for_bit(kv_dtype, device, gen):
     assert caches_equal(cache_op, cache_eager)
 
 
-def test_write_kv_op_rejects_bad_input_and_leaves_cache_untouched(device, gen):
+def test_write_kv_op_rejects_bad_input_and_leaves_cache_untouched(device, gen, host_value_checks):
     cache = PagedKVCache(4, 16, 2, 64, device=device)
     key, value = new_tokens(5, 2, 64, gen, device)
     library.write_kv(cache, key, value, torch.arange(5, device=device))

@@ -387,7 +387,7 @@ def _bad_calls(b):
 
 
 @pytest.mark.parametrize("case", list(_bad_calls(batch([20, 20], [10, 10])).keys()))
-def test_bad_input_raises_before_launch(case, monkeypatch, device):
+def test_bad_input_raises_before_launch(case, monkeypatch, device, host_value_checks):
     import int8attn.ops.prefill as ops
 
     b = batch([20, 20], [10, 10], device=device)

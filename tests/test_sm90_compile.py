@@ -56,9 +56,9 @@ def test_every_launched_kernel_compiles_for_sm90(kv_dtype, head_dim):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
 def test_safe_decode_compiles_for_sm90(kv_dtype, monkeypatch):
-    """The decode kernels with in-kernel clamps (INT8ATTN_DECODE_SAFE=1; head_dim 96, so
-    padded tiles, and the swapped 8-bit tile the defaults pick there) compile for sm_90."""
-    monkeypatch.setenv("INT8ATTN_DECODE_SAFE", "1")
+    """The decode kernels with in-kernel clamps (the default; head_dim 96, so padded tiles,
+    and the swapped 8-bit tile the defaults pick there) compile for sm_90."""
+    monkeypatch.delenv("INT8ATTN_DECODE_SAFE", raising=False)
     torch.manual_seed(0)
     cache = int8attn.PagedKVCache(8, 16, 2, 96, kv_dtype=kv_dtype, device="cpu")
     alloc = int8attn.BlockAllocator.for_cache(cache)

@@ -8,12 +8,15 @@ Two tiers of checks:
 
 * metadata checks (type, dtype, shape, stride, device) cost nothing and always run;
 * value checks (block ids in range, sequence lengths, slots, positions) read device tensors
-  back to the host. They run by default, never while a CUDA graph is being captured, and
-  not with ``INT8ATTN_CHECK_VALUES=0``. See :func:`value_checks_enabled`. The prefill,
-  write_kv and producer kernels do not rely on them (they clamp out-of-range metadata,
-  write NaN for the sequences it affects and raise a device error flag,
-  :mod:`int8attn.errors`); the decode kernel does. A planned batch (:func:`int8attn.plan_attention`) checks
-  its metadata values once, when it is planned, and its runs read nothing back.
+  back to the host. :func:`value_checks_enabled` says when they run: by default in
+  :func:`int8attn.plan_attention` (one read-back per batch, shared by every layer's run);
+  in unplanned calls on CPU tensors (Triton's interpreter: a read-back costs nothing);
+  in unplanned calls on a CUDA device only when asked (``INT8ATTN_CHECK_VALUES=1``), as
+  there they would synchronise the device on every call; never while a CUDA graph is
+  being captured, nor anywhere with ``INT8ATTN_CHECK_VALUES=0``. The kernels do not rely
+  on them: each clamps or masks out-of-range metadata, writes NaN for the sequences it
+  affects and raises a device error flag (:mod:`int8attn.errors`); the one exception, the
+  Hopper prefill kernel, is chosen by "auto" only for metadata these checks passed.
 
 Metadata checks of a cache are remembered (:func:`check_cache`), so a call pays for them
 once per cache object, not once per call.
@@ -40,24 +43,25 @@ MAX_QUERY_ROWS = 2 ** 31 - 2 ** 16
 
 # --------------------------------------------------------------------------- policy
 def decode_clamps_enabled() -> bool:
-    """True with ``INT8ATTN_DECODE_SAFE=1``: decode launches built from then on clamp their
+    """True unless ``INT8ATTN_DECODE_SAFE=0``: decode launches built from then on clamp their
     metadata in-kernel (query ranges, lengths, block ids), give a sequence whose metadata
-    is out of range NaN rows and raise device error flags, as prefill always does. Off by
-    default until its cost is measured on the H200 (the default decode kernel relies on
-    the host value checks or a checked plan)."""
-    return os.environ.get("INT8ATTN_DECODE_SAFE", "").strip().lower() in ("1", "true", "yes", "on")
+    is out of range NaN rows and raise device error flags, as prefill, write_kv and the
+    producer always do. Output on valid metadata is bit-identical either way; the clamps
+    cost 1-6% of a graph-replayed decode call on the H200 (BENCHMARKS.md). Turning them off
+    is for a caller that checks every batch itself (a plan does)."""
+    return os.environ.get("INT8ATTN_DECODE_SAFE", "").strip().lower() not in ("0", "false", "no", "off")
 
 
-def value_checks_enabled() -> bool:
-    """True when checks that read device values back to the host should run: by default,
-    and with ``INT8ATTN_CHECK_VALUES=1``; not with ``INT8ATTN_CHECK_VALUES=0`` (serving
-    loops that trust their metadata, or plan once), and never while the current CUDA
-    stream captures a graph (a host sync would break the capture).
+def value_checks_enabled(device=None) -> bool:
+    """Whether checks that read device values back to the host run.
 
-    The prefill, write_kv and producer kernels clamp out-of-range metadata themselves and
-    raise device error flags (:func:`int8attn.check_errors`); the decode kernel relies on
-    these checks (or on a checked plan) unless :func:`decode_clamps_enabled`, so they stay
-    on by default.
+    ``device=None`` asks for planning (:func:`int8attn.plan_attention`): on by default.
+    For an unplanned call pass the data's device: on for CPU tensors (Triton's
+    interpreter; a read-back is free), off for a CUDA device unless
+    ``INT8ATTN_CHECK_VALUES=1`` (a read-back there synchronises the device on every
+    call). ``INT8ATTN_CHECK_VALUES=0`` turns every value check off, and none runs while the
+    current CUDA stream captures a graph (a host sync would break the capture). The
+    kernels do not rely on these checks (see the module docstring).
     """
     env = os.environ.get("INT8ATTN_CHECK_VALUES", "").strip().lower()
     if env in ("0", "false", "no", "off"):
@@ -68,7 +72,9 @@ def value_checks_enabled() -> bool:
                 return False
         except RuntimeError:
             pass
-    return True
+    if env in ("1", "true", "yes", "on") or device is None:
+        return True
+    return torch.device(device).type != "cuda"
 
 
 # --------------------------------------------------------------------------- helpers
@@ -298,7 +304,7 @@ def check_attention_inputs(
         out_dtypes = (torch.bfloat16,) if query.dtype == torch.bfloat16 else (torch.bfloat16, query.dtype)
         check_tensor("out", out, dtypes=out_dtypes, shape=tuple(query.shape), device=dev)
     check_quantized_query(q_quant, q_scale, tuple(query.shape), cache)
-    if check_values and num_seqs > 0 and value_checks_enabled():
+    if check_values and num_seqs > 0 and value_checks_enabled(dev):
         check_attention_values(query.shape[0], cache, block_table, seq_lens, query_start_loc)
         check_errors(dev)  # what earlier kernels on this device found, now that we read back anyway
 
@@ -453,7 +459,7 @@ def check_slot_mapping(slot_mapping, num_tokens: int, cache, values: bool = True
     checks enabled) :func:`check_slot_values`."""
     check_tensor("slot_mapping", slot_mapping, dtypes=INDEX_DTYPES, shape=(num_tokens,), device=cache.device,
                  last_dim_contiguous=False)
-    if values and value_checks_enabled() and num_tokens > 0:
+    if values and value_checks_enabled(cache.device) and num_tokens > 0:
         check_slot_values(slot_mapping, cache)
 
 
@@ -526,7 +532,7 @@ def check_producer_inputs(query, key, value, positions, cos_sin_cache, cache, sl
     elif out_q_scale is not None:
         raise ValueError("out_q_scale must be None for a bf16 cache (its query is not scaled)")
     check_slot_mapping(slot_mapping, n, cache, values=False)
-    if value_checks_enabled() and n > 0:
+    if value_checks_enabled(dev) and n > 0:
         pos_bad = (positions < 0) | (positions >= max_pos)
         (pos_flag,) = check_slot_values(slot_mapping, cache, [pos_bad.any()])  # one sync
         if pos_flag:

@@ -37,13 +37,16 @@ def set_command(command: str | None) -> None:
 
 
 def source_commit() -> str | None:
-    """The git commit of the int8attn source that runs (``+dirty`` when its tree has
-    uncommitted changes); outside a git checkout (a copied tree, as on a lent GPU machine)
-    ``INT8ATTN_COMMIT`` as the caller set it, else None."""
+    """The commit of the int8attn source that runs: ``INT8ATTN_COMMIT`` when the caller set
+    it (a copied tree, as on a lent GPU machine, whose git metadata may be missing or
+    stale), else the git commit of its checkout (``+dirty`` when ``src`` has uncommitted
+    changes), else None."""
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
     fallback = os.environ.get("INT8ATTN_COMMIT") or None
+    if fallback:
+        return fallback
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
@@ -75,12 +78,14 @@ def environment() -> dict:
 
 class Recorder:
     """Collects result rows and appends them as JSON lines to ``benchmarks/results/<name>.jsonl``
-    (or ``path``). Each row carries :func:`environment`."""
+    (or ``path``). Each row carries :func:`environment`. :meth:`save` appends the rows not
+    saved yet, so a script that may be stopped by a deadline saves after every row."""
 
     def __init__(self, name: str, path: str | os.PathLike | None = None):
         self.env = environment()
         self.path = Path(path) if path else RESULTS_DIR / f"{name}.jsonl"
         self.rows: list[dict] = []
+        self._saved = 0
 
     def add(self, **row) -> dict:
         full = {**row, **self.env}
@@ -92,8 +97,9 @@ class Recorder:
     def save(self) -> Path:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
-            for row in self.rows:
+            for row in self.rows[self._saved:]:
                 f.write(json.dumps(row, sort_keys=True) + "\n")
+        self._saved = len(self.rows)
         return self.path
 
 

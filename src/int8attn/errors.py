@@ -1,13 +1,14 @@
 """Device-side error flags: what a kernel found wrong in metadata it could not trust.
 
 Value checks on the host (block ids in range, lengths within the block table, slots within
-the cache) read the device back, so serving loops skip them (CUDA-graph capture,
-``INT8ATTN_CHECK_VALUES=0``, or a plan checked once). The prefill, write_kv and producer
-kernels never trust that metadata: every block id, length, slot and position is clamped
-or masked in-kernel before it forms an address, the output of a sequence whose metadata
-is out of range is NaN (a bad slot is skipped), and the kernel raises a flag here. (The
-decode kernel relies on the host checks unless ``INT8ATTN_DECODE_SAFE=1`` makes its
-launches clamp in-kernel the same way.) Nothing is read back until the host asks:
+the cache) read the device back, so they run once per batch in ``plan_attention`` and, on
+a CUDA device, in unplanned calls only with ``INT8ATTN_CHECK_VALUES=1`` (never under
+CUDA-graph capture). The kernels never trust that metadata: every block id, length, slot
+and position is clamped or masked in-kernel before it forms an address, the output of a
+sequence whose metadata is out of range is NaN (a bad slot is skipped), and the kernel
+raises a flag here (``INT8ATTN_DECODE_SAFE=0`` takes the decode kernel's clamps out; the
+Hopper prefill kernel, which trusts metadata, runs only on checked metadata unless
+forced). Nothing is read back until the host asks:
 :func:`check_errors` (also called by ``plan_attention`` and by every call that runs its
 value checks) turns a raised flag into :class:`DeviceMetadataError` naming the first
 sequence (or token) and what was wrong, and clears the flags.

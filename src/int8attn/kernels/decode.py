@@ -47,12 +47,13 @@ up to a power of two (``tl.arange`` and the MMA shapes need one); when the two d
 load masks the padding channels to zero (they add nothing to a score) and the stores skip
 them. A power-of-two head_dim compiles without those masks.
 
-Metadata: by default the kernels trust it (the host value checks, or a checked plan).
-``SAFE`` launches (``INT8ATTN_DECODE_SAFE=1``) clamp query ranges, lengths and block ids
-before they form an address, give a sequence whose metadata is out of range NaN rows and
-raise device error flags (``flags_ptr``, :mod:`int8attn.errors`), as the prefill kernel
-always does; the trailing arguments ``flags_ptr, num_tokens, num_blocks, max_blocks`` are
-read only then.
+Metadata: ``SAFE`` launches (the default; ``INT8ATTN_DECODE_SAFE=0`` builds launches
+without) clamp query ranges, lengths and block ids before they form an address, give a
+sequence whose metadata is out of range NaN rows and raise device error flags
+(``flags_ptr``, :mod:`int8attn.errors`), as the prefill kernel always does; the trailing
+arguments ``flags_ptr, num_tokens, num_blocks, max_blocks`` are read only then. Without
+``SAFE`` the kernels trust the metadata and compile to the instructions they had before
+the clamps existed.
 
 Tensor layouts (strides passed explicitly, last dims unit stride):
 

@@ -11,8 +11,9 @@ sequences on the device, so the router needs no query lengths on the host:
 * without a plan, ``attention()`` launches both kernels; it leaves one out only on
   host-known facts (``T <= MAX_DECODE_QUERY_LEN`` means no prefill sequence can exist;
   an empty batch launches nothing). Inputs are validated on every call
-  (:func:`int8attn._checks.check_attention_inputs`; its value checks sync, but are
-  skipped under CUDA-graph capture or with ``INT8ATTN_CHECK_VALUES=0``);
+  (:func:`int8attn._checks.check_attention_inputs`); its value checks read the device
+  back, so on a CUDA device they run only with ``INT8ATTN_CHECK_VALUES=1``: an unplanned
+  call never synchronises by default (the kernels clamp bad metadata themselves);
 * :func:`plan_attention` plans a batch once (the plan/run split of FlashInfer): it reads
   the metadata values once (one host sync, which also checks them: block ids, lengths,
   ``query_start_loc``), records which kernels are needed, the longest query (a tighter
@@ -144,7 +145,8 @@ class AttentionPlan:
         in full first (metadata values too when the metadata tensors are not the plan's),
         so bad input still raises before any launch. Contents of the metadata tensors
         changed in place after planning are not re-checked (as with
-        ``INT8ATTN_CHECK_VALUES=0``).
+        ``INT8ATTN_CHECK_VALUES=0``); the kernels still clamp them, and a sequence whose
+        metadata went out of range gets NaN rows and a device error flag.
         """
         launch = _MISSING
         if self._is_plan_metadata(block_table, seq_lens, query_start_loc):
@@ -179,7 +181,7 @@ class AttentionPlan:
                                        q_quant=q_quant, q_scale=q_scale, check_values=False)
         self._check_matches(query, cache, block_table)
         if not known_meta:
-            if self.num_seqs > 0 and _checks.value_checks_enabled():
+            if self.num_seqs > 0 and _checks.value_checks_enabled(cache.device):
                 facts = _checks.check_attention_values(self.num_tokens, cache, block_table, seq_lens,
                                                        query_start_loc, decode_limit=MAX_DECODE_QUERY_LEN)
                 self._check_facts(*facts[1:])
@@ -399,14 +401,16 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     sequences with q_len 0 do not exist, every other row is written.
 
     Checks: types, shapes, strides and devices always, before any launch. Value checks
-    (block ids, lengths, ``query_start_loc``; a device read-back) run by default and in
-    :func:`plan_attention` (one sync per batch, shared by every layer's run); they are
-    skipped with ``INT8ATTN_CHECK_VALUES=0`` and under CUDA-graph capture. The prefill
-    kernel never moves an address outside its tensors whatever the metadata (the affected
-    sequences' rows are NaN and a device error flag is raised, which
-    :func:`int8attn.check_errors` turns into :class:`int8attn.DeviceMetadataError`); the
-    decode kernel trusts metadata that skipped the checks, unless ``INT8ATTN_DECODE_SAFE=1``
-    makes its launches clamp it the same way. Decode and prefill take any
+    (block ids, lengths, ``query_start_loc``; a device read-back) run in
+    :func:`plan_attention` (one sync per batch, shared by every layer's run), in unplanned
+    calls on CPU tensors, and in unplanned calls on a CUDA device only with
+    ``INT8ATTN_CHECK_VALUES=1``: an unplanned GPU call never synchronises the device by
+    default. No kernel moves an address outside its tensors whatever the metadata: the
+    affected sequences' rows are NaN and a device error flag is raised, which
+    :func:`int8attn.check_errors` (or the next plan) turns into
+    :class:`int8attn.DeviceMetadataError` (``INT8ATTN_DECODE_SAFE=0`` builds decode
+    launches without their clamps, for callers that check every batch themselves). The
+    Hopper prefill kernel trusts metadata, so "auto" takes it only for checked metadata. Decode and prefill take any
     head_dim that is a multiple of 16 from 16 to 256 (a tile padded to the next power of
     two, the padding channels masked).
     """
@@ -432,7 +436,7 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     prefill_config = None
     if num_tokens > MAX_DECODE_QUERY_LEN:
         prefill_kernel, prefill_config = _prefill_route(cache, prefill_pv, query.shape[1], prefill_kernel,
-                                                        _checks.value_checks_enabled())
+                                                        _checks.value_checks_enabled(cache.device))
     _decode.run_decode(decode_plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                  q_quant, q_scale, None)
     if prefill_config is not None:

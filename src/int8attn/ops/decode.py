@@ -428,8 +428,8 @@ class DecodeLaunch:
             given, else the query; ignored with ``quantize``); q_scale_strides: of
             ``q_scale`` (8-bit caches with a given ``q_quant``), else None;
         out_strides: (token, head) strides of ``out``; block_table_stride: its row stride;
-        max_blocks: the block table's width (read by the in-kernel clamps of
-        ``INT8ATTN_DECODE_SAFE=1``, see :func:`int8attn._checks.decode_clamps_enabled`).
+        max_blocks: the block table's width (read by the in-kernel clamps, on unless
+        ``INT8ATTN_DECODE_SAFE=0``, see :func:`int8attn._checks.decode_clamps_enabled`).
     """
 
     __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_part_acc", "_part_ml",

@@ -289,7 +289,8 @@ def prefill(query, cache, block_table, seq_lens, query_start_loc, *, kernel: str
         except (ValueError, AttributeError):
             pv_mode = None  # the launcher raises the clear error
         which = "portable" if pv_mode is None and kernel != "hopper" else \
-            choose(cache, query.shape[1], pv_mode, kernel, metadata_checked=_checks.value_checks_enabled())
+            choose(cache, query.shape[1], pv_mode, kernel,
+                   metadata_checked=_checks.value_checks_enabled(cache.device))
     if which == "hopper":
         return prefill_attention_hopper(query, cache, block_table, seq_lens, query_start_loc, config=config,
                                         **kwargs)

@@ -112,9 +112,9 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
     taken over the finite rows.
 
     Bad input raises ``TypeError`` / ``ValueError`` before the cache is touched. Value
-    checks (slots in range, no repeated slot) read the device back; they run unless
-    ``INT8ATTN_CHECK_VALUES=0`` or a CUDA-graph capture turns them off (see
-    :func:`int8attn._checks.value_checks_enabled`); without them the kernel still never
+    checks (slots in range, no repeated slot) read the device back; they run on CPU tensors
+    and, on a CUDA device, with ``INT8ATTN_CHECK_VALUES=1`` (never under CUDA-graph capture;
+    see :func:`int8attn._checks.value_checks_enabled`); without them the kernel still never
     writes outside the cache: a slot outside ``[-1, num_slots)`` is skipped and raises a
     device flag that :func:`int8attn.check_errors` (or the next checked call) reports,
     naming the token.
