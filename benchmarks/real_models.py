@@ -254,8 +254,7 @@ def main(argv=None) -> int:
         print(f"{name:16s} {path:10s} {m_all['ppl']:9.4f} {m_all['top1']:7.4f} {m_all['kl']:10.3e} | "
               f"{m_dec.get('top1', float('nan')):7.4f} {m_dec.get('kl', float('nan')):10.3e}  {secs:.0f}", flush=True)
         if not args.no_record:  # row by row: a long interpreter run keeps what it finished
-            path_saved = rec.save()
-            rec.rows.clear()
+            path_saved = rec.save()  # appends only the rows not saved yet
     if not args.no_record:
         print(f"# rows -> {path_saved}")
     return 0

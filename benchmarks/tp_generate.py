@@ -169,8 +169,7 @@ def modes(cuda):
 def save_rows(rec):
     """Append the rows so far (rank 0): a later hang or kill keeps them."""
     if rec.rows:
-        rec.save()
-        rec.rows.clear()
+        rec.save()  # appends only the rows not saved yet
 
 
 def main(argv=None):

@@ -24,6 +24,16 @@ def _row_stats_kernel(x_ptr, out_ptr, N: tl.constexpr):
     tl.store(out_ptr, tl.max(x, axis=0) + tl.sum(x, axis=0) + tl.cdiv(N, 4))
 
 
+@triton.jit
+def _strided_trip_count_kernel(out_ptr, n, STEP: tl.constexpr):
+    # range() over a runtime scalar calls tensor.__index__ in the interpreter (write_kv's loop
+    # over the KV heads): Triton 3.6's int() of a one-element 1-D array fails with NumPy 2.4
+    trips = 0
+    for _ in range(0, n, STEP):
+        trips += 1
+    tl.store(out_ptr, trips)
+
+
 def _namespace_state():
     return [(obj, dict(vars(obj))) for obj in _interpreter._namespaces()]
 
@@ -43,6 +53,40 @@ def test_install_is_idempotent_and_active():
     from triton.runtime import interpreter
 
     assert interpreter.GridExecutor.__call__._int8attn_restores_language
+    assert interpreter._patch_lang_tensor._int8attn_mends_index
+    assert not getattr(interpreter._patch_lang_tensor.__wrapped__, "_int8attn_mends_index", False)
+
+
+def test_patched_tensor_index_takes_a_one_element_array():
+    """The interpreter's tensor patch, as install() leaves it, gives an ``__index__`` that takes
+    a scalar as the interpreter holds it (Triton 3.6's own refuses it under NumPy 2.4); the
+    patch scope undoes it. Applied to a stand-in class: tl.tensor stays as it is."""
+    import types
+
+    import numpy as np
+    from triton.runtime import interpreter
+
+    class Stand:
+        pass
+
+    scope = interpreter._LangPatchScope()
+    interpreter._patch_lang_tensor(Stand, scope)
+    try:
+        scalar = types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array([7], dtype=np.int32)))
+        assert Stand.__index__(scalar) == 7
+    finally:
+        scope.restore()
+    assert not hasattr(Stand, "__index__")
+    assert _interpreter._index_refuses_scalars(lambda self: int(self.handle.data.squeeze())) is False
+    assert _interpreter._index_refuses_scalars(lambda self: -1) is True
+    assert _interpreter._index_refuses_scalars(_interpreter._squeezed_index) is False
+
+
+@needs_interpreter
+def test_range_over_a_runtime_scalar_runs_interpreted(device):
+    out = torch.full((1,), -1, dtype=torch.int32, device=device)
+    _strided_trip_count_kernel[(1,)](out, 10, STEP=3)
+    assert out.item() == 4
 
 
 def test_restore_undoes_changed_and_added_attributes():

@@ -16,6 +16,15 @@ the launch, to what it was before it: the process leaves each launch as it enter
 whatever the interpreter patched in between. It costs a shallow copy of some 25 namespace
 dictionaries per launch (tens of µs, against milliseconds per interpreted program) and
 changes nothing on a GPU, where no launch goes through the interpreter.
+
+It also mends one interpreter builtin of older Tritons: Triton 3.6 turns a kernel's scalar
+(every runtime integer argument is a one-element 1-D array in the interpreter) into a Python
+int with ``int(self.handle.data)``, which NumPy 2.4 refuses for an array of one dimension
+("only 0-dimensional arrays can be converted to Python scalars"). Any ``range(0, n, ...)``
+loop over a runtime ``n`` (``_write_kv_tokens``'s loop over the KV heads) then fails under
+the interpreter (seen with NumPy 2.4.6). Later interpreters (Triton 3.9 read; CI's 3.8 runs the
+kernels) squeeze the array first; :func:`install` gives older Tritons the same ``__index__``
+(see :func:`_mend_tensor_index`).
 """
 
 from __future__ import annotations
@@ -52,13 +61,58 @@ def restore(saved: list[tuple[object, dict]]) -> None:
                 setattr(obj, name, value)
 
 
+def _squeezed_index(self) -> int:
+    """``tensor.__index__`` of Triton 3.9's interpreter: the scalar's one-element array
+    squeezed to 0-D before ``int`` (NumPy 2.4 refuses ``int`` of a 1-D array)."""
+    return int(self.handle.data.squeeze())
+
+
+def _index_refuses_scalars(index) -> bool:
+    """True when the interpreter's ``tensor.__index__`` ``index`` fails on a scalar as the
+    interpreter holds it (a one-element 1-D array): Triton 3.6 with NumPy >= 2.4."""
+    import types
+
+    import numpy as np
+
+    scalar = types.SimpleNamespace(handle=types.SimpleNamespace(data=np.array([3], dtype=np.int32)))
+    try:
+        return index(scalar) != 3
+    except Exception:  # TypeError from NumPy; any failure counts as refusing
+        return True
+
+
+def _mend_tensor_index(interpreter) -> None:
+    """Wrap the interpreter's ``_patch_lang_tensor`` (idempotent) so that, where the
+    ``tensor.__index__`` it installs refuses the interpreter's own scalars, the patch scope
+    installs :func:`_squeezed_index` instead (undone with the rest of the scope). Tritons
+    whose ``__index__`` works (3.9; CI's 3.8) keep theirs untouched."""
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "_int8attn_mends_index", False):
+        return
+    broken: list[bool] = []  # probed once, at the first patch
+
+    @functools.wraps(patch)
+    def _patch_lang_tensor(tensor, scope, *args, **kwargs):
+        result = patch(tensor, scope, *args, **kwargs)
+        if not broken:
+            broken.append(_index_refuses_scalars(vars(tensor).get("__index__", _squeezed_index)))
+        if broken[0]:
+            scope.set_attr(tensor, "__index__", _squeezed_index)
+        return result
+
+    _patch_lang_tensor._int8attn_mends_index = True
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
 def install() -> bool:
-    """Wrap the interpreter's kernel launch with :func:`snapshot` / :func:`restore`
-    (idempotent). Returns False when this Triton has no interpreter launch to wrap."""
+    """Wrap the interpreter's kernel launch with :func:`snapshot` / :func:`restore` and mend
+    its ``tensor.__index__`` where it refuses scalars (:func:`_mend_tensor_index`); both
+    idempotent. Returns False when this Triton has no interpreter launch to wrap."""
     try:
         from triton.runtime import interpreter
     except ImportError:  # pragma: no cover - every supported Triton has one
         return False
+    _mend_tensor_index(interpreter)
     executor = getattr(interpreter, "GridExecutor", None)
     call = getattr(executor, "__call__", None)
     if call is None:  # pragma: no cover
