@@ -1,5 +1,6 @@
-"""What every benchmark script shares: device mode, a run with sections under a deadline,
-logging, JSON rows, the parallel precompile pool and the SASS summary of a compiled kernel.
+"""What every benchmark script shares: device mode, the command line, a run with sections
+under a deadline, logging, JSON rows, the parallel precompile pool, the SASS summary of a
+compiled kernel, per-kernel device times, optional peers and the closing summary.
 
 A script is setup + cases::
 
@@ -7,16 +8,19 @@ A script is setup + cases::
     SMOKE = "--smoke" in sys.argv
     INTERPRET = H.start(SMOKE)           # before anything imports the int8attn kernels
     ...
-    run = H.Run("decode", out_dir, deadline_s=200, interpret=INTERPRET)
-
     @H.section("grid")
     def grid(run): ...
 
-    grid(run, skip)                      # logged, timed, failures recorded, rows flushed
+    args = H.parser("decode", sections=SECTIONS, budget_s=200).parse_args()
+    run = H.Run("decode", args.out, deadline_s=args.budget_s, interpret=INTERPRET)
+    H.attempt(run, "setup", setup, run)  # logged, timed, a failure recorded, the run goes on
+    H.run_sections(run, SECTIONS, args.skip)
+    H.finish(run, "decode_summary.md", lambda: summary(run))
 
 Timing and recording primitives are :mod:`int8attn.bench` (shared with the gate); optional
-peer libraries are :mod:`_peers`. Nothing here asserts a timing. Under the interpreter
-(no GPU) a "time" is one call's wall clock: it only proves the code path runs.
+peer libraries are :mod:`_peers` (:func:`peer` runs one and records why it is missing).
+Nothing here asserts a timing. Under the interpreter (no GPU) a "time" is one call's wall
+clock: it only proves the code path runs.
 
 Nothing from int8attn is imported at module level: :func:`start` must run first, because
 Triton decides interpreter vs compiler when a kernel module is imported.
@@ -24,6 +28,7 @@ Triton decides interpreter vs compiler when a kernel module is imported.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import time
@@ -46,6 +51,43 @@ def start(smoke: bool) -> bool:
     return interpret
 
 
+# --------------------------------------------------------------------------- command line
+def parser(name: str, *, sections: Iterable = (), quick: bool = False, out_default: str | None = None,
+           out_help: str | None = None, smoke_help: str | None = None, budget_s: float = 200,
+           budget_env: str | None = None) -> argparse.ArgumentParser:
+    """The options every script takes, to which it adds its own: ``--out DIR``, ``--smoke``,
+    ``--budget-s`` (start no new section after this many seconds; its default is
+    ``budget_s``, or the environment variable ``budget_env`` where set), ``--quick`` where
+    ``quick``, and ``--skip a,b`` (parsed to a set of names) where the script has
+    ``sections`` (:func:`section` functions)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=out_default,
+                    help=out_help or f"directory for {name}.jsonl, the summary and the log")
+    ap.add_argument("--smoke", action="store_true",
+                    help=smoke_help or "toy sizes, every section and peer (CPU: interpreter)")
+    if quick:
+        ap.add_argument("--quick", action="store_true", help="fewer points (about half the time)")
+    default = float(os.environ.get(budget_env, budget_s)) if budget_env else budget_s
+    ap.add_argument("--budget-s", type=float, default=default,
+                    help="start no new section after this many seconds"
+                         + (f" (default: ${budget_env} or {budget_s:g})" if budget_env else ""))
+    names = [s.section for s in sections]
+
+    def skip_list(value: str) -> set:
+        # a misspelt name would silently run the section it meant to skip (device time)
+        chosen = set(filter(None, value.split(",")))
+        if chosen - set(names):
+            raise argparse.ArgumentTypeError(f"no section named {','.join(sorted(chosen - set(names)))} "
+                                             f"(sections: {','.join(names)})")
+        return chosen
+
+    if names:
+        ap.add_argument("--skip", default="", type=skip_list,
+                        help="comma list of sections to skip: " + ",".join(names))
+    return ap
+
+
+# --------------------------------------------------------------------------- run, sections
 class Run:
     """State of one benchmark run: JSON rows (``<out>/<name>.jsonl``, else
     ``benchmarks/results/<name>.jsonl``), the log (``<out>/<name>_log.txt``, written as it
@@ -65,6 +107,7 @@ class Run:
         self.device = "cpu" if interpret else "cuda"
         self.t0 = time.time()
         self.rows: list[dict] = []   # every row of this run, for the summary
+        self.unavailable: set[str] = set()   # peers found missing (see peer)
 
     @property
     def env(self) -> dict:
@@ -78,14 +121,14 @@ class Run:
             self._log.flush()
 
     def row(self, **fields) -> dict:
-        """Record one JSON row (environment added) and append it to the file at once."""
+        """Record one JSON row (environment added) and append it to the file at once
+        (:meth:`Recorder.save` appends the rows not saved yet)."""
         full = self.rec.add(**fields)
         self.rows.append(full)
         try:
             self.rec.save()
         except Exception as e:  # never lose the run over a write error
             self.log(f"row save failed: {e!r}")
-        self.rec.rows.clear()
         return full
 
     def elapsed(self) -> float:
@@ -122,27 +165,57 @@ class Run:
             (self.out_dir / filename).write_text(text)
 
 
+def attempt(run: Run, name: str, fn: Callable, *args, **kwargs):
+    """``fn(*args, **kwargs)`` as one section: timed and logged; a failure is logged and
+    recorded (a ``section_failed`` row), returns None, and the run goes on."""
+    t = time.time()
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        run.log(f"SECTION {name} FAILED: {e!r}")
+        traceback.print_exc()
+        run.row(kind="section_failed", section=name, error=repr(e)[:500])
+        return None
+    finally:
+        run.log(f"-- {name} done in {time.time() - t:.1f}s (total {run.elapsed():.1f}s)")
+
+
 def section(name: str):
-    """Decorator: ``fn(run)`` becomes ``fn(run, skip=())``, skipped when named in ``skip`` or
-    past the deadline, run under try/except (a failure is logged and recorded, the next
-    section runs) and timed."""
+    """Decorator: ``fn(run)`` becomes ``fn(run, skip=())``, skipped when ``name`` is in
+    ``skip`` or the deadline has passed (a ``skipped`` row), else run by :func:`attempt`."""
     def wrap(fn):
         @functools.wraps(fn)
         def run_section(run: Run, skip: Iterable[str] = ()):
             if name in skip or run.late(name):
                 return None
-            t = time.time()
-            try:
-                return fn(run)
-            except Exception as e:
-                run.log(f"SECTION {name} FAILED: {e!r}")
-                traceback.print_exc()
-                run.row(kind="section_failed", section=name, error=repr(e)[:500])
-            finally:
-                run.log(f"-- {name} done in {time.time() - t:.1f}s (total {run.elapsed():.1f}s)")
+            return attempt(run, name, fn, run)
         run_section.section = name
         return run_section
     return wrap
+
+
+def run_sections(run: Run, sections: Iterable, skip: Iterable[str] = ()) -> None:
+    """Every :func:`section` in order; a name in ``skip`` that is no section's is logged
+    (and skips nothing)."""
+    sections = list(sections)
+    unknown = set(skip) - {s.section for s in sections}
+    if unknown:
+        run.log(f"--skip: no section named {','.join(sorted(unknown))} "
+                f"(sections: {','.join(s.section for s in sections)})")
+    for sec in sections:
+        sec(run, skip)
+
+
+def finish(run: Run, filename: str, make: Callable[[], str]) -> None:
+    """The closing Markdown summary ``make()``: logged and written to ``<out>/<filename>``
+    (a failure is only logged: every row is already saved); then the run's total time."""
+    try:
+        text = make()
+        run.log("==== summary ====\n" + text)
+        run.write(filename, text)
+    except Exception as e:
+        run.log(f"summary failed: {e!r}")
+    run.log(f"total {run.elapsed():.1f}s")
 
 
 # --------------------------------------------------------------------------- precompile pool
@@ -176,6 +249,33 @@ def precompile(run: Run, worker: Callable, jobs: list, workers: int | None = Non
     except Exception as e:  # a broken pool costs only parallelism
         run.log(f"precompile pool failed {e!r} (kernels compile on first use)")
     run.log(f"precompiled {len(jobs)} variants with {workers} processes in {time.time() - t0:.1f}s")
+
+
+# --------------------------------------------------------------------------- kernels that ran
+def launched(kernel: str):
+    """The compiled kernel of the latest launch of ``kernel`` (:mod:`int8attn.launches`);
+    None before one and under the interpreter."""
+    from int8attn import launches
+
+    rec = launches.last(kernel)
+    return rec.compiled if rec is not None else None
+
+
+def kernel_times(fn: Callable[[], object], match: str, calls: int = 50, warmup: int = 5) -> dict[str, float]:
+    """Median device time (µs) of every CUDA kernel whose name contains ``match``, over
+    ``calls`` eager calls of ``fn`` after ``warmup`` (torch profiler); GPU only."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, list] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and match in ev.name:
+            per_kernel.setdefault(ev.name, []).append(ev.device_time)
+    return {k: sorted(v)[len(v) // 2] for k, v in per_kernel.items()}
 
 
 # --------------------------------------------------------------------------- SASS
@@ -213,6 +313,36 @@ def sass_summary(kernel, min_loop: int = 100) -> dict:
     return info
 
 
-def fmt(x, f: str = "{:.1f}") -> str:
-    """A number for a Markdown table; "–" when missing."""
-    return "–" if x is None else f.format(x)
+# --------------------------------------------------------------------------- peers
+def peer(run: Run, name: str, call: Callable[[], dict], label: str, *, fields: dict | None = None,
+         failed: dict | None = None, error_chars: int = 500) -> dict | None:
+    """One optional peer (:mod:`_peers`): ``call()``'s result, or None with the reason
+    recorded -- a ``peer_unavailable`` row (``reason``; ``name`` joins ``run.unavailable``)
+    when it is not installed or cannot run here, a ``peer_failed`` row (``error``, at most
+    ``error_chars``) when it raised. ``fields`` go into both rows, ``failed`` into the
+    failure row only; the caller records the result row."""
+    import _peers as P
+
+    try:
+        return call()
+    except P.Unavailable as e:
+        run.log(f"{label} {name}: {e}")
+        run.unavailable.add(name)
+        run.row(kind="peer_unavailable", peer=name, reason=str(e)[:300], **(fields or {}))
+    except Exception as e:
+        run.log(f"{label} {name} FAILED {e!r}"[:600])
+        run.row(kind="peer_failed", peer=name, error=repr(e)[:error_chars], **(fields or {}), **(failed or {}))
+    return None
+
+
+# --------------------------------------------------------------------------- summary
+def fmt(x, f: str = "{:.1f}", missing: str = "–") -> str:
+    """A number for a Markdown table; ``missing`` when None."""
+    return missing if x is None else f.format(x)
+
+
+def table(header: Iterable, rows: Iterable[Iterable]) -> list[str]:
+    """Markdown table lines: the header, its rule, one line per row (cells as str)."""
+    header = [str(h) for h in header]
+    return (["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])

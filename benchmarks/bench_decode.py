@@ -29,8 +29,10 @@ Rows go to ``--out DIR/decode.jsonl`` (else benchmarks/results/decode.jsonl) via
 int8attn.bench.Recorder, a markdown summary to ``DIR/decode_summary.md``, the log to
 ``DIR/decode_log.txt``. ``--smoke`` runs every section at toy sizes, every peer attempted:
 on the GPU as a first check of a run (well under a minute plus the peers' JIT), without one
-under the CPU interpreter (timings meaningless); ``--quick`` times fewer points.
-Sections, rows, logging, the compile pool and SASS summaries are benchmarks/_harness.py.
+under the CPU interpreter (timings meaningless); ``--quick`` times fewer points; ``--skip``
+names sections (``acc,tune,...``); ``--budget-s`` overrides ``BENCH_DEADLINE_S``. The
+command line, sections, rows, logging, the compile pool, SASS summaries, kernel profiles
+and peer attempts are benchmarks/_harness.py; this script is the setup and the cases.
 
     PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/bench_decode.py --smoke --out $OUT/smoke
     PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/bench_decode.py --out $OUT
@@ -38,11 +40,10 @@ Sections, rows, logging, the compile pool and SASS summaries are benchmarks/_har
 
 from __future__ import annotations
 
-import argparse
 import collections
+import functools
 import itertools
 import math
-import os
 import sys
 
 import torch
@@ -53,16 +54,10 @@ import _peers as P
 SMOKE = "--smoke" in sys.argv
 INTERPRET = H.start(SMOKE)   # before the kernels are imported
 
-from int8attn import bench, launches, reference, runtime, testing  # noqa: E402
+from int8attn import bench, reference, runtime, testing  # noqa: E402
 from int8attn.cache import PagedKVCache  # noqa: E402
 from int8attn.ops import decode as dec  # noqa: E402
 from int8attn.ops.producer import quantize_query  # noqa: E402
-
-
-def split_launch():
-    """The compiled split kernel of the latest decode launch (None before one / on CPU)."""
-    rec = launches.last("_decode_split_kernel")
-    return rec.compiled if rec is not None else None
 
 DEV = "cpu" if INTERPRET else "cuda"
 
@@ -149,7 +144,6 @@ if SMOKE:
     TUNE_CONFIGS = {kv: cfgs[:2] for kv, cfgs in TUNE_CONFIGS.items()}
     D128_INT8_CONFIGS, D128_FP8_CONFIGS = D128_INT8_CONFIGS[:1], D128_FP8_CONFIGS[:1]
 BS_MID = 2 if SMOKE else 16
-DEADLINE_S = float(os.environ.get("BENCH_DEADLINE_S", "200"))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -191,8 +185,8 @@ class Run(H.Run):
     """The harness run plus what the decode sections share: caches, copy bandwidth and
     the configs the tuning section chose."""
 
-    def __init__(self, out_dir):
-        super().__init__("decode", out_dir, deadline_s=DEADLINE_S, interpret=INTERPRET)
+    def __init__(self, out_dir, deadline_s: float):
+        super().__init__("decode", out_dir, deadline_s=deadline_s, interpret=INTERPRET)
         self.copy_bw = 1.0
         self.caches = {}
         self.caches_d128 = {}
@@ -202,11 +196,6 @@ class Run(H.Run):
 
     def config(self, kv):
         return self.best.get(kv)
-
-
-def timeit(r: Run, fn_cycle, graph: bool) -> float:
-    """Median µs per call. ``fn_cycle`` is a zero-arg callable that runs the next input set."""
-    return r.time(fn_cycle, graph, rep_ms=60, replays=30, repeats=9)
 
 
 def pct_copy(r: Run, row: dict) -> dict:
@@ -243,7 +232,7 @@ class Decode:
                         self.qq, self.qs, self.ws)
 
 
-# --------------------------------------------------------------------------- 1. parallel compile
+# --------------------------------------------------------------------------- compile worker, timed paths
 def _variant_key(kv, pv, shape, plan):
     c = plan.config
     return (kv, pv, shape["hq"], shape["hkv"], shape["d"], shape["page"], plan.tokens_per_pass, plan.block_m,
@@ -275,9 +264,9 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
         runner = Decode(cache, shape, bs, ctx, q_len, pv, cfg, num_splits, quantize_in_call)
         runner()
         r.sync()
-        res = {"graph_us": timeit(r, runner, True)}
+        res = {"graph_us": r.time(runner, True)}   # each call runs the next block table
         if not graph_only:
-            res["eager_us"] = timeit(r, runner, False)
+            res["eager_us"] = r.time(runner, False)
     except Exception as e:
         r.log(f"  {tag} {name} bs{bs} L{ctx} q{q_len} FAILED: {e!r}")
         r.row(kind="failed", tag=tag, path=name, bs=bs, context=ctx, q_len=q_len, error=repr(e)[:300])
@@ -288,7 +277,8 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
                q_heads=shape["hq"], kv_heads=shape["hkv"], head_dim=shape["d"], page=shape["page"],
                num_splits=p.num_splits, block_m=p.block_m, tokens_per_pass=p.tokens_per_pass,
                block_n=p.config.block_n, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
-               min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, maxnreg=p.config.maxnreg, bytes=nbytes, quantize_in_call=quantize_in_call,
+               min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, maxnreg=p.config.maxnreg, bytes=nbytes,
+               quantize_in_call=quantize_in_call,
                config_source="tuned" if cfg is not None and cfg == r.best.get(kv) else (
                    "default" if cfg is None else "explicit"), **res)
     pct_copy(r, row)
@@ -300,7 +290,6 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
         f"({row['graph_pct_copy']:5.1f}%)" + (f" eager {res['eager_us']:9.1f}us ({row['eager_pct_copy']:5.1f}%)"
                                                  if "eager_us" in res else ""))
     return row
-
 
 
 def time_sdpa(r: Run, shape, bs, ctx, tag="grid"):
@@ -320,32 +309,7 @@ def time_sdpa(r: Run, shape, bs, ctx, tag="grid"):
     return row
 
 
-@H.section("peers")
-def peers(r: Run) -> None:
-    """FlashInfer paged decode (fa2 tensor-core kernel) with BF16 and FP8 e4m3 K/V at the
-    headline grid points, eager (CUDA events, L2 flushed); first calls JIT-compile."""
-    for kv in ("bf16", "fp8"):
-        for bs in BATCHES:
-            for ctx in CONTEXTS[:1] if SMOKE else CONTEXTS:
-                if r.late(f"peers flashinfer {kv} bs{bs} L{ctx}"):
-                    return
-                try:
-                    res = P.flashinfer_decode(r, bs, ctx, HEADLINE["hq"], HEADLINE["hkv"], HEADLINE["d"],
-                                              HEADLINE["page"], kv_dtype=kv)
-                except P.Unavailable as e:
-                    r.log(f"peers: {e}")
-                    r.row(kind="peer_unavailable", peer="flashinfer", reason=str(e)[:300])
-                    return
-                except Exception as e:
-                    r.log(f"  flashinfer {kv} bs{bs} L{ctx} FAILED: {e!r}")
-                    r.row(kind="peer_failed", peer="flashinfer", kv_dtype=kv, bs=bs, context=ctx, error=repr(e)[:300])
-                    continue
-                row = pct_copy(r, dict(kind="peer", path=f"flashinfer_{kv}", q_len=1, **res))
-                r.row(**row)
-                r.log(f"peer   flashinfer_{kv:5s} bs{bs:3d} L{ctx:6d} eager {res['eager_us']:9.1f}us "
-                      f"({row['eager_pct_copy']:5.1f}%) rel_l2 {res['rel_l2']:.4f} ({res['peer_version']})")
-
-
+# --------------------------------------------------------------------------- setup, sections (run order: SECTIONS)
 def setup(r: Run) -> None:
     r.copy_bw = 1.0 if INTERPRET else bench.copy_bandwidth()
     sms = runtime.sm_count(torch.device(DEV))
@@ -419,8 +383,9 @@ def accuracy(r: Run) -> None:
                     r.log(f"acc {case:11s} {kv}/{mode:11s} splits {plan.num_splits:3d} rel_l2 {st['rel_l2']:.4f} "
                         f"max_abs {st['max_abs']:.4f} finite {st['finite']}"
                         + (f" | same-quant rel_l2 {row['vs_sameq_rel_l2']:.4f}" if refq is not None else ""))
-                    if not INTERPRET and case == "decode" and split_launch() is not None:
-                        s = H.sass_summary(split_launch())
+                    split = H.launched("_decode_split_kernel")
+                    if not INTERPRET and case == "decode" and split is not None:
+                        s = H.sass_summary(split)
                         r.row(kind="sass", kv_dtype=kv, pv_mode=mode, **s)
                         r.sass_rows.append(dict(kv_dtype=kv, pv_mode=mode, **s))
                         r.log(f"sass {kv}/{mode}: mma {s.get('mma')} loops {s.get('loop_instr')} regs {s['n_regs']} "
@@ -556,19 +521,8 @@ def kernel_profile(r: Run, kv: str, cfg, bs: int, ctx: int) -> None:
     """Where a call's time goes: device time of the split and merge kernels (torch
     profiler, median over 50 eager calls) next to the graph time of the whole call."""
     runner = Decode(r.caches[kv], HEADLINE, bs, ctx, 1, None, cfg)
-    for _ in range(5):
-        runner()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(50):
-            runner()
-        torch.cuda.synchronize()
-    per_kernel = collections.defaultdict(list)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and "_decode_" in ev.name:
-            per_kernel[ev.name].append(ev.device_time)
-    med = {k: sorted(v)[len(v) // 2] for k, v in per_kernel.items()}
-    graph_us = timeit(r, runner, True)
+    med = H.kernel_times(runner, "_decode_")
+    graph_us = r.time(runner, True)
     cfg = runner.plan.config
     row = dict(kind="kernel_profile", path=kv, bs=bs, context=ctx, num_splits=runner.plan.num_splits,
                block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, swap_ab=cfg.swap_ab,
@@ -624,6 +578,29 @@ def profiles(r: Run) -> None:
             kernel_profile(r, kv, None, bs, ctx)
 
 
+@H.section("peers")
+def peers(r: Run) -> None:
+    """FlashInfer paged decode (fa2 tensor-core kernel) with BF16 and FP8 e4m3 K/V at the
+    headline grid points, eager (CUDA events, L2 flushed); first calls JIT-compile."""
+    for kv in ("bf16", "fp8"):
+        for bs in BATCHES:
+            for ctx in CONTEXTS[:1] if SMOKE else CONTEXTS:
+                if r.late(f"peers flashinfer {kv} bs{bs} L{ctx}"):
+                    return
+                call = functools.partial(P.flashinfer_decode, r, bs, ctx, HEADLINE["hq"], HEADLINE["hkv"],
+                                         HEADLINE["d"], HEADLINE["page"], kv_dtype=kv)
+                res = H.peer(r, "flashinfer", call, f"peers {kv} bs{bs} L{ctx}",
+                             failed=dict(kv_dtype=kv, bs=bs, context=ctx), error_chars=300)
+                if "flashinfer" in r.unavailable:
+                    return
+                if res is None:
+                    continue
+                row = pct_copy(r, dict(kind="peer", path=f"flashinfer_{kv}", q_len=1, **res))
+                r.row(**row)
+                r.log(f"peer   flashinfer_{kv:5s} bs{bs:3d} L{ctx:6d} eager {res['eager_us']:9.1f}us "
+                      f"({row['eager_pct_copy']:5.1f}%) rel_l2 {res['rel_l2']:.4f} ({res['peer_version']})")
+
+
 # --------------------------------------------------------------------------- summary
 def summary(r: Run) -> str:
     """Markdown summary (also printed): headline, goals, tuning, batch sweep, mt, d128, accuracy."""
@@ -632,37 +609,34 @@ def summary(r: Run) -> str:
     for row in r.rows:
         if "path" in row and "bs" in row:
             by[(row["kind"], row["path"], row["bs"], row["context"], row.get("q_len", 1), row.get("head_dim"))] = row
-    md = [f"### Decode run: {env.get('gpu')}, torch {env.get('torch')}, Triton {env.get('triton')}, {env.get('date')}",
-          "", f"Copy bandwidth {r.copy_bw / 1e12:.3f} TB/s. Configs (block_n/warps/stages): "
-          + ", ".join(f"{kv} {c.block_n}/{c.num_warps}/{c.num_stages}" for kv, c in r.best.items())
-          + (" (tuned in this run)" if r.best else " (defaults)") + f". Total {r.elapsed():.0f}s.", "",
-          "| bs | L | int8 graph µs | % copy | eager % | int8 pv-bf16 µs | fp8 µs | our bf16 µs | SDPA bf16 µs "
-          "| int8/SDPA | int8/our bf16 | fp8/our bf16 |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ratio = lambda a, b: (a["graph_us"] / b["graph_us"]) if a and b else None  # noqa: E731
+    head = []
     for bs in BATCHES:
         for ctx in CONTEXTS:
             g = lambda p: by.get(("grid", p, bs, ctx, 1, 256))  # noqa: E731
             i8, pb, f8, b16, sd = g("int8"), g("int8_pvbf16"), g("fp8"), g("bf16"), g("sdpa_bf16")
-            if not i8:
-                continue
-            ratio = lambda a, b: (a["graph_us"] / b["graph_us"]) if a and b else None  # noqa: E731
-            md.append(f"| {bs} | {ctx} | {i8['graph_us']:.1f} | {i8['graph_pct_copy']:.1f} | "
-                      f"{H.fmt(i8.get('eager_pct_copy'))} | {H.fmt(pb and pb['graph_us'])} | {H.fmt(f8 and f8['graph_us'])} | "
-                      f"{H.fmt(b16 and b16['graph_us'])} | {H.fmt(sd and sd['graph_us'])} | "
-                      f"{H.fmt(ratio(sd, i8), '{:.2f}x')} | {H.fmt(ratio(b16, i8), '{:.2f}x')} | "
-                      f"{H.fmt(ratio(b16, f8), '{:.2f}x')} |")
-    # goals
+            if i8:
+                head.append([bs, ctx, f"{i8['graph_us']:.1f}", f"{i8['graph_pct_copy']:.1f}",
+                             H.fmt(i8.get("eager_pct_copy")), H.fmt(pb and pb["graph_us"]), H.fmt(f8 and f8["graph_us"]),
+                             H.fmt(b16 and b16["graph_us"]), H.fmt(sd and sd["graph_us"]),
+                             H.fmt(ratio(sd, i8), "{:.2f}x"), H.fmt(ratio(b16, i8), "{:.2f}x"),
+                             H.fmt(ratio(b16, f8), "{:.2f}x")])
+    md = [f"### Decode run: {env.get('gpu')}, torch {env.get('torch')}, Triton {env.get('triton')}, {env.get('date')}",
+          "", f"Copy bandwidth {r.copy_bw / 1e12:.3f} TB/s. Configs (block_n/warps/stages): "
+          + ", ".join(f"{kv} {c.block_n}/{c.num_warps}/{c.num_stages}" for kv, c in r.best.items())
+          + (" (tuned in this run)" if r.best else " (defaults)") + f". Total {r.elapsed():.0f}s.", "",
+          *H.table(["bs", "L", "int8 graph µs", "% copy", "eager %", "int8 pv-bf16 µs", "fp8 µs", "our bf16 µs",
+                    "SDPA bf16 µs", "int8/SDPA", "int8/our bf16", "fp8/our bf16"], head)]
+
     def pct(bs, ctx, mode="graph"):
         row = by.get(("grid", "int8", bs, ctx, 1, 256))
         return row and row.get(f"{mode}_pct_copy")
 
     def vs(path, ref, bs, ctx):
-        a, b = by.get(("grid", path, bs, ctx, 1, 256)), by.get(("grid", ref, bs, ctx, 1, 256))
-        return (b["graph_us"] / a["graph_us"]) if a and b else None
+        return ratio(by.get(("grid", ref, bs, ctx, 1, 256)), by.get(("grid", path, bs, ctx, 1, 256)))
 
     big = BATCHES[1] if len(BATCHES) > 1 else BATCHES[0]
-    fp8_ratios = [vs("fp8", "bf16", big, c) for c in CONTEXTS if c >= L8K]
-    fp8_ratios = [x for x in fp8_ratios if x is not None]
+    fp8_ratios = [x for x in (vs("fp8", "bf16", big, c) for c in CONTEXTS if c >= L8K) if x is not None]
     acc = next((a for a in r.acc_rows if a["case"] == "decode" and a["kv_dtype"] == "int8" and a["pv_mode"] == "int8"),
                None)
     goals = [
@@ -675,105 +649,82 @@ def summary(r: Run) -> str:
          lambda x: x >= 1.8),
         ("default INT8 rel-L2 vs float64 (decode)", "<= 0.02", acc and acc["vs_f64_rel_l2"], lambda x: x <= 0.02),
     ]
-    md += ["", "| goal | target | measured | status |", "|---|---|---|---|"]
-    for name, target, val, ok in goals:
-        md.append(f"| {name} | {target} | {H.fmt(val, '{:.3f}' if val is not None and val < 1 else '{:.2f}')} | "
-                  f"{'–' if val is None else ('met' if ok(val) else 'missed')} |")
+    md += ["", *H.table(["goal", "target", "measured", "status"],
+                        [[name, target, H.fmt(val, "{:.3f}" if val is not None and val < 1 else "{:.2f}"),
+                          "–" if val is None else ("met" if ok(val) else "missed")] for name, target, val, ok in goals])]
     tune_rows = [x for x in r.rows if x["kind"] == "tune"]
     if tune_rows:
-        md += ["", "Tuning (graph µs, planner's splits):", "", "| kv | block_n/warps/stages | "
-               + " | ".join(f"bs{b} L{c}" for b, c in TUNE_SHAPES) + " |", "|---|---|" + "---|" * len(TUNE_SHAPES)]
         def key(x):
             return (x["kv_dtype"], x["block_n"], x["num_warps"], x["num_stages"], x["min_block_m"],
                     bool(x.get("swap_ab")), x.get("maxnreg"))
+        lines = []
         for k in sorted({key(x) for x in tune_rows}):
             cells = []
             for b, c in TUNE_SHAPES:
                 t = next((x for x in tune_rows if key(x) == k and (x["bs"], x["context"]) == (b, c)), None)
                 cells.append(f"{t['graph_us']:.1f} ({t['graph_pct_copy']:.0f}%, S{t['num_splits']})" if t else "–")
             mark = " **chosen**" if r.best.get(k[0]) == dec.DecodeConfig(*k[1:]) else ""
-            md.append(f"| {k[0]} | {cfg_label(k[1:])}{mark} | " + " | ".join(cells) + " |")
+            lines.append([k[0], cfg_label(k[1:]) + mark, *cells])
+        md += ["", "Tuning (graph µs, planner's splits):", "",
+               *H.table(["kv", "block_n/warps/stages", *(f"bs{b} L{c}" for b, c in TUNE_SHAPES)], lines)]
     sweep = [x for x in r.rows if x["kind"] == "batch"]
     if sweep:
+        def cell(kv, b):
+            t = next((x for x in sweep if x["kv_dtype"] == kv and x["bs"] == b), None)
+            return f"{t['graph_us']:.0f} ({t['graph_us'] / b:.1f})" if t else "–"
         md += ["", f"Batch sweep, L {L8K}, graph µs per call (µs per sequence):", "",
-               "| bs | " + " | ".join(str(b) for b in SWEEP_BATCHES) + " |", "|---|" + "---|" * len(SWEEP_BATCHES)]
-        for kv in ("int8", "bf16"):
-            cells = []
-            for b in SWEEP_BATCHES:
-                t = next((x for x in sweep if x["kv_dtype"] == kv and x["bs"] == b), None)
-                cells.append(f"{t['graph_us']:.0f} ({t['graph_us'] / b:.1f})" if t else "–")
-            md.append(f"| {kv} | " + " | ".join(cells) + " |")
-    mt = [x for x in r.rows if x["kind"] == "mt"]
-    if mt:
-        md += ["", "Multi-token (graph µs, default configs):", "", "| kv | bs | L | q1 | q2 | q4 |",
-               "|---|---|---|---|---|---|"]
-        for kv in ("int8", "bf16"):
-            for b, c in MT_POINTS:
-                cells = [H.fmt((by.get(("mt", kv, b, c, q, 256)) or {}).get("graph_us")) for q in (1,) + MT_QLENS]
-                md.append(f"| {kv} | {b} | {c} | " + " | ".join(cells) + " |")
-    d = [x for x in r.rows if x["kind"] == "d128"]
-    if d:
-        md += ["", "32q/8kv D128 (graph µs, % copy):", "", "| bs | L | int8 | bf16 | SDPA bf16 | int8/SDPA |",
-               "|---|---|---|---|---|---|"]
+               *H.table(["bs", *SWEEP_BATCHES], [[kv, *(cell(kv, b) for b in SWEEP_BATCHES)] for kv in ("int8", "bf16")])]
+    if any(x["kind"] == "mt" for x in r.rows):
+        md += ["", "Multi-token (graph µs, default configs):", "",
+               *H.table(["kv", "bs", "L", "q1", "q2", "q4"],
+                        [[kv, b, c, *(H.fmt((by.get(("mt", kv, b, c, q, 256)) or {}).get("graph_us"))
+                                      for q in (1,) + MT_QLENS)] for kv in ("int8", "bf16") for b, c in MT_POINTS])]
+    if any(x["kind"] == "d128" for x in r.rows):
+        lines = []
         for b, c in D128_POINTS:
             g = lambda p: by.get(("d128", p, b, c, 1, 128))  # noqa: E731
             i8, b16, sd = g("int8"), g("bf16"), g("sdpa_bf16")
-            md.append(f"| {b} | {c} | {H.fmt(i8 and i8['graph_us'])} ({H.fmt(i8 and i8['graph_pct_copy'])}%) | "
-                      f"{H.fmt(b16 and b16['graph_us'])} | {H.fmt(sd and sd['graph_us'])} | "
-                      f"{H.fmt(sd['graph_us'] / i8['graph_us'] if i8 and sd else None, '{:.2f}x')} |")
+            lines.append([b, c, f"{H.fmt(i8 and i8['graph_us'])} ({H.fmt(i8 and i8['graph_pct_copy'])}%)",
+                          H.fmt(b16 and b16["graph_us"]), H.fmt(sd and sd["graph_us"]),
+                          H.fmt(sd["graph_us"] / i8["graph_us"] if i8 and sd else None, "{:.2f}x")])
+        md += ["", "32q/8kv D128 (graph µs, % copy):", "",
+               *H.table(["bs", "L", "int8", "bf16", "SDPA bf16", "int8/SDPA"], lines)]
     small = [x for x in r.rows if x["kind"] == "small"]
     if small:
         splits = sorted({x["num_splits"] for x in small})
+
+        def cell(label, n):
+            t = next((x for x in small if x["config"] == label and x["num_splits"] == n), None)
+            return (f"{t['graph_us']:.1f} ({t['graph_pct_copy']:.0f}%)"
+                    + ("*" if t["num_splits"] == t["auto_splits"] else "")) if t else "–"
         md += ["", f"Batch 1, L {TUNE_SHAPES[1][1]}, int8: graph µs (% copy) per config and split count "
-               "(* = the planner's):", "", "| config | " + " | ".join(f"S{n}" for n in splits) + " |",
-               "|---|" + "---|" * len(splits)]
-        for label in dict.fromkeys(x["config"] for x in small):
-            cells = []
-            for n in splits:
-                t = next((x for x in small if x["config"] == label and x["num_splits"] == n), None)
-                cells.append(f"{t['graph_us']:.1f} ({t['graph_pct_copy']:.0f}%)"
-                             + ("*" if t["num_splits"] == t["auto_splits"] else "") if t else "–")
-            md.append(f"| {label} | " + " | ".join(cells) + " |")
+               "(* = the planner's):", "",
+               *H.table(["config", *(f"S{n}" for n in splits)],
+                        [[label, *(cell(label, n) for n in splits)] for label in dict.fromkeys(x["config"] for x in small)])]
     if r.acc_rows:
-        md += ["", "Accuracy vs float64 (outlier keys):", "", "| case | kv/pv | rel-L2 | vs same-q | max abs | finite |",
-               "|---|---|---|---|---|---|"]
-        for a in r.acc_rows:
-            md.append(f"| {a['case']} | {a['kv_dtype']}/{a['pv_mode']} | {a['vs_f64_rel_l2']:.4f} | "
-                      f"{H.fmt(a.get('vs_sameq_rel_l2'), '{:.4f}')} | {a['vs_f64_max_abs']:.4f} | {a['vs_f64_finite']} |")
+        md += ["", "Accuracy vs float64 (outlier keys):", "",
+               *H.table(["case", "kv/pv", "rel-L2", "vs same-q", "max abs", "finite"],
+                        [[a["case"], f"{a['kv_dtype']}/{a['pv_mode']}", f"{a['vs_f64_rel_l2']:.4f}",
+                          H.fmt(a.get("vs_sameq_rel_l2"), "{:.4f}"), f"{a['vs_f64_max_abs']:.4f}", a["vs_f64_finite"]]
+                         for a in r.acc_rows])]
     if r.sass_rows:
         md += ["", "SASS of the kernels that ran (default configs; loop instr = per warp per tile, single-pass "
-               "loop first):", "", "| kv/pv | MMA | loop instr | regs | spills | smem |", "|---|---|---|---|---|---|"]
-        for s in r.sass_rows:
-            md.append(f"| {s['kv_dtype']}/{s['pv_mode']} | {s['mma']} | {s.get('loop_instr')} | {s['n_regs']} | "
-                      f"{s['n_spills']} | {s['shared_bytes']} |")
+               "loop first):", "",
+               *H.table(["kv/pv", "MMA", "loop instr", "regs", "spills", "smem"],
+                        [[f"{s['kv_dtype']}/{s['pv_mode']}", s["mma"], s.get("loop_instr"), s["n_regs"], s["n_spills"],
+                          s["shared_bytes"]] for s in r.sass_rows])]
     return "\n".join(md) + "\n"
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None, help="directory for decode.jsonl, decode_summary.md and the log "
-                                                "(default: rows to benchmarks/results/decode.jsonl, no summary file)")
-    ap.add_argument("--smoke", action="store_true", help="toy sizes, every section and peer (CPU: interpreter)")
-    ap.add_argument("--quick", action="store_true", help="fewer points (about half the time)")
-    ap.add_argument("--skip", default="", help="comma list of sections to skip: " + ",".join(s.section for s in SECTIONS))
-    args = ap.parse_args()
-    skip = set(filter(None, args.skip.split(",")))
-    r = Run(args.out)
+    args = H.parser("decode", sections=SECTIONS, quick=True, budget_s=200, budget_env="BENCH_DEADLINE_S",
+                    out_help="directory for decode.jsonl, decode_summary.md and the log "
+                             "(default: rows to benchmarks/results/decode.jsonl, no summary file)").parse_args()
+    r = Run(args.out, args.budget_s)
     torch.manual_seed(0)
-    try:
-        setup(r)
-    except Exception as e:
-        r.log(f"SETUP FAILED: {e!r}")
-        r.row(kind="section_failed", section="setup", error=repr(e)[:500])
-    for sec in SECTIONS:
-        sec(r, skip)
-    try:
-        md = summary(r)
-        r.log("\n" + md)
-        r.write("decode_summary.md", md)
-    except Exception as e:
-        r.log(f"summary failed: {e!r}")
-    r.log(f"total {r.elapsed():.1f}s")
+    H.attempt(r, "setup", setup, r)
+    H.run_sections(r, SECTIONS, args.skip)
+    H.finish(r, "decode_summary.md", lambda: summary(r))
 
 
 SECTIONS = (accuracy, tune, grid, small_batch, occupancy, profiles, batch_sweep, multi_token, d128, split_sweep, peers)

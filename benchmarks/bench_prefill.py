@@ -41,19 +41,19 @@ case (no best-of-sweep pruning) and skips the mixed batch: a short side-by-side 
 ``<out>/prefill_summary.md`` (copy both to ``benchmarks/results/``); the table is printed at
 the end. ``--smoke`` runs a tiny version of every section with every peer attempted: on the
 GPU (library defaults, chunk 256) as a first check, without one under the CPU interpreter
-(timings meaningless). Sections, rows, logging, the compile pool and SASS summaries are
-benchmarks/_harness.py.
+(timings meaningless). The command line, sections, rows, logging, the compile pool, SASS
+summaries and peer attempts are benchmarks/_harness.py; this script is the setup and the
+cases.
 
 Usage: ``PYTHONUNBUFFERED=1 PYTHONPATH=src python3 benchmarks/bench_prefill.py [--smoke] --out DIR``
 """
 
 from __future__ import annotations
 
-import argparse
+import functools
 import json
 import re
 import sys
-import time
 
 import torch
 
@@ -278,7 +278,6 @@ def run_case(r, args, shape_name, prefix, do_sweep, variants, best, chunk):
     """Check and time the case's variants and SDPA; returns the summary rows."""
     from int8attn import reference
     from int8attn.reference import gather_kv
-    from int8attn import launches
 
     hq, hkv, d = SHAPES[shape_name]
     dev = r.device
@@ -311,7 +310,7 @@ def run_case(r, args, shape_name, prefix, do_sweep, variants, best, chunk):
                 acc = {"e2e": reference.error_stats(got, ref_e2e),
                        "vs_dequant_cache": reference.error_stats(got, ref_deq),
                        "vs_quantized_query": reference.error_stats(got, ref_q)}
-                sass = {} if INTERPRET else H.sass_summary(launches.last("_prefill_kernel").compiled)
+                sass = {} if INTERPRET else H.sass_summary(H.launched("_prefill_kernel"))
                 us = r.time(fn, rep_ms=args.rep_ms)
                 tflops = flops / (us * 1e-6) / 1e12
                 ok = all_written and acc["e2e"]["rel_l2"] <= 0.05
@@ -396,7 +395,6 @@ def mixed_batch_check(r, warm_only=False):
     row: no plan, a plan read from the batch, a plan from host bounds only (no read), and
     the planned run captured in a CUDA graph and replayed."""
     from int8attn import reference, testing
-    from int8attn.bench import time_graph
     from int8attn.ops.attention import attention, plan_attention
     from int8attn.ops.decode import MAX_DECODE_QUERY_LEN
 
@@ -444,8 +442,8 @@ def mixed_batch_check(r, warm_only=False):
         row["eager_plan_us"] = r.time(lambda: attention(*args, out=out_plan, plan=plan))
         try:
             out_graph = testing.poisoned_like(out)
-            row["graph_plan_us"] = time_graph(lambda: attention(*args, out=out_graph, plan=bound_plan),
-                                              replays=5, repeats=5)
+            row["graph_plan_us"] = r.time(lambda: attention(*args, out=out_graph, plan=bound_plan), True,
+                                          replays=5, repeats=5)
             row["graph_all_written"] = bool(torch.isfinite(out_graph).all())
             row["graph_equals_eager"] = bool(torch.equal(out_graph, out_bound))
             row["graph_rel_l2"] = reference.error_stats(out_graph, ref)["rel_l2"]
@@ -590,15 +588,8 @@ def testing_batch(seq_lens, q_lens, shape, kv):
 # --------------------------------------------------------------------------- peers
 def run_peer(r, peer, call, flops, case, label):
     """One peer timing: its row (version, time, TFLOP/s, rel-L2 vs float32) or why it is missing."""
-    try:
-        res = call()
-    except P.Unavailable as e:
-        r.log(f"{label} {peer}: {e}")
-        r.row(kind="peer_unavailable", peer=peer, reason=str(e)[:300], **case)
-        return None
-    except Exception as e:
-        r.log(f"{label} {peer} FAILED {e!r}"[:600])
-        r.row(kind="peer_failed", peer=peer, error=repr(e)[:500], **case)
+    res = H.peer(r, peer, call, label, fields=case)
+    if res is None:
         return None
     res["effective_tflops"] = flops / res["eager_us"] / 1e6
     r.row(kind="peer", **{**case, **res})
@@ -620,49 +611,47 @@ def peers(r, cases, chunk):
         case = {"shape": shape_name, "num_q_heads": hq, "num_kv_heads": hkv, "head_dim": d, "q_len": chunk,
                 "prefix": prefix, "block_size": BLOCK_SIZE}
         flops = unmasked_flops(hq, d, chunk, prefix)
-        calls = {"flashinfer": lambda: P.flashinfer_prefill(r, raw.query, raw.key, raw.value, [L], [chunk]),
-                 "fa4": lambda: P.fa4_prefill(r, raw.query[None], raw.key[None], raw.value[None])}
+        calls = {"flashinfer": functools.partial(P.flashinfer_prefill, r, raw.query, raw.key, raw.value, [L], [chunk]),
+                 "fa4": functools.partial(P.fa4_prefill, r, raw.query[None], raw.key[None], raw.value[None])}
         for peer, call in calls.items():
             res = run_peer(r, peer, call, flops, case, f"{shape_name} prefix={prefix:5d}")
             if res:
                 out.setdefault((shape_name, prefix), {})[peer] = res["eager_us"]
-        del raw
+        del raw, calls
     return out
 
 
 # --------------------------------------------------------------------------- summary
-def write_summary(r, summary, mixed, batch, peer_times):
-    fmt = lambda x, f: (f.format(x) if x is not None else "-")  # noqa: E731
-    lines = ["| shape | prefix | cache | PV | best variant | ms | TFLOP/s | default ms | vs own BF16 | vs SDPA BF16 "
-             "| SDPA ms (backend) | FA4 ms | FlashInfer fa3 ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def summary_text(summary, mixed, batch, peer_times) -> str:
+    """Markdown: best variant per case and family against SDPA and the peers; the causal
+    batch; the mixed batch."""
+    ms = lambda us: us and us / 1e3  # noqa: E731
+    lines = []
     for s in summary:
         pt = peer_times.get((s["shape"], s["prefix"]), {})
-        lines.append(f"| {s['shape']} | {s['prefix']} | {s['kv_dtype']} | {s['pv_mode']} | {s['best_variant']} "
-                     f"| {s['time_us'] / 1e3:.3f} | {s['effective_tflops']:.0f} "
-                     f"| {fmt(s['library_default_time_us'] and s['library_default_time_us'] / 1e3, '{:.3f}')} "
-                     f"| {fmt(s['ratio_vs_own_bf16_cache'], '{:.2f}')} | {fmt(s['ratio_vs_sdpa_bf16'], '{:.2f}')} "
-                     f"| {fmt(s['sdpa_time_us'] and s['sdpa_time_us'] / 1e3, '{:.3f}')} ({s['sdpa_best']}) "
-                     f"| {fmt(pt.get('fa4') and pt['fa4'] / 1e3, '{:.3f}')} "
-                     f"| {fmt(pt.get('flashinfer') and pt['flashinfer'] / 1e3, '{:.3f}')} |")
+        lines.append([s["shape"], s["prefix"], s["kv_dtype"], s["pv_mode"], s["best_variant"], f"{s['time_us'] / 1e3:.3f}",
+                      f"{s['effective_tflops']:.0f}", H.fmt(ms(s["library_default_time_us"]), "{:.3f}", "-"),
+                      H.fmt(s["ratio_vs_own_bf16_cache"], "{:.2f}", "-"), H.fmt(s["ratio_vs_sdpa_bf16"], "{:.2f}", "-"),
+                      f"{H.fmt(ms(s['sdpa_time_us']), '{:.3f}', '-')} ({s['sdpa_best']})",
+                      H.fmt(ms(pt.get("fa4")), "{:.3f}", "-"), H.fmt(ms(pt.get("flashinfer")), "{:.3f}", "-")])
+    md = H.table(["shape", "prefix", "cache", "PV", "best variant", "ms", "TFLOP/s", "default ms", "vs own BF16",
+                  "vs SDPA BF16", "SDPA ms (backend)", "FA4 ms", "FlashInfer fa3 ms"], lines)
     if batch:
-        lines += ["", f"Causal batch {batch['num_seqs']} x {batch['q_len']} ({batch['shape']}), ms: "
-                  + ", ".join(f"{k[:-3]} {v / 1e3:.3f}" for k, v in batch.items() if k.endswith("_us"))]
+        md += ["", f"Causal batch {batch['num_seqs']} x {batch['q_len']} ({batch['shape']}), ms: "
+               + ", ".join(f"{k[:-3]} {v / 1e3:.3f}" for k, v in batch.items() if k.endswith("_us"))]
     if mixed:
-        lines += ["", "Mixed batch (attention(), int8 cache): "
-                  + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in mixed.items()
-                              if k not in ("kind",))]
-    text = "\n".join(lines) + "\n"
-    r.write("prefill_summary.md", text)
-    r.log("==== summary ====\n" + text)
+        md += ["", "Mixed batch (attention(), int8 cache): "
+               + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in mixed.items()
+                           if k not in ("kind",))]
+    return "\n".join(md) + "\n"
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--smoke", action="store_true", help="tiny version of every section and peer (CPU: interpreter)")
+    ap = H.parser("prefill", out_default="benchmarks/results", budget_s=150,
+                  out_help="directory for prefill.jsonl, prefill_summary.md and the log (default: benchmarks/results)",
+                  smoke_help="tiny version of every section and peer (CPU: interpreter)")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--rep-ms", type=float, default=30)
-    ap.add_argument("--budget-s", type=float, default=150, help="start no new section after this many seconds")
     ap.add_argument("--cases", default="", help="subset of case indices into CASES, e.g. 0,2")
     ap.add_argument("--extras", action="store_true", help="also time quantize_query and the fused producer")
     ap.add_argument("--only", default="", help="regex: keep only matching variants (+ defaults), in every case")
@@ -676,6 +665,7 @@ def main():
         SHAPES["smoke"] = (4, 2, 64)
     elif SMOKE:
         cases = [("32q8kv_d128", 512, True), ("24q4kv_d256", 0, False)]
+
     def variants_of(name):
         d = SHAPES[name][2]
         vs = smoke_sweep(d) if INTERPRET else _mark_defaults([], d) if SMOKE else sweep(d)
@@ -687,63 +677,32 @@ def main():
     batch_variants = [v for v in variants.get(batch_shape) or variants_of(batch_shape) if v["default"]]
     r.log("env", json.dumps(r.env))
 
-    # ---- 1. parallel compile
+    # every kernel variant of the run compiled in parallel worker processes
     jobs = ([] if args.only else [(None, "mixed")]) + [(SHAPES[name], v) for name in variants for v in variants[name]]
     if run_batch and batch_shape not in variants:
         jobs += [(SHAPES[batch_shape], v) for v in batch_variants]
     H.precompile(r, _warm_worker, jobs, workers=args.workers)
 
-    # ---- 2./3. cases; the mixed batch right after the headline
+    # the cases, the mixed batch right after the headline case
     summary, mixed, batch, best = [], None, None, {}
     for i, (shape_name, prefix, do_sweep) in enumerate(cases):
-        if r.late(f"case {shape_name} prefix {prefix}"):
+        name = f"case {shape_name} prefix {prefix}"
+        if r.late(name):
             continue
-        try:
-            t = time.time()
-            summary += run_case(r, args, shape_name, prefix, do_sweep or bool(args.only), variants[shape_name],
-                                best.setdefault(shape_name, {}), chunk)
-            r.log(f"case {shape_name} prefix {prefix}: {time.time() - t:.1f}s")
-        except Exception as e:
-            r.log(f"case {shape_name} prefix {prefix} failed {e!r}"[:600])
-            r.row(kind="section_failed", section=f"case {shape_name} prefix {prefix}", error=repr(e)[:500])
+        summary += H.attempt(r, name, run_case, r, args, shape_name, prefix, do_sweep or bool(args.only),
+                             variants[shape_name], best.setdefault(shape_name, {}), chunk) or []
         if not INTERPRET:
             torch.cuda.empty_cache()
         if i == 0 and not args.only and not r.late("mixed batch"):
-            try:
-                t = time.time()
-                mixed = mixed_batch_check(r)
-                r.log(f"mixed batch: {time.time() - t:.1f}s")
-            except Exception as e:
-                r.log(f"mixed batch check failed {e!r}"[:600])
-                r.row(kind="section_failed", section="mixed batch", error=repr(e)[:500])
+            mixed = H.attempt(r, "mixed batch", mixed_batch_check, r)
 
-    # ---- 4. the causal batch; 5. peers (after our rows: their JIT never costs ours)
+    # the causal batch, then the peers (after our rows: their JIT never costs ours), the extras
     if run_batch and not r.late("causal batch"):
-        try:
-            batch = causal_batch(r, args, batch_variants, chunk)
-        except Exception as e:
-            r.log(f"causal batch failed {e!r}"[:600])
-            r.row(kind="section_failed", section="causal batch", error=repr(e)[:500])
-    peer_times = {}
-    if not args.no_peers:
-        try:
-            peer_times = peers(r, cases, chunk)
-        except Exception as e:
-            r.log(f"peers failed {e!r}"[:600])
-            r.row(kind="section_failed", section="peers", error=repr(e)[:500])
-
-    # ---- 6. extras
+        batch = H.attempt(r, "causal batch", causal_batch, r, args, batch_variants, chunk)
+    peer_times = {} if args.no_peers else H.attempt(r, "peers", peers, r, cases, chunk) or {}
     if args.extras and not INTERPRET and not r.late("extras"):
-        try:
-            extras(r)
-        except Exception as e:
-            r.log(f"extras failed {e!r}"[:400])
-
-    try:
-        write_summary(r, summary, mixed, batch, peer_times)
-    except Exception as e:
-        r.log(f"summary failed {e!r}")
-    r.log(f"total {r.elapsed():.0f}s")
+        H.attempt(r, "extras", extras, r)
+    H.finish(r, "prefill_summary.md", lambda: summary_text(summary, mixed, batch, peer_times))
 
 
 if __name__ == "__main__":
