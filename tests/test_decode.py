@@ -359,6 +359,64 @@ def test_8bit_pv_needs_32_key_tiles(small_batch):
     assert plan_decode(*shapes, pv_mode="bf16", config=tile16).config.block_n == 16
 
 
+def test_unplanned_calls_reuse_their_launch(device):
+    """Unplanned calls of one geometry share one launch (and its workspace); new data in the
+    same tensors, or in new tensors of the same layout, gives what a fresh launch gives; a
+    new geometry gets its own launch."""
+    import int8attn.ops.decode as dec
+
+    b = testing.make_paged_batch([37, 97, 20], [1, 3, 2], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                 kv_dtype="int8", seed=51, device=device)
+    args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    dec._LAUNCHES.clear()
+    first = decode_attention(*args, num_splits=3)
+    assert len(dec._LAUNCHES) == 1
+    launch = next(iter(dec._LAUNCHES.values()))
+    again = decode_attention(*args, num_splits=3)
+    assert torch.equal(first, again) and next(iter(dec._LAUNCHES.values())) is launch
+    # other data, same layout: shorter sequences and a fresh query through the same launch
+    lens2 = b.seq_lens - torch.tensor([5, 0, 3], dtype=torch.int32, device=device)
+    q2 = torch.randn(b.query.shape, generator=torch.Generator().manual_seed(3)).to(b.query)
+    reused = decode_attention(q2, b.cache, b.block_table, lens2, b.query_start_loc, num_splits=3)
+    assert len(dec._LAUNCHES) == 1
+    dec._LAUNCHES.clear()
+    fresh = decode_attention(q2, b.cache, b.block_table, lens2, b.query_start_loc, num_splits=3)
+    assert torch.equal(reused, fresh)
+    decode_attention(*args, num_splits=2)
+    decode_attention(b.query[:4], b.cache, b.block_table[:2], b.seq_lens[:2], b.query_start_loc[:3],
+                     num_splits=3)
+    assert len(dec._LAUNCHES) == 3
+    # a caller's workspace is the caller's: no shared launch is made for it
+    decode_attention(*args, num_splits=3, workspace=DecodeWorkspace(b.query.shape[0], 4, 64, max_splits=3,
+                                                                    device=device))
+    assert len(dec._LAUNCHES) == 3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_unplanned_launches_are_per_stream_and_never_made_under_capture():
+    import int8attn.ops.decode as dec
+
+    b = testing.make_paged_batch([300, 1000], [1, 1], num_q_heads=24, num_kv_heads=4, head_dim=256,
+                                 kv_dtype="int8", seed=53, device="cuda")
+    args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    dec._LAUNCHES.clear()
+    want = decode_attention(*args)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        got = decode_attention(*args)
+    torch.cuda.synchronize()
+    assert len(dec._LAUNCHES) == 2 and torch.equal(got, want)
+    out = torch.empty_like(b.query)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(*args, out=out)
+    assert len(dec._LAUNCHES) == 2
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_capture_and_replay():
     batch = testing.make_paged_batch([300, 1000, 77], [1, 2, 1], num_q_heads=24, num_kv_heads=4, head_dim=256,

@@ -1,7 +1,7 @@
 """Runtime helpers every launcher shares: where kernels run and how a launch is shaped.
 
 * :func:`interpret_mode`, :func:`default_device` -- Triton's CPU interpreter or a GPU;
-* :func:`sm_count`, :func:`device_guard` -- the launch device;
+* :func:`sm_count`, :func:`device_guard`, :func:`stream_id` -- the launch device and stream;
 * :func:`default_num_warps`, :func:`heads_per_program`, :func:`full_tiles` -- the
   [rows, head_dim] program tile of the quantize / producer kernels (``TILE_ELEMS``).
 """
@@ -55,6 +55,19 @@ def device_guard(device: torch.device):
     if device.type == "cuda" and device.index is not None:
         return torch.cuda.device(device)
     return contextlib.nullcontext()
+
+
+def stream_id(device: torch.device) -> int | None:
+    """The current stream of ``device`` as an int (0 off a GPU), for keys of launch buffers
+    reused across calls: calls on one stream run in order, so they may share a workspace.
+    None while that stream captures a CUDA graph: buffers allocated then belong to the
+    graph's memory pool and must not outlive it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 def default_num_warps(num_tokens: int) -> int:

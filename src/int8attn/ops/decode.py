@@ -25,7 +25,7 @@ from ..errors import error_flags
 from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
 from ..kernels.decode import _decode_merge_kernel, _decode_split_kernel
 from ..kernels.quantize import _quantize_query_kernel
-from ..runtime import device_guard, interpret_mode, sm_count
+from ..runtime import device_guard, interpret_mode, sm_count, stream_id
 from ._launch import CachedLaunch
 from .producer import quantize_query_args, quantize_query_launch
 
@@ -354,10 +354,44 @@ def run_decode(plan: DecodePlan, query, cache, block_table, seq_lens, query_star
     if num_tokens == 0 or num_seqs == 0:
         return out
     check_num_seqs(num_seqs)
-    launch = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace)
+    launch = _reused_launch(plan, cache, query, q_quant, q_scale, block_table, out) if workspace is None else None
+    if launch is None:
+        launch = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace)
     qk_scale = qk_scale_of(softmax_scale, head_dim)
     launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
     return out
+
+
+#: Launches of unplanned calls (no workspace given), one per launch geometry and stream: a
+#: repeated eager call skips building its launch and Triton's per-call argument binding
+#: (ops._launch.CachedLaunch), as a plan's runs do. Each holds its workspace and query-code
+#: buffers, which calls on one stream may share (they run in order); none is made while a
+#: CUDA graph is captured (runtime.stream_id). Cleared when full, as prefill's.
+_LAUNCHES: dict = {}
+_MAX_LAUNCHES = 64
+
+
+def _reused_launch(plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table,
+                   out) -> "DecodeLaunch | None":
+    """The cached launch for an unplanned call shaped like these tensors (made on first
+    use), or None while a graph is being captured."""
+    stream = stream_id(cache.device)
+    if stream is None:
+        return None
+    q_in = q_quant if q_quant is not None else query
+    key = (plan, _decode_split_kernel, _decode_merge_kernel, _quantize_query_kernel, cache.device, stream,
+           cache.kv_dtype, cache.block_size, cache.num_kv_heads, cache.head_dim, cache.num_blocks,
+           cache.key.stride(), cache.key_scale.stride() if cache.quantized else None,
+           tuple(query.shape), q_in.stride(), None if q_scale is None else q_scale.stride(), q_quant is None,
+           tuple(block_table.shape), block_table.stride(0), out.stride(),
+           _checks.decode_clamps_enabled(), interpret_mode())
+    launch = _LAUNCHES.get(key)
+    if launch is None:
+        if len(_LAUNCHES) >= _MAX_LAUNCHES:
+            _LAUNCHES.clear()
+        launch = _LAUNCHES[key] = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table,
+                                                           out.stride())
+    return launch
 
 
 def check_num_seqs(num_seqs: int) -> None:
