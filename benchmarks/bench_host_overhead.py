@@ -54,10 +54,13 @@ from pathlib import Path
 
 import torch
 
-from int8attn import bench
-from int8attn.cache import PagedKVCache
-from int8attn.ops import decode as dec
-from int8attn.ops import prefill as pre
+if not torch.cuda.is_available():  # stub mode on CPU tensors: the checks want the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from int8attn import bench  # noqa: E402
+from int8attn.cache import PagedKVCache  # noqa: E402
+from int8attn.ops import decode as dec  # noqa: E402
+from int8attn.ops import prefill as pre  # noqa: E402
 from int8attn.ops import producer as prod
 from int8attn.ops.attention import attention, plan_attention
 

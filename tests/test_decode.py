@@ -386,10 +386,12 @@ def test_unplanned_calls_reuse_their_launch(device):
     decode_attention(b.query[:4], b.cache, b.block_table[:2], b.seq_lens[:2], b.query_start_loc[:3],
                      num_splits=3)
     assert len(dec._LAUNCHES) == 3
-    # a caller's workspace is the caller's: no shared launch is made for it
-    decode_attention(*args, num_splits=3, workspace=DecodeWorkspace(b.query.shape[0], 4, 64, max_splits=3,
-                                                                    device=device))
-    assert len(dec._LAUNCHES) == 3
+    # with a caller's workspace the launch lives on the workspace, not in the shared table
+    ws = DecodeWorkspace(b.query.shape[0], 4, 64, max_splits=3, device=device)
+    with_ws = decode_attention(*args, num_splits=3, workspace=ws)
+    assert len(dec._LAUNCHES) == 3 and len(ws.launches) == 1
+    assert torch.equal(decode_attention(*args, num_splits=3, workspace=ws), with_ws) and len(ws.launches) == 1
+    assert torch.equal(with_ws, first)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

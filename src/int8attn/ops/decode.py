@@ -174,6 +174,8 @@ class DecodeWorkspace:
     Sized from host-known bounds: ``max_tokens`` query tokens, ``num_q_heads`` heads,
     ``head_dim``, up to ``max_splits`` splits. Holds ``partial_out`` [capacity] fp32 (viewed
     as [T, Hq, S, D]) and ``partial_ml`` (viewed as [T, Hq, S, 2]: running max, sum).
+    Unplanned calls given this workspace keep their launches on it (``launches``, one per
+    launch geometry and stream), so they live as long as it does.
     """
 
     def __init__(self, max_tokens: int, num_q_heads: int, head_dim: int, max_splits: int = MAX_NUM_SPLITS,
@@ -187,6 +189,7 @@ class DecodeWorkspace:
         rows = max_tokens * num_q_heads * max_splits
         self.partial_out = torch.empty(rows * head_dim, dtype=torch.float32, device=self.device)
         self.partial_ml = torch.empty(rows * 2, dtype=torch.float32, device=self.device)
+        self.launches: dict = {}
 
     def views(self, num_tokens: int, num_q_heads: int, head_dim: int, num_splits: int):
         """[T, Hq, S, D] and [T, Hq, S, 2] views for one call (ValueError if too small)."""
@@ -354,7 +357,7 @@ def run_decode(plan: DecodePlan, query, cache, block_table, seq_lens, query_star
     if num_tokens == 0 or num_seqs == 0:
         return out
     check_num_seqs(num_seqs)
-    launch = _reused_launch(plan, cache, query, q_quant, q_scale, block_table, out) if workspace is None else None
+    launch = _reused_launch(plan, cache, query, q_quant, q_scale, block_table, out, workspace)
     if launch is None:
         launch = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace)
     qk_scale = qk_scale_of(softmax_scale, head_dim)
@@ -362,19 +365,20 @@ def run_decode(plan: DecodePlan, query, cache, block_table, seq_lens, query_star
     return out
 
 
-#: Launches of unplanned calls (no workspace given), one per launch geometry and stream: a
-#: repeated eager call skips building its launch and Triton's per-call argument binding
-#: (ops._launch.CachedLaunch), as a plan's runs do. Each holds its workspace and query-code
-#: buffers, which calls on one stream may share (they run in order); none is made while a
-#: CUDA graph is captured (runtime.stream_id). Cleared when full, as prefill's.
+#: Launches of unplanned calls without a workspace, one per launch geometry and stream (with
+#: a workspace they live on it: DecodeWorkspace.launches): a repeated eager call skips
+#: building its launch and Triton's per-call argument binding (ops._launch.CachedLaunch), as
+#: a plan's runs do. Each holds its workspace and query-code buffers, which calls on one
+#: stream may share (they run in order); none is made while a CUDA graph is captured
+#: (runtime.stream_id). Cleared when full, as prefill's.
 _LAUNCHES: dict = {}
 _MAX_LAUNCHES = 64
 
 
-def _reused_launch(plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table,
-                   out) -> "DecodeLaunch | None":
+def _reused_launch(plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table, out,
+                   workspace: "DecodeWorkspace | None" = None) -> "DecodeLaunch | None":
     """The cached launch for an unplanned call shaped like these tensors (made on first
-    use), or None while a graph is being captured."""
+    use; kept on ``workspace`` when given), or None while a graph is being captured."""
     stream = stream_id(cache.device)
     if stream is None:
         return None
@@ -385,12 +389,13 @@ def _reused_launch(plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scal
            tuple(query.shape), q_in.stride(), None if q_scale is None else q_scale.stride(), q_quant is None,
            tuple(block_table.shape), block_table.stride(0), out.stride(),
            _checks.decode_clamps_enabled(), interpret_mode())
-    launch = _LAUNCHES.get(key)
+    store = _LAUNCHES if workspace is None else workspace.launches
+    launch = store.get(key)
     if launch is None:
-        if len(_LAUNCHES) >= _MAX_LAUNCHES:
-            _LAUNCHES.clear()
-        launch = _LAUNCHES[key] = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table,
-                                                           out.stride())
+        if len(store) >= _MAX_LAUNCHES:
+            store.clear()
+        launch = store[key] = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table,
+                                                       out.stride(), workspace)
     return launch
 
 
