@@ -63,6 +63,26 @@ def test_rebinds_when_specialization_could_differ():
     assert [e[0] for e in k.log] == ["bound"] * 4
 
 
+def test_equal_scalars_take_the_identity_path_and_types_still_count(monkeypatch):
+    """Strides arrive as new int objects on every call: an equal int of the same type is the
+    same argument (no signature rebuilt); True in place of 1 is not."""
+    import int8attn.ops._launch as launch_mod
+
+    k = _Kernel()
+    launch = CachedLaunch(k, (1,), dict(BLOCK=64, FLAG=False))
+    x = torch.zeros(64)
+    big = 10 ** 6
+    launch(x, big)
+    rebuilt = []
+    real = launch_mod._signature
+    monkeypatch.setattr(launch_mod, "_signature", lambda args: (rebuilt.append(1), real(args))[1])
+    launch(x, int(str(big)))  # equal value, another object
+    assert rebuilt == [] and [e[0] for e in k.log] == ["bound", "direct"]
+    launch(x, 1)
+    launch(x, True)
+    assert [e[0] for e in k.log] == ["bound", "direct", "bound", "bound"]
+
+
 def test_interpreter_and_default_constexprs_take_the_bound_path():
     k = _Kernel(interpreted=True)
     launch = CachedLaunch(k, (1,), dict(BLOCK=64, FLAG=False))

@@ -26,8 +26,8 @@ from .. import launches
 
 def _signature(args) -> tuple:
     """What the compiled kernel was specialized on: dtype and 16-byte alignment of each
-    tensor, the value of everything else."""
-    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args)
+    tensor, the type and value of everything else (True == 1, but Triton types them apart)."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
 
 
 def _identities(args) -> tuple:
@@ -38,7 +38,11 @@ def _identities(args) -> tuple:
 
 
 def _is_same(ident, arg) -> bool:
-    return ident() is arg if isinstance(ident, weakref.ref) else ident is arg
+    """The same tensor object as last time, or an equal scalar of the same type (strides and
+    sizes are new int objects on every call; True and 1 specialize differently)."""
+    if isinstance(ident, weakref.ref):
+        return ident() is arg
+    return ident is arg or (type(ident) is type(arg) and ident == arg)
 
 
 class CachedLaunch:
