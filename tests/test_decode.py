@@ -516,7 +516,7 @@ def test_split_kernel_is_software_pipelined(kv_dtype, pv_mode, swap):
     assert re.search(r"memdesc<[2-9]x\d+x256x", ttgir), "K/V tiles are not multi-buffered"
 
 
-# --------------------------------------------------------------------------- in-kernel clamps (default; INT8ATTN_DECODE_SAFE=0 off)
+# --------------------------------------------------------------------------- in-kernel clamps (on by default)
 def _bad_decode_metadata(b):
     """One decode sequence's metadata out of range (its query range stays decode-length)."""
     return testing.bad_metadata_cases(b, overrun=2)
