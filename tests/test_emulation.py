@@ -64,3 +64,47 @@ def test_v_override_rounds_only_the_keys():
 def test_variant_rejects_unknown_roundings():
     with pytest.raises(ValueError, match="q, kv and v"):
         Variant("bad", kv="int8", v="int4")
+
+
+@pytest.mark.parametrize("rotate", [False, True])
+def test_emulated_cache_keeps_the_first_writes_migration_scale(rotate):
+    """Through later prefill chunks and decode steps the emulated cache rounds as a library
+    cache whose channel-migration scale was calibrated once, on the first write's queries
+    and keys (the integration's order: calibrate, then write_kv; later writes reuse it).
+    A scale recalibrated per call from that call's queries (the emulation before this test)
+    is off by as much as the rounding error itself when later queries differ."""
+    import types
+
+    from int8attn.cache import PagedKVCache
+    from int8attn.emulation import cache_variant, hadamard
+    from int8attn.integrations.transformers.emulated import EmulatedCache, _emulated_forward, emulated_cache
+    from int8attn.ops.migration import calibrate_channel_migration
+
+    g = torch.Generator().manual_seed(3)
+    n, hq, hkv, d = 48, 4, 2, 64
+    q = torch.randn(n, hq, d, generator=g)
+    k = torch.randn(n, hkv, d, generator=g) + 0.5
+    v = torch.randn(n, hkv, d, generator=g)
+    q[..., 3] *= 10.0
+    k[..., 5] *= 8.0
+    q[32:, :, 9] *= 12.0  # queries after the first write carry an outlier channel its queries do not
+    rot = hadamard(d) if rotate else torch.eye(d)
+    var = cache_variant("int8", "exact", migrate=0.5, rotate=rotate)
+    cache = PagedKVCache(n // 16, 16, hkv, d, kv_dtype="int8", device="cpu", channel_migration="first_write")
+    block_table = torch.arange(n // 16, dtype=torch.int32)[None]
+    module = types.SimpleNamespace(layer_idx=0)
+    with emulated_cache(EmulatedCache(prefill=var, decode=var)):
+        for s, e in ((0, 32), (32, 47), (47, 48)):  # two prefill chunks, one decode step
+            qs, ks, slots = (q[s:e] @ rot).contiguous(), (k[s:e] @ rot).contiguous(), torch.arange(s, e)
+            if s == 0:
+                calibrate_channel_migration(cache, qs, ks, slots)
+            reference.write_kv_reference(cache, ks, v[s:e], slots)
+            lib = reference.attention_reference_quantized(
+                qs, cache, block_table, torch.tensor([e], dtype=torch.int32),
+                torch.tensor([0, e - s], dtype=torch.int32), d ** -0.5).double()
+            got, _ = _emulated_forward(module, q[None, s:e].transpose(1, 2), k[None, :e].transpose(1, 2),
+                                       v[None, :e].transpose(1, 2), None)
+            assert rel_l2(got[0].double(), lib) < 1e-5, (s, e)
+            if s:
+                per_call = emulate(q[s:e], k[:e], v[:e], var, mean_tokens=32, first_pos=s)
+                assert rel_l2(per_call, lib) > 1e-2, (s, e)

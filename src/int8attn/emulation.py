@@ -155,13 +155,16 @@ def _pv_tiles(p: torch.Tensor, v_codes: torch.Tensor, v_scale: torch.Tensor, mod
 
 def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant, *, scaling: float | None = None,
             mean_tokens: int | None = None, block_n: int = 128, sliding_window: int | None = None,
-            first_pos: int = 0) -> torch.Tensor:
+            first_pos: int = 0, calibration_queries: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [Tq, Hq, D] over k, v [T, Hkv, D] (query row j at position
     ``first_pos + j``) with the roundings of ``variant``. Returns [Tq, Hq, D] float64.
 
     ``mean_tokens``: the keys the smoothing mean and the migration scale are calibrated on
     (the first write; default all of them). ``sliding_window``: keys further back than this
     many positions are masked (transformers' convention: a query sees ``window`` keys incl. itself).
+    ``calibration_queries`` [Tc, Hq, D]: the queries the migration scale is calibrated on (those
+    of the first write, as the cache's ``first_write`` calibration keeps them); default the
+    first ``min(mean_tokens, Tq)`` rows of ``q`` -- right only when ``q`` is the first write's.
     """
     tq, hq, d = q.shape
     t, hkv, _ = k.shape
@@ -169,16 +172,17 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
     scaling = d ** -0.5 if scaling is None else scaling
     n_cal = t if mean_tokens is None else min(mean_tokens, t)
     qf, kf, vf = q.to(torch.float32), k.to(torch.float32), v.to(torch.float32)
+    qc = qf[: max(1, min(n_cal, tq))] if calibration_queries is None else calibration_queries.to(torch.float32)
     if variant.rotate:
         rot = hadamard(d)
-        qf, kf = qf @ rot, kf @ rot
+        qf, kf, qc = qf @ rot, kf @ rot, qc @ rot
     v_kind = variant.v or variant.kv
     # keys: smoothing offset, migration, sinks
     mean = kf[:n_cal].mean(dim=0) if variant.smoothing else torch.zeros_like(kf[0])
     k_s = kf - mean
     lam = None
     if variant.migrate is not None:
-        lam = migration_scale(qf[: max(1, min(n_cal, tq))], k_s[:n_cal], variant.migrate).to(torch.float32)
+        lam = migration_scale(qc, k_s[:n_cal], variant.migrate).to(torch.float32)
         k_s = k_s / lam
         qf = qf * lam.repeat_interleave(group, dim=0)
     k_hat = _fake_quant(k_s, variant.kv)

@@ -9,7 +9,8 @@ result equals a cache that stored the rounded values once. It runs
 :func:`int8attn.emulation.emulate` (float64) per call: ``prefill`` rounds steps of more than
 ``MAX_DECODE_QUERY_LEN`` new tokens, ``decode`` the shorter ones -- the kernels' split
 (prefill PV in bf16, decode PV 8-bit). The key-smoothing mean and a migration scale are
-calibrated on each layer's first write, like ``key_smoothing="first_write"``.
+calibrated on each layer's first write (its keys and, for migration, its queries, kept per
+layer and sequence), like ``key_smoothing="first_write"`` / ``channel_migration="first_write"``.
 
 Set the configuration with ``with emulated_cache(EmulatedCache(prefill=..., decode=...)):``.
 """
@@ -34,6 +35,7 @@ class EmulatedCache:
     decode: Variant
     block_n: int = 128
     first_write: dict = field(default_factory=dict)
+    first_queries: dict = field(default_factory=dict)  # (layer, sequence) -> the first write's queries
 
 
 _ACTIVE: EmulatedCache | None = None
@@ -69,8 +71,10 @@ def _emulated_forward(module, query, key, value, attention_mask, scaling=None, d
         q = query[b].transpose(0, 1).float().cpu()
         k = key[b].transpose(0, 1).float().cpu()
         v = value[b].transpose(0, 1).float().cpu()
+        cal_q = cfg.first_queries.setdefault((layer, b), q)  # migration stays calibrated on the first write
         outs.append(emulate(q, k, v, variant, scaling=scaling, mean_tokens=first, block_n=cfg.block_n,
-                            sliding_window=kwargs.get("sliding_window"), first_pos=t - tq))
+                            sliding_window=kwargs.get("sliding_window"), first_pos=t - tq,
+                            calibration_queries=cal_q))
     out = torch.stack(outs).to(device=query.device, dtype=query.dtype)
     return out, None
 
