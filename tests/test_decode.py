@@ -14,7 +14,7 @@ import torch
 
 from _ids import cases
 from int8attn import launches, reference, testing
-from int8attn.errors import DeviceMetadataError, check_errors, clear_errors
+from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.ops.decode import (
     MAX_DECODE_QUERY_LEN,
     DecodeConfig,
@@ -569,7 +569,6 @@ def test_safe_launch_keeps_bad_metadata_in_bounds(device, monkeypatch, case, kv,
         monkeypatch.setattr(dec, "default_config", lambda *args: config)
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
     monkeypatch.delenv("INT8ATTN_DECODE_SAFE", raising=False)
-    clear_errors()
     b = testing.make_paged_batch([37, 97, 20], [1, 3, 2], num_q_heads=hq, num_kv_heads=hkv, head_dim=64,
                                  kv_dtype=kv, seed=43, device=device)
     good = decode_attention(b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc, num_splits=splits)
@@ -592,7 +591,6 @@ def test_safe_plan_survives_metadata_changed_after_planning(device, monkeypatch)
     from int8attn.ops.attention import plan_attention
 
     monkeypatch.delenv("INT8ATTN_DECODE_SAFE", raising=False)
-    clear_errors()
     b = testing.make_paged_batch([37, 97, 20], [1, 1, 1], num_q_heads=4, num_kv_heads=2, head_dim=64,
                                  kv_dtype="int8", seed=47, device=device)
     plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 4)

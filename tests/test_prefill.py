@@ -12,7 +12,7 @@ import torch
 
 from _ids import cases
 from int8attn import reference, testing
-from int8attn.errors import DeviceMetadataError, check_errors, clear_errors
+from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.ops.prefill import DEFAULT_PV, PrefillConfig, launch_grid, prefill_attention
 from int8attn.ops.producer import quantize_query
 
@@ -311,7 +311,6 @@ def test_unchecked_bad_metadata_stays_in_bounds(case, kv, device, monkeypatch):
     other element untouched, and raises a device flag that check_errors() turns into an
     error naming the sequence."""
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
-    clear_errors()
     b = testing.make_paged_batch([30, 40, 25], [12, 21, 9], num_q_heads=4, num_kv_heads=2, head_dim=64,
                                  kv_dtype=kv, seed=31, device=device)
     bt, sl, qsl, bad_seq, words = _bad_metadata_cases(b)[case]
@@ -333,7 +332,6 @@ def test_unchecked_bad_metadata_stays_in_bounds(case, kv, device, monkeypatch):
 def test_unchecked_bad_metadata_with_the_dense_grid(device, monkeypatch):
     """The max_query_len grid (sequences x tiles) takes the same in-kernel checks."""
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
-    clear_errors()
     b = batch([30, 40, 25], [12, 21, 9], seed=32, device=device)
     bt, sl, qsl, bad_seq, words = _bad_metadata_cases(b)["block id too large"]
     out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
@@ -483,7 +481,6 @@ def test_gpu_default_tiles_poisoned_token_query_and_bad_block_id():
     """Default GPU tiles (value checks off, the GPU default): a poisoned K token, an inf
     query row and an out-of-range block id each make exactly their rows NaN; the flag
     names the bad sequence."""
-    clear_errors()
     b = testing.make_paged_batch([700, 900, 300], [300, 500, 300], num_q_heads=24, num_kv_heads=4, head_dim=256,
                                  seed=5, device="cuda", writer=_poisoning_writer([(600, 2, 11, "k")], float("nan")))
     b.query[50, 3, 0] = float("inf")

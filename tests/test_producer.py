@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from _ids import cases
 from int8attn import reference
 from int8attn.cache import PagedKVCache
-from int8attn.errors import DeviceMetadataError, check_errors, clear_errors
+from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.kernels.quantize import _amax_rows, _quantize, _quantize_rows, _row_scale
 from int8attn.ops.producer import apply_rope_torch, quantize_query, rope_quantize_and_write
 from int8attn.ops.write import write_kv
@@ -411,7 +411,6 @@ def test_producer_unchecked_bad_positions_and_slots(kv_dtype, gen, device, monke
     skipped, every other byte is as the unfused sequence writes it, and check_errors()
     names the first bad token."""
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
-    clear_errors()
     n, hq, hkv, d, rot, max_pos = 9, 4, 2, 64, 32, 64
     cache, q, k, v, pos, cos_sin, slots = make_step(n, hq, hkv, d, rot, kv_dtype, gen, device, pad=False,
                                                     fused_qkv=False, max_pos=max_pos)

@@ -9,7 +9,7 @@ import torch
 from _ids import cases
 from int8attn import reference
 from int8attn.cache import BlockAllocator, PagedKVCache
-from int8attn.errors import DeviceMetadataError, check_errors, clear_errors
+from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.ops.write import write_kv
 from int8attn.testing import make_keys, make_normal
 
@@ -414,7 +414,6 @@ def test_unchecked_bad_slots_are_skipped_and_flagged(kv_dtype, launch, gen, devi
     the written slots changes), the other tokens are written exactly, and check_errors()
     names the first bad token."""
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
-    clear_errors()
     cache, key, value, _ = make_case(40, 2, 64, kv_dtype, 8, gen, device, smoothing="none")
     slots = torch.arange(8, 48, device=device)  # whole pages from page 1 on
     bad = slots.clone()
@@ -431,7 +430,6 @@ def test_unchecked_bad_slots_are_skipped_and_flagged(kv_dtype, launch, gen, devi
 
 def test_checked_call_reports_earlier_flags(gen, device, monkeypatch):
     """A later call that runs its value checks raises what an unchecked kernel flagged."""
-    clear_errors()
     cache, key, value, slots = make_case(9, 2, 64, "int8", 8, gen, device)
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
     write_kv(cache, key, value, torch.where(slots == slots[4], cache.num_slots + 3, slots))

@@ -42,6 +42,13 @@ MAX_QUERY_ROWS = 2 ** 31 - 2 ** 16
 
 
 # --------------------------------------------------------------------------- policy
+def _env_switch(name: str) -> bool | None:
+    """True / False where environment variable ``name`` says on (1, true, yes, on) / off
+    (0, false, no, off), None where it is unset or says neither."""
+    value = os.environ.get(name, "").strip().lower()
+    return True if value in ("1", "true", "yes", "on") else False if value in ("0", "false", "no", "off") else None
+
+
 def decode_clamps_enabled() -> bool:
     """True unless ``INT8ATTN_DECODE_SAFE=0``: decode launches built from then on clamp their
     metadata in-kernel (query ranges, lengths, block ids), give a sequence whose metadata
@@ -49,7 +56,7 @@ def decode_clamps_enabled() -> bool:
     producer always do. Output on valid metadata is bit-identical either way; the clamps
     cost 1-6% of a graph-replayed decode call on the H200 (BENCHMARKS.md). Turning them off
     is for a caller that checks every batch itself (a plan does)."""
-    return os.environ.get("INT8ATTN_DECODE_SAFE", "").strip().lower() not in ("0", "false", "no", "off")
+    return _env_switch("INT8ATTN_DECODE_SAFE") is not False
 
 
 def value_checks_enabled(device=None) -> bool:
@@ -63,8 +70,8 @@ def value_checks_enabled(device=None) -> bool:
     current CUDA stream captures a graph (a host sync would break the capture). The
     kernels do not rely on these checks (see the module docstring).
     """
-    env = os.environ.get("INT8ATTN_CHECK_VALUES", "").strip().lower()
-    if env in ("0", "false", "no", "off"):
+    env = _env_switch("INT8ATTN_CHECK_VALUES")
+    if env is False:
         return False
     if torch.cuda.is_available():
         try:
@@ -72,7 +79,7 @@ def value_checks_enabled(device=None) -> bool:
                 return False
         except RuntimeError:
             pass
-    if env in ("1", "true", "yes", "on") or device is None:
+    if env or device is None:
         return True
     return torch.device(device).type != "cuda"
 

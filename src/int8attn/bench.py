@@ -44,18 +44,18 @@ def source_commit() -> str | None:
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
-    fallback = os.environ.get("INT8ATTN_COMMIT") or None
-    if fallback:
-        return fallback
+    given = os.environ.get("INT8ATTN_COMMIT")
+    if given:
+        return given
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
         if head.returncode != 0:
-            return fallback
+            return None
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--", "src"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return fallback
+        return None
     return head.stdout.strip() + ("+dirty" if dirty else "")
 
 

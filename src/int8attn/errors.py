@@ -83,6 +83,11 @@ def error_flags(device) -> torch.Tensor:
     return flags
 
 
+def _reset(flags: torch.Tensor) -> None:
+    """No error raised: the state a flag buffer starts in and returns to once read."""
+    flags.copy_(torch.tensor([0, NO_INDEX, 0], dtype=torch.int32))
+
+
 def describe(bits: int) -> list[str]:
     """The names of the error bits set in ``bits``."""
     return [name for bit, name in ERROR_NAMES.items() if bits & bit]
@@ -100,7 +105,7 @@ def check_errors(device=None) -> None:
             continue
         bits, index, count = (int(v) for v in flags.tolist())
         if bits:
-            flags.copy_(torch.tensor([0, NO_INDEX, 0], dtype=torch.int32))
+            _reset(flags)
             where = f"{key[0]}:{key[1]}" if key[1] is not None else key[0]
             problems.append(f"on {where}: {count} kernel program(s) found {', '.join(describe(bits))}; "
                             f"first sequence/token index {index}; its outputs are NaN (or the write "
@@ -116,4 +121,4 @@ def clear_errors(device=None) -> None:
     for key in keys:
         flags = _FLAGS.get(key)
         if flags is not None:
-            flags.copy_(torch.tensor([0, NO_INDEX, 0], dtype=torch.int32))
+            _reset(flags)

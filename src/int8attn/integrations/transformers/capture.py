@@ -156,11 +156,11 @@ def layer_errors(layer: LayerQKV, variants: list[Variant], mean_tokens: int | No
     row = {"layer": layer.layer, "k_outlier": outlier_ratio(layer.k), "q_outlier": outlier_ratio(layer.q),
            "k_absmax": float(layer.k.abs().max()), "q_absmax": float(layer.q.abs().max())}
     d = layer.k.shape[-1]
+    # the migration scale from the first write's queries, not from the scored ones
+    cal = layer.q[: layer.q.shape[0] if mean_tokens is None else mean_tokens]
     for var in variants:
         kv8 = var.kv if var.kv in ("int8", "fp8") else "int8"
         bn = decode_block_n(kv8, d, pv_mode=var.pv if var.pv in ("int8", "fp8") else None)
-        # the migration scale from the first write's queries, not from the scored ones
-        cal = layer.q[: layer.q.shape[0] if mean_tokens is None else mean_tokens]
         out = emulate(q, layer.k, layer.v, var, block_n=bn, calibration_queries=cal, **common)
         row[var.name] = rel_l2(out, ref)
     return row
