@@ -41,6 +41,7 @@ and peer attempts are benchmarks/_harness.py; this script is the setup and the c
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import math
@@ -134,7 +135,8 @@ def cfg_label(c) -> str:
     """block_n/warps/stages[/m<rows>][/swap] of a DecodeConfig or a TUNE_CONFIGS tuple."""
     c = c if isinstance(c, dec.DecodeConfig) else dec.DecodeConfig(*c)
     return (f"{c.block_n}/{c.num_warps}/{c.num_stages}" + (f"/m{c.min_block_m}" if c.min_block_m != 16 else "")
-            + ("/swap" if c.swap_ab else "") + (f"/r{c.maxnreg}" if c.maxnreg else ""))
+            + ("/swap" if c.swap_ab else "") + (f"/r{c.maxnreg}" if c.maxnreg else "")
+            + ("/fused" if c.fused_merge else ""))
 # head_dim 128, 16 rows (32q/8kv): int8 128/4/4 is 22 warp-instructions per key, 198 regs;
 # int8 128/4/5 swapped 29, 233 regs (row-major 128/4/5: 23, 223 regs);
 # fp8 swapped 64/4/6 39 per key, 193 regs; 128/4/5 27, 255 regs (128/4/4 keeps one tile: unpipelined)
@@ -236,16 +238,16 @@ class Decode:
 def _variant_key(kv, pv, shape, plan):
     c = plan.config
     return (kv, pv, shape["hq"], shape["hkv"], shape["d"], shape["page"], plan.tokens_per_pass, plan.block_m,
-            c.block_n, c.num_warps, c.num_stages, c.min_block_m, c.swap_ab, c.maxnreg)
+            c.block_n, c.num_warps, c.num_stages, c.min_block_m, c.swap_ab, c.maxnreg, c.fused_merge)
 
 
 def _compile_worker(key):
     """Run one variant once on toy inputs with the same specialization (worker process)."""
-    kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm, swap, maxnreg = key
+    kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm, swap, maxnreg, fused = key
     shape = dict(hq=hq, hkv=hkv, d=d, page=page)
     bs, ctx = 2, 4 * max(block_n, page)
     cache = make_cache(kv, bs * ctx // page, shape)
-    cfg = dec.DecodeConfig(block_n, warps, stages, min_bm, swap, maxnreg)
+    cfg = dec.DecodeConfig(block_n, warps, stages, min_bm, swap, maxnreg, fused)
     plan = dec.DecodePlan(num_splits=2, tokens_per_pass=tpp, block_m=block_m, config=cfg, pv_mode=pv)
     q = torch.randn(bs * tpp, hq, d, device=DEV).to(torch.bfloat16)
     bt = torch.arange(bs * ctx // page, dtype=torch.int32, device=DEV).view(bs, -1)
@@ -277,7 +279,8 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
                q_heads=shape["hq"], kv_heads=shape["hkv"], head_dim=shape["d"], page=shape["page"],
                num_splits=p.num_splits, block_m=p.block_m, tokens_per_pass=p.tokens_per_pass,
                block_n=p.config.block_n, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
-               min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, maxnreg=p.config.maxnreg, bytes=nbytes,
+               min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, maxnreg=p.config.maxnreg,
+               fused_merge=p.config.fused_merge, bytes=nbytes,
                quantize_in_call=quantize_in_call,
                config_source="tuned" if cfg is not None and cfg == r.best.get(kv) else (
                    "default" if cfg is None else "explicit"), **res)
@@ -344,6 +347,12 @@ def setup(r: Run) -> None:
         want(kv, None, COMMON, 16, 1)
     for c in D128_FP8_CONFIGS:
         want("fp8", None, COMMON, 16, 1, dec.DecodeConfig(*c))
+    for c in MT_CONFIGS:
+        want("int8", None, HEADLINE, 16, 4, dec.DecodeConfig(*c))
+    for kv in ("int8", "fp8", "bf16"):
+        for bs, q_len in ((1, 1), (16, 1), (16, 2), (16, 4)):
+            base = dec.plan_decode((bs * q_len, 24, 256), r.caches[kv], (bs, 2048)).config
+            want(kv, None, HEADLINE, 16, q_len, _fused(base))
     for kv, modes in ACC_MODES.items():   # accuracy: mean query length 3 (multi-token case)
         for mode in modes:
             pv, cfg = ACC_CONFIG_MODES.get(mode, (mode, None))
@@ -477,6 +486,46 @@ def multi_token(r: Run) -> None:
         for bs, ctx in MT_POINTS:
             for kv in ("int8", "bf16"):
                 time_path(r, "mt", kv, kv, None, None, HEADLINE, bs, ctx, q_len=q_len, graph_only=True)
+
+
+#: q4 (24 packed rows at GQA 6) candidates: the row-major 8-warp default and swapped tiles
+#: (two warpgroups at 128 keys; 4 warps at 64 spill at 32 rows, sm_90 static)
+MT_CONFIGS = [(64, 8, 5), (128, 8, 5, 16, True), (128, 4, 5, 16, True), (64, 4, 6, 16, True), (32, 8, 9)]
+
+
+@H.section("mtcfg")
+def multi_token_configs(r: Run) -> None:
+    """q4 against q1 at the q4 goal's points (bs16 L8k / L32k) over candidate configs."""
+    for bs, ctx in [(BS_MID, L8K), (BS_MID, CONTEXTS[-1])]:
+        time_path(r, "mtcfg", "int8 q1", "int8", None, None, HEADLINE, bs, ctx, q_len=1, graph_only=True)
+        for c in MT_CONFIGS:
+            if r.late(f"mtcfg {cfg_label(c)} bs{bs} L{ctx}"):
+                return
+            time_path(r, "mtcfg", f"int8 {cfg_label(c)}", "int8", None, dec.DecodeConfig(*c), HEADLINE, bs, ctx,
+                      q_len=4, graph_only=True)
+
+
+def _fused(cfg: "dec.DecodeConfig") -> "dec.DecodeConfig":
+    return dataclasses.replace(cfg, fused_merge=True)
+
+
+@H.section("fused")
+def fused_merge(r: Run) -> None:
+    """One launch (the split programs merge their own partials) against split + merge
+    kernels, same config and split count, graph and eager, at the grid points."""
+    for bs in BATCHES:
+        for ctx in CONTEXTS if not QUICK else (L8K, CONTEXTS[-1]):
+            for kv in ("int8", "fp8", "bf16"):
+                if r.late(f"fused {kv} bs{bs} L{ctx}"):
+                    return
+                base = dec.plan_decode((bs, 24, 256), r.caches[kv], (bs, ctx // 16)).config
+                time_path(r, "fused", f"{kv} two-launch", kv, None, base, HEADLINE, bs, ctx)
+                time_path(r, "fused", f"{kv} fused", kv, None, _fused(base), HEADLINE, bs, ctx)
+    for q_len in MT_QLENS:
+        for ctx in (L8K, CONTEXTS[-1]):
+            base = dec.plan_decode((BS_MID * q_len, 24, 256), r.caches["int8"], (BS_MID, ctx // 16)).config
+            time_path(r, "fused", "int8 fused", "int8", None, _fused(base), HEADLINE, BS_MID, ctx, q_len=q_len,
+                      graph_only=True)
 
 
 @H.section("d128")
@@ -727,7 +776,8 @@ def main():
     H.finish(r, "decode_summary.md", lambda: summary(r))
 
 
-SECTIONS = (accuracy, tune, grid, small_batch, occupancy, profiles, batch_sweep, multi_token, d128, split_sweep, peers)
+SECTIONS = (accuracy, tune, grid, small_batch, occupancy, profiles, batch_sweep, multi_token, multi_token_configs,
+            fused_merge, d128, split_sweep, peers)
 
 if __name__ == "__main__":
     main()

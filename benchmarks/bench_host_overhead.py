@@ -65,7 +65,8 @@ from int8attn.ops import producer as prod
 from int8attn.ops.attention import attention, plan_attention
 
 HQ, HKV, D, PAGE = 24, 4, 256, 16
-PLANNED = ("plan.run", "attention(plan=)")
+PLANNED = ("plan.run", "attention(plan=)", "plan.run q_quant", "plan.run fused", "plan.run q_quant fused",
+           "plan.run triton-runner")
 LAYERS = 16
 
 
@@ -160,6 +161,46 @@ def make_batch(kv_dtype: str, batch: int, length: int, device: str, full_cache: 
     return query, cache, block_table, seq_lens, qsl, out
 
 
+def _variant_plans(cache, bt, sl, qsl, q, scale, out, real: bool) -> dict:
+    """Planned calls next to ``plan.run``: with the producer's query codes given
+    (``q_quant``: no quantization launch), with the fused merge (one launch for the split
+    kernel and its merge), both, and (real launches) through Triton's own runner instead
+    of the direct launch (``ops._launch.DIRECT``: fixed when a launch first compiles, so
+    that plan's launches are built with it off)."""
+    import dataclasses
+
+    from int8attn.ops import _launch
+
+    plan_fused = _plan_with(lambda c: dataclasses.replace(c, fused_merge=True), cache, bt, sl, qsl)
+    fns = {"plan.run fused": lambda: plan_fused.run(q, cache, bt, sl, qsl, scale, out)}
+    if cache.quantized:
+        qq, qs = prod.quantize_query(q, cache.kv_dtype)
+        plan_q = plan_attention(cache, bt, sl, qsl, HQ)
+        fns["plan.run q_quant"] = lambda: plan_q.run(q, cache, bt, sl, qsl, scale, out, q_quant=qq, q_scale=qs)
+        fns["plan.run q_quant fused"] = lambda: plan_fused.run(q, cache, bt, sl, qsl, scale, out, q_quant=qq,
+                                                               q_scale=qs)
+    if real:
+        plan_r = plan_attention(cache, bt, sl, qsl, HQ)
+        _launch.DIRECT = False
+        try:
+            plan_r.run(q, cache, bt, sl, qsl, scale, out)  # builds and compiles its launches now
+            plan_r.run(q, cache, bt, sl, qsl, scale, out)
+        finally:
+            _launch.DIRECT = True
+        fns["plan.run triton-runner"] = lambda: plan_r.run(q, cache, bt, sl, qsl, scale, out)
+    return fns
+
+
+def _plan_with(change, cache, bt, sl, qsl):
+    """A plan made while the decode planner's default config is ``change(default)``."""
+    real = dec.default_config
+    dec.default_config = lambda *a, **k: change(real(*a, **k))
+    try:
+        return plan_attention(cache, bt, sl, qsl, HQ)
+    finally:
+        dec.default_config = real
+
+
 def per_call_us(fn, n: int, repeats: int, sync) -> tuple[float, float]:
     """(host_us, wall_us) per call, medians over ``repeats`` loops of ``n`` calls: host =
     until the last call returned, wall = until the device finished too."""
@@ -222,8 +263,10 @@ def _measure_batch(mode, device, kv_dtype, batch, length, n, repeats, rec, graph
     ws = dec.DecodeWorkspace(batch, HQ, D, device=device)
     # the planned calls first: the no-plan router also compiles the prefill kernel (its grid
     # runs for T > 8 tokens), the slowest compile of the lot
+    variants = _variant_plans(cache, bt, sl, qsl, q, scale, out, on_gpu and mode == "real")
     fns = {
         "plan.run": lambda: plan.run(q, cache, bt, sl, qsl, scale, out),
+        **variants,
         "attention(plan=)": lambda: attention(q, cache, bt, sl, qsl, scale, out, plan=plan),
         "decode_attention": lambda: dec.decode_attention(q, cache, bt, sl, qsl, softmax_scale=scale, out=out,
                                                          workspace=ws),
@@ -246,7 +289,7 @@ def _measure_batch(mode, device, kv_dtype, batch, length, n, repeats, rec, graph
                 launches = len(grids) / max(1, n * repeats + max(3, n // 10)) if mode == "stub" else None
                 row = dict(base, call=call, value_checks=None if planned else checks, host_us=host,
                            wall_us=wall if on_gpu else None, launches_per_call=launches)
-                if graph and call == "plan.run" and mode == "real":
+                if graph and call.startswith("plan.run") and mode == "real":
                     row["gpu_us"] = bench.time_graph(fn, replays=20, repeats=5, warmup=2)
                 rows.append(rec.add(**row))
             if time.perf_counter() > deadline:

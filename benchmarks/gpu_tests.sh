@@ -5,6 +5,7 @@
 #
 #   OUT=/some/dir bash benchmarks/gpu_tests.sh            # SHARDS=8 LIMIT=240 by default
 #
+#   FILES="tests/test_decode.py ..." MEMCHECK_OPS="decode" OUT=... bash benchmarks/gpu_tests.sh   # a subset
 # No -x: every failure is listed. Writes $OUT/tests.log (all shards, failures first) and
 # $OUT/memcheck.log ("ERROR SUMMARY: 0 errors" per run expected).
 set -u
@@ -30,8 +31,8 @@ PY
 echo "$(echo $files | wc -w) test files in $SHARDS shards (limit ${LIMIT}s)" | tee "$OUT/tests.log"
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 (
-  for op in write producer prefill decode; do
-    INT8ATTN_CHECK_VALUES=0 timeout 90 "$SAN" --tool memcheck --error-exitcode 9 \
+  for op in ${MEMCHECK_OPS:-write producer prefill decode}; do
+    INT8ATTN_CHECK_VALUES=0 timeout $([ $op = decode ] && echo 150 || echo 90) "$SAN" --tool memcheck --error-exitcode 9 \
       python3 benchmarks/memcheck_cases.py --op $op 2>&1 | tail -3
   done
 ) >"$OUT/memcheck.log" 2>&1 &

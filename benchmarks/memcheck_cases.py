@@ -101,6 +101,21 @@ def prefill_cases() -> None:
 
 
 def decode_cases() -> None:
+    """Every case with the split + merge kernels and with the fused merge (one launch)."""
+    import dataclasses
+
+    from int8attn.ops import decode as dec
+
+    real = dec.default_config
+    for fused in (False, True):
+        dec.default_config = (lambda *a, **k: dataclasses.replace(real(*a, **k), fused_merge=True)) if fused else real
+        try:
+            _decode_cases("fused " if fused else "")
+        finally:
+            dec.default_config = real
+
+
+def _decode_cases(label: str) -> None:
     # GPU: long sequences over real head counts, several splits; interpreter: small
     big = DEVICE == "cuda"
     seq_lens, q_lens = ([9000, 32768, 700], [1, 4, 2]) if big else ([37, 97, 20], [1, 3, 2])
@@ -119,7 +134,7 @@ def decode_cases() -> None:
                 decode_attention(b.query, b.cache, bt, sl, qsl, out=out, num_splits=splits)
                 want = torch.zeros(b.query.shape[0], dtype=torch.bool)
                 want[starts[bad_seq]:starts[bad_seq + 1]] = True
-                what = f"decode {kv} {name} splits={splits or 'auto'}"
+                what = f"decode {label}{kv} {name} splits={splits or 'auto'}"
                 rows = out.cpu()
                 expect(bool(torch.isnan(rows[want].float()).all()), f"{what}: the bad sequence's rows are NaN")
                 expect(torch.equal(rows[~want], good[splits][~want]), f"{what}: other rows unchanged")

@@ -603,3 +603,72 @@ def test_safe_plan_survives_metadata_changed_after_planning(device, monkeypatch)
     assert torch.equal(out[1], good[1])
     with pytest.raises(DeviceMetadataError, match="index 0;"):
         check_errors(device)
+
+
+# ---------------------------------------------------------------- fused merge (one launch)
+# (kv, pv, q_heads, kv_heads, head_dim, seq_lens, q_lens, num_splits, swap, block_n): one
+# group of splits and several (the two-level merge: 8 splits per group), several passes,
+# padded head_dim, row-major and swapped tiles
+FUSED_CASES = [
+    ("int8", "int8", 8, 2, 64, [1, 17, 97, 123], [1, 1, 1, 1], 3, False, 32),
+    ("int8", "int8", 12, 2, 128, [17, 400, 123, 9], [2, 4, 8, 1], 20, False, 32),
+    ("int8", "int8", 6, 1, 256, [700, 33], [1, 2], 11, True, 64),
+    ("fp8", "fp8", 8, 1, 64, [40, 600, 5], [8, 1, 3], 9, True, 64),
+    ("int8", "bf16", 4, 2, 96, [300, 70], [1, 3], 16, False, 32),
+    ("bf16", None, 6, 2, 64, [17, 520], [1, 4], 64, False, 16),
+]
+
+
+@cases("kv,pv,hq,hkv,d,seq_lens,q_lens,splits,swap,block_n", FUSED_CASES)
+def test_fused_merge_matches_references(device, monkeypatch, kv, pv, hq, hkv, d, seq_lens, q_lens, splits, swap,
+                                        block_n):
+    """``fused_merge``: the split programs merge their own partials (the last to finish per
+    (sequence, KV head), in two levels past 8 splits); one launch, no merge kernel; the
+    same results as the merge kernel's launch (to fp32 summation order), its counters
+    back at zero after every call, and a second call on the reused launch bit-identical."""
+    import int8attn.ops.decode as dec
+
+    base = DecodeConfig(block_n=block_n, num_warps=4, num_stages=3, swap_ab=swap)
+    batch = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=16,
+                                     kv_dtype=kv, seed=3 * d + hq + splits, device=device)
+    monkeypatch.setattr(dec, "default_config", lambda *args: base)
+    separate = _run_and_check(batch, pv_mode=pv, num_splits=splits)
+    fused_cfg = DecodeConfig(block_n=block_n, num_warps=4, num_stages=3, swap_ab=swap, fused_merge=True)
+    monkeypatch.setattr(dec, "default_config", lambda *args: fused_cfg)
+    launches.clear()
+    args = (batch.query, batch.cache, batch.block_table, batch.seq_lens, batch.query_start_loc)
+    fused = _run_and_check(batch, pv_mode=pv, num_splits=splits)
+    assert launches.last("_decode_merge_kernel") is None, "the fused launch ran the merge kernel"
+    assert launches.last("_decode_split_kernel").facts["plan"].config.fused_merge
+    first = decode_attention(*args, pv_mode=pv, num_splits=splits)
+    again = decode_attention(*args, out=testing.poisoned_like(batch.query), pv_mode=pv, num_splits=splits)
+    assert torch.equal(first, again)
+    launch = next(v for v in dec._LAUNCHES.values() if v.plan.config.fused_merge and v.plan.num_splits == splits)
+    assert int(launch._counters.abs().sum()) == 0, "arrival counters not reset"
+    assert abs(fused["rel_l2"] - separate["rel_l2"]) < 1e-3
+
+
+def test_fused_merge_with_bad_metadata(device, monkeypatch):
+    """A sequence with bad metadata under the fused merge: its rows NaN and flagged, the
+    others equal to the valid run, and the counters reset (the next valid call is right)."""
+    import int8attn.ops.decode as dec
+
+    config = DecodeConfig(block_n=32, num_warps=4, num_stages=3, fused_merge=True)
+    monkeypatch.setattr(dec, "default_config", lambda *args: config)
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    monkeypatch.delenv("INT8ATTN_DECODE_SAFE", raising=False)
+    b = testing.make_paged_batch([37, 400, 20], [1, 3, 2], num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                 kv_dtype="int8", seed=43, device=device)
+    args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    good = decode_attention(*args, num_splits=12)
+    starts = b.query_start_loc.tolist()
+    for case in ("block id too large", "seq_len beyond table", "seq_len negative"):
+        bt, sl, qsl, bad_seq, words = _bad_decode_metadata(b)[case]
+        out = decode_attention(b.query, b.cache, bt, sl, qsl, out=testing.poisoned_like(b.query), num_splits=12)
+        rows = torch.zeros(out.shape[0], dtype=torch.bool)
+        rows[starts[bad_seq]:starts[bad_seq + 1]] = True
+        assert torch.isnan(out[rows].float()).all(), f"{case}: rows of sequence {bad_seq} are not all NaN"
+        assert torch.equal(out[~rows], good[~rows]), f"{case}: other sequences changed"
+        with pytest.raises(DeviceMetadataError, match=words):
+            check_errors(device)
+        assert torch.equal(decode_attention(*args, num_splits=12), good), f"{case}: the next valid call differs"

@@ -124,7 +124,8 @@ def _untrusted_metadata(q_start, q_len, seq_len, num_tokens, max_blocks, PAGE: t
 # Integer arguments that only index scalars: not specialized, so one compiled kernel
 # serves every split count and batch width (the vector strides stay specialized).
 _SCALAR_ARGS = ["num_splits", "stride_qst", "stride_qsh", "stride_sb", "stride_sh", "stride_bt",
-                "stride_mt", "stride_mh", "stride_ms", "num_tokens", "num_blocks", "max_blocks"]
+                "stride_mt", "stride_mh", "stride_ms", "num_tokens", "num_blocks", "max_blocks",
+                "stride_cs", "stride_ck"]
 
 
 @triton.jit(do_not_specialize=_SCALAR_ARGS)
@@ -142,10 +143,13 @@ def _decode_split_kernel(
     stride_pt, stride_ph, stride_ps,
     stride_mt, stride_mh, stride_ms,
     flags_ptr, num_tokens, num_blocks, max_blocks,
+    counter_ptr, stride_cs, stride_ck,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
     MAX_QUERY_LEN: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
     INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr = False, SAFE: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = False, MERGE_GROUP: tl.constexpr = 8, MERGE_M: tl.constexpr = 16,
+    MERGE_CHUNK: tl.constexpr = 1,
 ):
     split = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -262,6 +266,114 @@ def _decode_split_kernel(
             _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc_out, m_i, _row_sums(l_out, SWAP_AB), tok, row_head,
                         split, n_active, tl.where(last, row_valid, False), stride_ot, stride_oh, stride_pt,
                         stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEAD_DIM, BLOCK_D, SWAP_AB)
+    if FUSED_MERGE:
+        if n_active > 1:
+            _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr + seq.to(tl.int64) * stride_cs
+                              + kv_head * stride_ck, q_start, q_len, kv_head, split, n_active, num_splits,
+                              stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                              GROUP, HEAD_DIM, BLOCK_D, TOKENS_PER_PASS, MERGE_GROUP, MERGE_M, MERGE_CHUNK)
+
+
+@triton.jit
+def _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_len, kv_head, split, n_active,
+                      num_splits, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
+                      stride_ms, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      TOKENS_PER_PASS: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_M: tl.constexpr,
+                      MERGE_CHUNK: tl.constexpr):
+    """``FUSED_MERGE``: the merge of one (sequence, KV head) inside the split kernel, called
+    by each of its active splits once its partial rows are stored; the last to arrive
+    combines them, so a decode call is one launch.
+
+    ``counters`` points at the (sequence, KV head)'s ``num_splits`` int32 arrival counters
+    (indexed by the program's own grid coordinates, never by metadata values, so no
+    metadata can make two programs share one). Two levels bound the serial work at the
+    end: splits arrive in groups of MERGE_GROUP (counter ``group``); the last arrival of a
+    group merges the group into its first partial slot, then arrives at the top counter
+    (``num_splits - 1``, unused by the groups when there is more than one); the last group
+    merger combines the group results into ``out``. With one group its last arrival writes
+    ``out`` directly. Each last arrival resets its counter to 0, so the counters are ready
+    for the next launch (and CUDA-graph replays) without a memset.
+
+    Memory ordering (the CUTLASS semaphore pattern): a CTA barrier orders every thread's
+    partial stores before the counter's atomic, which has acquire-release semantics at GPU
+    scope (release of this program's stores, acquire of the earlier arrivals'); the last
+    arrival reads the partials past L1 (``.cg``)."""
+    group = split // MERGE_GROUP
+    first = group * MERGE_GROUP
+    count = tl.minimum(n_active - first, MERGE_GROUP)
+    n_groups = tl.cdiv(n_active, MERGE_GROUP)
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counters + group, 1, sem="acq_rel", scope="gpu")
+    if ticket == count - 1:
+        tl.store(counters + group, 0)
+        if n_groups == 1:
+            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, 0, count, 1, stride_ot,
+                          stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, GROUP, HEAD_DIM,
+                          BLOCK_D, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, True)
+        else:
+            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, first, count, 1, stride_ot,
+                          stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, GROUP, HEAD_DIM,
+                          BLOCK_D, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, False)
+            tl.debug_barrier()
+            top = counters + num_splits - 1
+            ticket_top = tl.atomic_add(top, 1, sem="acq_rel", scope="gpu")
+            if ticket_top == n_groups - 1:
+                tl.store(top, 0)
+                _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, 0, n_groups, MERGE_GROUP,
+                              stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                              GROUP, HEAD_DIM, BLOCK_D, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, True)
+
+
+@triton.jit
+def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, first, count, step, stride_ot,
+                  stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, GROUP: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
+                  MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr, TO_OUT: tl.constexpr):
+    """Combine the partials in slots ``first, first + step, ...`` (``count`` of them) of
+    every query row of one (sequence, KV head): into ``out`` (normalized; TO_OUT) or back
+    into slot ``first`` (unnormalized, with its max and sum). Rows are packed as in the
+    split kernel (MERGE_M >= TOKENS_PER_PASS x GROUP rows per pass); MERGE_CHUNK partials
+    are loaded at once as a [chunk, rows, D] tile and folded in online (base-2
+    log-sum-exp, as :func:`_decode_merge_kernel`)."""
+    offs_r = tl.arange(0, MERGE_M)
+    offs_c = tl.arange(0, MERGE_CHUNK)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    r_tok = offs_r // GROUP
+    r_head = kv_head * GROUP + offs_r % GROUP
+    for t0 in range(0, q_len, TOKENS_PER_PASS):
+        valid = (offs_r < TOKENS_PER_PASS * GROUP) & (t0 + r_tok < q_len)
+        tok = (q_start + t0 + r_tok).to(tl.int64)
+        ml_row = tok * stride_mt + r_head * stride_mh
+        acc_row = tok * stride_pt + r_head * stride_ph
+        m_run = tl.full([MERGE_M], NEG_BIG, tl.float32)
+        den = tl.zeros([MERGE_M], tl.float32)
+        acc = tl.zeros([MERGE_M, BLOCK_D], tl.float32)
+        for c0 in range(0, count, MERGE_CHUNK):
+            idx = c0 + offs_c
+            slot = (first + idx * step).to(tl.int64)
+            live = (idx < count)[:, None] & valid[None, :]
+            ml = part_ml_ptr + slot[:, None] * stride_ms + ml_row[None, :]
+            m_c = tl.load(ml, mask=live, other=NEG_BIG, cache_modifier=".cg")
+            l_c = tl.load(ml + 1, mask=live, other=0.0, cache_modifier=".cg")
+            a = tl.load(part_acc_ptr + slot[:, None, None] * stride_ps + acc_row[None, :, None] + offs_d[None, None, :],
+                        mask=live[:, :, None] & d_ok[None, None, :], other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_run, tl.max(m_c, 0))
+            alpha = tl.exp2(m_run - m_new)
+            w = tl.where(live, tl.exp2(m_c - m_new[None, :]), 0.0)
+            acc = acc * alpha[:, None] + tl.sum(a * w[:, :, None], 0)
+            den = den * alpha + tl.sum(w * l_c, 0)
+            m_run = m_new
+        if TO_OUT:
+            o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+            tl.store(out_ptr + tok[:, None] * stride_ot + r_head[:, None] * stride_oh + offs_d[None, :],
+                     o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & d_ok[None, :])
+        else:
+            dst = first.to(tl.int64)
+            tl.store(part_acc_ptr + acc_row[:, None] + dst * stride_ps + offs_d[None, :], acc,
+                     mask=valid[:, None] & d_ok[None, :])
+            tl.store(part_ml_ptr + ml_row + dst * stride_ms, m_run, mask=valid)
+            tl.store(part_ml_ptr + ml_row + dst * stride_ms + 1, den, mask=valid)
 
 
 @triton.jit

@@ -37,6 +37,12 @@ MAX_DECODE_QUERY_LEN = 8
 MERGE_BLOCK_D = 64
 #: Most split partials a merge program loads at once (more are folded in further chunks).
 MERGE_MAX_CHUNK = 64
+#: Splits per first-level group of the fused merge (kernels.decode._arrive_and_merge):
+#: the last split of a group to finish merges the group, the last group merger the groups.
+FUSED_MERGE_GROUP = 8
+#: fp32 elements of the [chunk, rows, D] partial tile a fused-merge step loads at once
+#: (64 registers per thread at 4 warps).
+FUSED_MERGE_TILE = 8192
 #: Upper bound of ``num_splits`` (split-K segments per sequence and KV head).
 MAX_NUM_SPLITS = 256
 #: Most sequences one launch serves: the split kernel's grid has a row per sequence in
@@ -71,6 +77,10 @@ class DecodeConfig:
     #: 4-warp programs whatever the shared memory allows; 168 makes room for a third
     #: (65536 / (128 x 168) = 3), 128 for a fourth, at the cost of a few spills.
     maxnreg: int | None = None
+    #: Merge the split partials inside the split kernel (the last split of a (sequence, KV
+    #: head) to finish combines them; kernels.decode._arrive_and_merge): one launch per
+    #: decode call instead of split + merge kernels.
+    fused_merge: bool = False
 
 
 #: Bytes of one K+V tile the default configs aim at, and the shared memory they may
@@ -436,11 +446,23 @@ def _query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dtype: str,
 @functools.lru_cache(maxsize=64)  # devices x (Hq, D) shapes in use; each entry a few KB
 def _placeholder_partials(device, num_q_heads: int, head_dim: int):
     """[1, Hq, 1, D] and [1, Hq, 1, 2] fp32 stand-ins for the partials of a one-split
-    launch, which writes ``out`` directly and never touches them; shaped like real views
-    so the kernel is specialized the same way as with a workspace. Shared by every such
-    launch (nothing reads or writes them), made once per device and shape."""
+    launch, which writes ``out`` directly and never touches them, and a [1, 1, 1] int32
+    stand-in for the fused merge's counters (read only by a launch with ``fused_merge``
+    and more than one split); shaped like real views so the kernel is specialized the
+    same way as with a workspace. Shared by every such launch (nothing reads or writes
+    them), made once per device and shape."""
     return (torch.empty((1, num_q_heads, 1, head_dim), dtype=torch.float32, device=device),
-            torch.empty((1, num_q_heads, 1, 2), dtype=torch.float32, device=device))
+            torch.empty((1, num_q_heads, 1, 2), dtype=torch.float32, device=device),
+            torch.zeros((1, 1, 1), dtype=torch.int32, device=device))
+
+
+def _fused_merge_constexprs(group: int, tokens_per_pass: int, block_d: int) -> dict:
+    """The fused merge's tile: MERGE_M rows (a pass's packed rows, a power of two) by
+    MERGE_CHUNK partials of ``block_d`` columns, at most FUSED_MERGE_TILE elements."""
+    merge_m = max(2, triton.next_power_of_2(group * tokens_per_pass))
+    chunk = max(1, min(FUSED_MERGE_GROUP, FUSED_MERGE_TILE // (merge_m * block_d)))
+    return dict(FUSED_MERGE=True, MERGE_GROUP=FUSED_MERGE_GROUP, MERGE_M=merge_m,
+                MERGE_CHUNK=1 << (chunk.bit_length() - 1))  # a power of two (tl.arange)
 
 
 class DecodeLaunch:
@@ -474,7 +496,7 @@ class DecodeLaunch:
     __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_part_acc", "_part_ml",
                  "_split_grid", "_split_args", "_split_constexprs", "_merge_grid", "_merge_args",
                  "_merge_constexprs", "_quantize_kernel", "_split_kernel", "_merge_kernel", "_quantize_kernel_lam",
-                 "_query_dims")
+                 "_query_dims", "_counters")
 
     def __init__(self, plan: DecodePlan, cache: PagedKVCache, num_tokens: int, num_q_heads: int, num_seqs: int, *,
                  device, q_strides, q_scale_strides, out_strides, block_table_stride: int,
@@ -489,13 +511,19 @@ class DecodeLaunch:
             self._q_codes = torch.empty((num_tokens, num_q_heads, head_dim), dtype=cache.storage_dtype, device=device)
             self._q_scales = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=device)
             q_strides, q_scale_strides = self._q_codes.stride(), self._q_scales.stride()
+        fused = plan.config.fused_merge and splits > 1
         if splits > 1:
             if workspace is None:
                 workspace = DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=device)
             part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, splits)
+            _, _, counters = _placeholder_partials(device, num_q_heads, head_dim)
         else:
-            part_acc, part_ml = _placeholder_partials(device, num_q_heads, head_dim)
-        self._part_acc, self._part_ml = part_acc, part_ml
+            part_acc, part_ml, counters = _placeholder_partials(device, num_q_heads, head_dim)
+        if fused:
+            # arrival counters per (sequence, KV head, split group): zero between launches
+            # (every launch's last arrivals reset theirs), so they are made once, here
+            counters = torch.zeros((num_seqs, cache.num_kv_heads, splits), dtype=torch.int32, device=device)
+        self._part_acc, self._part_ml, self._counters = part_acc, part_ml, counters
         if cache.quantized:
             scale_strides = cache.key_scale.stride()
         else:
@@ -515,6 +543,7 @@ class DecodeLaunch:
             out_strides[0], out_strides[1],
             *part_strides,
             error_flags(device), num_tokens, cache.num_blocks, max_blocks,
+            counters, counters.stride(0), counters.stride(1),
         )
         safe = _checks.decode_clamps_enabled()
         self._split_constexprs = dict(
@@ -523,19 +552,21 @@ class DecodeLaunch:
             BLOCK_N=block_n, BLOCK_M=plan.block_m, TOKENS_PER_PASS=plan.tokens_per_pass,
             MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[plan.pv_mode],
             INTERPRET=interpret, SWAP_AB=cfg.swap_ab, **({"SAFE": True} if safe else {}),
+            **(_fused_merge_constexprs(num_q_heads // cache.num_kv_heads, plan.tokens_per_pass,
+                                       padded_head_dim(head_dim)) if fused else {}),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
         )
         # launched through CachedLaunch: Triton binds the arguments on the first call only
         # recorded in int8attn.launches with the plan: launches.last("_decode_split_kernel")
         self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs,
-                                          {"plan": plan, "safe": safe})
+                                          {"plan": plan, "safe": safe}, fixed_args=self._split_args)
         self._quantize_kernel = self._merge_kernel = self._quantize_kernel_lam = None
         self._query_dims = (num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
         if quantize:
             self._quantize_kernel = CachedLaunch(_quantize_query_kernel, *self._query_launch)
         self._merge_grid = None
-        if splits > 1:
+        if splits > 1 and not fused:
             merge_cols = merge_columns(head_dim)
             # The tile of partials a program loads is [chunk, merge_cols]: sized to the split
             # count, not to the largest one, so a few splits take few registers and warps and
@@ -552,7 +583,7 @@ class DecodeLaunch:
                 num_warps=max(1, min(4, chunk * merge_cols // 256)),
             )
             self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs,
-                                              {"plan": plan})
+                                              {"plan": plan}, fixed_args=self._merge_args)
 
     @classmethod
     def for_tensors(cls, plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table, out_strides,
@@ -588,8 +619,8 @@ class DecodeLaunch:
             else:
                 q_in = q_quant if q_quant is not None else query
                 q_scale_in, k_scale, v_scale = q_in, cache.key, cache.value
+            # the strides, sizes and owned buffers after these are the launches' fixed_args
             self._split_kernel(q_in, q_scale_in, cache.key, cache.value, k_scale, v_scale,
-                                              block_table, seq_lens, query_start_loc, out, part_acc, part_ml,
-                                              qk_scale, *self._split_args)
+                               block_table, seq_lens, query_start_loc, out, part_acc, part_ml, qk_scale)
             if self._merge_kernel is not None:
-                self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc, *self._merge_args)
+                self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc)
