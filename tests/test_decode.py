@@ -161,7 +161,11 @@ def test_default_orientation_per_pv_mode():
     for mode in ROW_MAJOR_PV["int8"]:
         cfg = default_config("int8", 256, 16, 16, mode)
         assert not cfg.swap_ab and cfg.block_n == 64 and cfg.num_warps == 4
-    assert not default_config("int8", 256, 32, 16, "int8").swap_ab  # 32 packed rows spill when swapped
+    # 32 packed rows: the 8-warp, 128-key swapped tile (4-warp swapped tiles spill there)
+    wide = default_config("int8", 256, 32, 16, "int8")
+    assert wide.swap_ab and wide.num_warps == 8 and wide.block_n == 128
+    assert not default_config("int8", 256, 32, 16, "bf16").swap_ab
+    assert not default_config("fp8", 256, 32, 16, "fp8").swap_ab
     assert not default_config("bf16", 256, 16, 16, "bf16").swap_ab
 
 
@@ -439,7 +443,7 @@ def test_cuda_graph_capture_and_replay():
 
 
 _SM90_COMPILE = r"""
-import json, sys
+import inspect, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -449,10 +453,14 @@ from int8attn.kernels.decode import _decode_split_kernel
 kv, pv, block_n, warps, stages, swap = json.loads(sys.argv[1])
 elem = {"int8": "*i8", "fp8": "*fp8e4nv", "bf16": "*bf16"}[kv]
 const = dict(GROUP=6, HEAD_DIM=256, BLOCK_D=256, PAGE=16, BLOCK_N=block_n, BLOCK_M=16, TOKENS_PER_PASS=1,
-             MAX_QUERY_LEN=8, KV_KIND=KV_KIND[kv], PV_KIND=PV_KIND[pv], INTERPRET=False, SWAP_AB=swap)
+             MAX_QUERY_LEN=8, KV_KIND=KV_KIND[kv], PV_KIND=PV_KIND[pv], INTERPRET=False, SWAP_AB=swap,
+             SAFE=True)  # the clamped kernel launches use by default
+# the other constexprs at their defaults (as a launch that leaves them out compiles them)
+const = {**{n: p.default for n, p in inspect.signature(_decode_split_kernel.fn).parameters.items()
+            if p.default is not inspect.Parameter.empty}, **const}
 ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
             block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16",
-            part_acc_ptr="*fp32", part_ml_ptr="*fp32", flags_ptr="*i32", qk_scale="fp32")
+            part_acc_ptr="*fp32", part_ml_ptr="*fp32", flags_ptr="*i32", counter_ptr="*i32", qk_scale="fp32")
 names = _decode_split_kernel.arg_names
 sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
 aligned = [i for i, n in enumerate(names) if (n in ptrs and n != "qk_scale")

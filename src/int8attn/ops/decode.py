@@ -95,14 +95,16 @@ SMEM_OVERHEAD = 36 * 1024
 #: packed rows). 8-bit caches swap the MMA operands: a 16-row e4m3 dot is otherwise lowered
 #: to HMMA after a conversion to f16, and swapped int8 is faster at all three shapes. Other
 #: shapes keep the tile rule of default_config: at 32 packed rows the 4-warp configs spill
-#: (swapped ones too). Figures: benchmarks/notes/decode.md, "Figures behind
-#: ops.decode.MEASURED_BEST".
+#: (swapped ones too); int8 at 32 rows takes the 8-warp swapped tile of the q4 sweep.
+#: Figures: benchmarks/notes/decode.md, "Figures behind ops.decode.MEASURED_BEST".
 MEASURED_BEST = {
     ("int8", 256, 16): DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True),
     ("int8", 128, 16): DecodeConfig(block_n=128, num_warps=4, num_stages=5, swap_ab=True),
     ("fp8", 256, 16): DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True),
     ("fp8", 128, 16): DecodeConfig(block_n=128, num_warps=4, num_stages=5, swap_ab=True),
     ("bf16", 256, 16): DecodeConfig(block_n=64, num_warps=8, num_stages=5),
+    # q3 / q4 at GQA 6: 0.75x the row-major 64/8/5 time at bs16 L8k / L32k
+    ("int8", 256, 32): DecodeConfig(block_n=128, num_warps=8, num_stages=5, swap_ab=True),
 }
 
 
