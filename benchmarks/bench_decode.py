@@ -214,7 +214,7 @@ class Decode:
     """One timed configuration of our kernel over rotating block tables."""
 
     def __init__(self, cache, shape, bs, ctx, q_len, pv_mode, config=None, num_splits=None, quantize_in_call=False,
-                 tables=None):
+                 tables=None, head_split=None):
         self.cache = cache
         t = bs * q_len
         self.query = torch.randn(t, shape["hq"], shape["d"], device=DEV, dtype=torch.float32).to(torch.bfloat16)
@@ -222,7 +222,7 @@ class Decode:
         self.seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=DEV)
         self.qsl = torch.arange(0, t + 1, q_len, dtype=torch.int32, device=DEV)
         self.plan = dec.plan_decode(tuple(self.query.shape), cache, tuple(self.tables[0].shape), pv_mode=pv_mode,
-                                    num_splits=num_splits, config=config)
+                                    num_splits=num_splits, config=config, head_split=head_split)
         self.qq, self.qs = (None, None) if quantize_in_call or not cache.quantized else quantize_query(
             self.query, cache.kv_dtype)
         self.ws = dec.DecodeWorkspace(t, shape["hq"], shape["d"], max(2, self.plan.num_splits), device=DEV)
@@ -238,17 +238,17 @@ class Decode:
 def _variant_key(kv, pv, shape, plan):
     c = plan.config
     return (kv, pv, shape["hq"], shape["hkv"], shape["d"], shape["page"], plan.tokens_per_pass, plan.block_m,
-            c.block_n, c.num_warps, c.num_stages, c.min_block_m, c.swap_ab, c.maxnreg, c.fused_merge)
+            c.block_n, c.num_warps, c.num_stages, c.min_block_m, c.swap_ab, c.maxnreg, c.fused_merge, plan.head_split)
 
 
 def _compile_worker(key):
     """Run one variant once on toy inputs with the same specialization (worker process)."""
-    kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm, swap, maxnreg, fused = key
+    kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm, swap, maxnreg, fused, hsplit = key
     shape = dict(hq=hq, hkv=hkv, d=d, page=page)
     bs, ctx = 2, 4 * max(block_n, page)
     cache = make_cache(kv, bs * ctx // page, shape)
     cfg = dec.DecodeConfig(block_n, warps, stages, min_bm, swap, maxnreg, fused)
-    plan = dec.DecodePlan(num_splits=2, tokens_per_pass=tpp, block_m=block_m, config=cfg, pv_mode=pv)
+    plan = dec.DecodePlan(num_splits=2, tokens_per_pass=tpp, block_m=block_m, config=cfg, pv_mode=pv, head_split=hsplit)
     q = torch.randn(bs * tpp, hq, d, device=DEV).to(torch.bfloat16)
     bt = torch.arange(bs * ctx // page, dtype=torch.int32, device=DEV).view(bs, -1)
     sl = torch.full((bs,), ctx, dtype=torch.int32, device=DEV)
@@ -260,10 +260,10 @@ def _compile_worker(key):
 
 
 def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_splits=None, graph_only=False,
-              quantize_in_call=False, extra=None):
+              quantize_in_call=False, extra=None, head_split=None):
     cache = r.caches[kv] if shape is HEADLINE else r.caches_d128[kv]
     try:
-        runner = Decode(cache, shape, bs, ctx, q_len, pv, cfg, num_splits, quantize_in_call)
+        runner = Decode(cache, shape, bs, ctx, q_len, pv, cfg, num_splits, quantize_in_call, head_split=head_split)
         runner()
         r.sync()
         res = {"graph_us": r.time(runner, True)}   # each call runs the next block table
@@ -280,14 +280,14 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
                num_splits=p.num_splits, block_m=p.block_m, tokens_per_pass=p.tokens_per_pass,
                block_n=p.config.block_n, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
                min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, maxnreg=p.config.maxnreg,
-               fused_merge=p.config.fused_merge, bytes=nbytes,
+               fused_merge=p.config.fused_merge, head_split=p.head_split, bytes=nbytes,
                quantize_in_call=quantize_in_call,
                config_source="tuned" if cfg is not None and cfg == r.best.get(kv) else (
                    "default" if cfg is None else "explicit"), **res)
     pct_copy(r, row)
     row.update(extra or {})
     r.row(**row)
-    r.log(f"{tag:6s} {name:12s} bs{bs:3d} L{ctx:6d} q{q_len} S{p.num_splits:3d} BN{p.config.block_n:4d} "
+    r.log(f"{tag:6s} {name:12s} bs{bs:3d} L{ctx:6d} q{q_len} S{p.num_splits:3d} H{p.head_split} BN{p.config.block_n:4d} "
         f"w{p.config.num_warps} st{p.config.num_stages}{' swap' if p.config.swap_ab else ''}"
         f"{f' r{p.config.maxnreg}' if p.config.maxnreg else ''} graph {res['graph_us']:9.1f}us "
         f"({row['graph_pct_copy']:5.1f}%)" + (f" eager {res['eager_us']:9.1f}us ({row['eager_pct_copy']:5.1f}%)"
@@ -329,9 +329,10 @@ def setup(r: Run) -> None:
     # every variant the run may time, compiled in parallel worker processes
     keys = set()
 
-    def want(kv, pv, shape, bs, q_len, config=None):
+    def want(kv, pv, shape, bs, q_len, config=None, head_split=None):
         cache = r.caches[kv] if shape is HEADLINE else r.caches_d128[kv]
-        plan = dec.plan_decode((bs * q_len, shape["hq"], shape["d"]), cache, (bs, 2048), pv_mode=pv, config=config)
+        plan = dec.plan_decode((bs * q_len, shape["hq"], shape["d"]), cache, (bs, 2048), pv_mode=pv, config=config,
+                               head_split=head_split)
         keys.add(_variant_key(kv, plan.pv_mode, shape, plan))
 
     for name, (kv, pv, cfg) in PATHS.items():
@@ -348,7 +349,11 @@ def setup(r: Run) -> None:
     for c in D128_FP8_CONFIGS:
         want("fp8", None, COMMON, 16, 1, dec.DecodeConfig(*c))
     for c in MT_CONFIGS:
-        want("int8", None, HEADLINE, 16, 4, dec.DecodeConfig(*c))
+        want("int8", None, HEADLINE, 16, 4, dec.DecodeConfig(*c), head_split=1)
+    for kv in ("int8", "fp8", "bf16"):
+        for q_len in (4, 8):
+            want(kv, None, HEADLINE, 16, q_len)
+            want(kv, None, HEADLINE, 16, q_len, head_split=1)
     for kv in ("int8", "fp8", "bf16"):
         for bs, q_len in ((1, 1), (16, 1), (16, 2), (16, 4)):
             base = dec.plan_decode((bs * q_len, 24, 256), r.caches[kv], (bs, 2048)).config
@@ -493,6 +498,26 @@ def multi_token(r: Run) -> None:
 MT_CONFIGS = [(64, 8, 5), (128, 8, 5, 16, True), (128, 4, 5, 16, True), (64, 4, 6, 16, True), (32, 8, 9)]
 
 
+@H.section("hsplit")
+def head_split(r: Run) -> None:
+    """Multi-token steps with the GQA group shared out over programs (the planner's
+    head_split: q4 -> 2 programs of 12 rows, q8 -> 3 of 16) against one program per KV
+    head (head_split=1: 24 / 48 rows), at bs 1 / 16 / 64, three cache dtypes."""
+    for bs, ctx in [(1, CONTEXTS[-1]), (BS_MID, L8K), (BS_MID, CONTEXTS[-1]), (BATCHES[-1], L8K)]:
+        for kv in ("int8", "fp8", "bf16"):
+            if r.late(f"hsplit {kv} bs{bs} L{ctx}"):
+                return
+            time_path(r, "hsplit", f"{kv} q1", kv, None, None, HEADLINE, bs, ctx, q_len=1, graph_only=True)
+            for q_len in (4, 8) if kv == "int8" else (4,):
+                time_path(r, "hsplit", f"{kv} q{q_len} split", kv, None, None, HEADLINE, bs, ctx, q_len=q_len,
+                          graph_only=True)
+                time_path(r, "hsplit", f"{kv} q{q_len} one", kv, None, None, HEADLINE, bs, ctx, q_len=q_len,
+                          graph_only=True, head_split=1)
+    base = dec.plan_decode((BS_MID * 4, 24, 256), r.caches["int8"], (BS_MID, L8K // 16)).config
+    time_path(r, "hsplit", "int8 q4 split fused", "int8", None, _fused(base), HEADLINE, BS_MID, L8K, q_len=4,
+              graph_only=True)
+
+
 @H.section("mtcfg")
 def multi_token_configs(r: Run) -> None:
     """q4 against q1 at the q4 goal's points (bs16 L8k / L32k) over candidate configs."""
@@ -502,7 +527,7 @@ def multi_token_configs(r: Run) -> None:
             if r.late(f"mtcfg {cfg_label(c)} bs{bs} L{ctx}"):
                 return
             time_path(r, "mtcfg", f"int8 {cfg_label(c)}", "int8", None, dec.DecodeConfig(*c), HEADLINE, bs, ctx,
-                      q_len=4, graph_only=True)
+                      q_len=4, graph_only=True, head_split=1)
 
 
 def _fused(cfg: "dec.DecodeConfig") -> "dec.DecodeConfig":
@@ -777,7 +802,7 @@ def main():
 
 
 SECTIONS = (accuracy, tune, grid, small_batch, occupancy, profiles, batch_sweep, multi_token, multi_token_configs,
-            fused_merge, d128, split_sweep, peers)
+            head_split, fused_merge, d128, split_sweep, peers)
 
 if __name__ == "__main__":
     main()

@@ -680,3 +680,54 @@ def test_fused_merge_with_bad_metadata(device, monkeypatch):
         with pytest.raises(DeviceMetadataError, match=words):
             check_errors(device)
         assert torch.equal(decode_attention(*args, num_splits=12), good), f"{case}: the next valid call differs"
+
+
+
+# ---------------------------------------------------------------- head split (GQA group over programs)
+# (kv, pv, q_heads, kv_heads, head_dim, seq_lens, q_lens, head_split, fused, swap)
+HEAD_SPLIT_CASES = [
+    ("int8", "int8", 12, 2, 64, [17, 97, 123], [4, 1, 3], 2, False, False),
+    ("int8", "int8", 12, 2, 128, [300, 40], [4, 2], 3, False, True),
+    ("int8", "int8", 12, 2, 64, [400, 97], [4, 8], 2, True, True),
+    ("fp8", "fp8", 8, 1, 64, [97, 33], [3, 1], 4, False, True),
+    ("bf16", None, 6, 2, 96, [123, 17], [4, 2], 3, True, False),
+    ("int8", "bf16", 8, 2, 64, [70, 9], [2, 2], 2, False, False),
+]
+
+
+@cases("kv,pv,hq,hkv,d,seq_lens,q_lens,head_split,fused,swap", HEAD_SPLIT_CASES)
+def test_head_split_matches_references(device, monkeypatch, kv, pv, hq, hkv, d, seq_lens, q_lens, head_split, fused,
+                                       swap):
+    """A KV head's query heads shared out over ``head_split`` programs (each packing its
+    share of the group): the same results, with the merge kernel or the fused merge."""
+    import int8attn.ops.decode as dec
+
+    config = DecodeConfig(block_n=64, num_warps=4, num_stages=3, swap_ab=swap, fused_merge=fused)
+    monkeypatch.setattr(dec, "default_config", lambda *args: config)
+    real_plan = dec.plan_decode
+    monkeypatch.setattr(dec, "plan_decode", lambda *a, **k: real_plan(*a, **{**k, "head_split": head_split}))
+    batch = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=16,
+                                     kv_dtype=kv, seed=5 * d + hq + head_split, device=device)
+    _run_and_check(batch, pv_mode=pv, num_splits=3)
+    plan = launches.last("_decode_split_kernel").facts["plan"]
+    assert plan.head_split == head_split and plan.block_m >= (hq // hkv // head_split) * plan.tokens_per_pass
+
+
+def test_choose_head_split():
+    """Multi-token steps whose packed rows exceed 16 split the group (smallest divisor that
+    fits 16 rows); single-token decode never does; a bad explicit value is refused."""
+    from int8attn.ops.decode import choose_head_split
+
+    assert choose_head_split(6, 16, 16) == 1            # q1
+    assert choose_head_split(6, 32, 16) == 1            # q2: 12 rows
+    assert choose_head_split(6, 64, 16) == 2            # q4: 24 rows -> 2 x 12
+    assert choose_head_split(6, 16, 16, max_query_len=8) == 3  # q8: 48 rows -> 3 x 16
+    assert choose_head_split(8, 48, 16) == 2            # q3: 24 -> 2 x 12
+    assert choose_head_split(32, 32, 32) == 1           # q1 at GQA 32: one program, as before
+    assert choose_head_split(5, 40, 10) == 5            # q4 at GQA 5: 20 rows, only 5 x 4 fits
+    b = testing.make_paged_batch([20], [4], num_q_heads=6, num_kv_heads=1, head_dim=64, kv_dtype="int8", seed=1,
+                                 device="cpu")
+    for bad in (0, 4, 7, 2.0):
+        with pytest.raises(ValueError, match="head_split"):
+            plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), head_split=bad)
+    assert plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape)).head_split == 2

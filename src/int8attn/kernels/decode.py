@@ -4,7 +4,10 @@ One program of :func:`_decode_split_kernel` owns one (split, KV head, sequence).
 rows pack every query head of the KV group times the query tokens of one pass
 (row ``r`` = token ``r // GROUP`` of the pass, head ``kv_head * GROUP + r % GROUP``),
 padded to ``BLOCK_M >= 16`` rows, so each K/V tile is read from memory once for all of
-them. The program walks its share of the sequence's KV tiles (``BLOCK_N`` keys, a
+them. With ``HEAD_SPLIT > 1`` the group's heads are shared out over that many programs
+(grid axis 1 is ``KV head x HEAD_SPLIT``), each packing ``GROUP // HEAD_SPLIT`` heads:
+a multi-token step then fits the 16-row tile, and sibling programs, adjacent in the
+grid, read the same K/V tiles at about the same time (the second read hits L2). The program walks its share of the sequence's KV tiles (``BLOCK_N`` keys, a
 multiple of the page size; one block-table entry per page, broadcast to the page's keys).
 When all the sequence's query tokens fit in one pass (the common case) Q, its scales and
 the causal limits are loaded once before the tile loop; longer queries take a flat
@@ -149,10 +152,19 @@ def _decode_split_kernel(
     MAX_QUERY_LEN: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
     INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr = False, SAFE: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False, MERGE_GROUP: tl.constexpr = 8, MERGE_M: tl.constexpr = 16,
-    MERGE_CHUNK: tl.constexpr = 1,
+    MERGE_CHUNK: tl.constexpr = 1, HEAD_SPLIT: tl.constexpr = 1,
 ):
     split = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # HEAD_SPLIT programs share a KV head, each with GROUP // HEAD_SPLIT of its query heads
+    # (siblings read the same K/V tiles at about the same time: the second read is an L2 hit)
+    kv_prog = tl.program_id(1)
+    HEADS: tl.constexpr = GROUP // HEAD_SPLIT
+    if HEAD_SPLIT == 1:
+        kv_head = kv_prog
+        head0 = kv_head * GROUP
+    else:
+        kv_head = kv_prog // HEAD_SPLIT
+        head0 = kv_head * GROUP + (kv_prog % HEAD_SPLIT) * HEADS
     seq = tl.program_id(2)
 
     # The program's start is a chain of loads (lengths -> block table -> K/V). seq_len is
@@ -167,7 +179,7 @@ def _decode_split_kernel(
                                                                      max_blocks, PAGE, MAX_QUERY_LEN)
         bad = bad_q | bad_len
         _raise_error(flags_ptr, tl.where(bad_q, ERR_QUERY_LEN, 0) | tl.where(bad_len, ERR_SEQ_LEN, 0), seq,
-                     bad & (split == 0) & (kv_head == 0))
+                     bad & (split == 0) & (kv_prog == 0))
     if (q_len <= 0) | (q_len > MAX_QUERY_LEN) | (seq_len <= 0):
         return
     n_active = _num_active_splits(seq_len, num_splits, BLOCK_N)
@@ -177,8 +189,8 @@ def _decode_split_kernel(
     tile_lo, tile_count = _split_tiles(seq_len, split, num_splits, BLOCK_N)
 
     offs_m = tl.arange(0, BLOCK_M)
-    row_tok = offs_m // GROUP
-    row_head = kv_head * GROUP + offs_m % GROUP
+    row_tok = offs_m // HEADS
+    row_head = head0 + offs_m % HEADS
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
     data_head = kv_head.to(tl.int64) * stride_ch
     scale_head = kv_head.to(tl.int64) * stride_sh
@@ -269,20 +281,21 @@ def _decode_split_kernel(
     if FUSED_MERGE:
         if n_active > 1:
             _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr + seq.to(tl.int64) * stride_cs
-                              + kv_head * stride_ck, q_start, q_len, kv_head, split, n_active, num_splits,
+                              + kv_prog * stride_ck, q_start, q_len, head0, split, n_active, num_splits,
                               stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
-                              GROUP, HEAD_DIM, BLOCK_D, TOKENS_PER_PASS, MERGE_GROUP, MERGE_M, MERGE_CHUNK)
+                              HEADS, HEAD_DIM, BLOCK_D, TOKENS_PER_PASS, MERGE_GROUP, MERGE_M, MERGE_CHUNK)
 
 
 @triton.jit
-def _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_len, kv_head, split, n_active,
+def _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_len, head0, split, n_active,
                       num_splits, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
-                      stride_ms, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                      stride_ms, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                       TOKENS_PER_PASS: tl.constexpr, MERGE_GROUP: tl.constexpr, MERGE_M: tl.constexpr,
                       MERGE_CHUNK: tl.constexpr):
-    """``FUSED_MERGE``: the merge of one (sequence, KV head) inside the split kernel, called
-    by each of its active splits once its partial rows are stored; the last to arrive
-    combines them, so a decode call is one launch.
+    """``FUSED_MERGE``: the merge of one program's rows -- query heads ``head0 .. head0 +
+    HEADS - 1`` of one sequence -- inside the split kernel, called by each of its active
+    splits once its partial rows are stored; the last to arrive combines them, so a decode
+    call is one launch.
 
     ``counters`` points at the (sequence, KV head)'s ``num_splits`` int32 arrival counters
     (indexed by the program's own grid coordinates, never by metadata values, so no
@@ -307,42 +320,42 @@ def _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_l
     if ticket == count - 1:
         tl.store(counters + group, 0)
         if n_groups == 1:
-            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, 0, count, 1, stride_ot,
-                          stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, GROUP, HEAD_DIM,
+            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, 0, count, 1, stride_ot,
+                          stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEADS, HEAD_DIM,
                           BLOCK_D, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, True)
         else:
-            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, first, count, 1, stride_ot,
-                          stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, GROUP, HEAD_DIM,
+            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, first, count, 1, stride_ot,
+                          stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEADS, HEAD_DIM,
                           BLOCK_D, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, False)
             tl.debug_barrier()
             top = counters + num_splits - 1
             ticket_top = tl.atomic_add(top, 1, sem="acq_rel", scope="gpu")
             if ticket_top == n_groups - 1:
                 tl.store(top, 0)
-                _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, 0, n_groups, MERGE_GROUP,
+                _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, 0, n_groups, MERGE_GROUP,
                               stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
-                              GROUP, HEAD_DIM, BLOCK_D, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, True)
+                              HEADS, HEAD_DIM, BLOCK_D, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, True)
 
 
 @triton.jit
-def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, kv_head, first, count, step, stride_ot,
-                  stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, GROUP: tl.constexpr,
+def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, first, count, step, stride_ot,
+                  stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEADS: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
                   MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr, TO_OUT: tl.constexpr):
     """Combine the partials in slots ``first, first + step, ...`` (``count`` of them) of
-    every query row of one (sequence, KV head): into ``out`` (normalized; TO_OUT) or back
-    into slot ``first`` (unnormalized, with its max and sum). Rows are packed as in the
-    split kernel (MERGE_M >= TOKENS_PER_PASS x GROUP rows per pass); MERGE_CHUNK partials
+    every query row of one program's heads (``head0 ..``, HEADS of them): into ``out``
+    (normalized; TO_OUT) or back into slot ``first`` (unnormalized, with its max and sum).
+    Rows are packed as in the split kernel (MERGE_M >= TOKENS_PER_PASS x HEADS rows per pass); MERGE_CHUNK partials
     are loaded at once as a [chunk, rows, D] tile and folded in online (base-2
     log-sum-exp, as :func:`_decode_merge_kernel`)."""
     offs_r = tl.arange(0, MERGE_M)
     offs_c = tl.arange(0, MERGE_CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
-    r_tok = offs_r // GROUP
-    r_head = kv_head * GROUP + offs_r % GROUP
+    r_tok = offs_r // HEADS
+    r_head = head0 + offs_r % HEADS
     for t0 in range(0, q_len, TOKENS_PER_PASS):
-        valid = (offs_r < TOKENS_PER_PASS * GROUP) & (t0 + r_tok < q_len)
+        valid = (offs_r < TOKENS_PER_PASS * HEADS) & (t0 + r_tok < q_len)
         tok = (q_start + t0 + r_tok).to(tl.int64)
         ml_row = tok * stride_mt + r_head * stride_mh
         acc_row = tok * stride_pt + r_head * stride_ph

@@ -230,6 +230,9 @@ class DecodePlan:
     block_m: int
     config: DecodeConfig
     pv_mode: str
+    #: programs per (split, KV head), each packing ``group // head_split`` query heads
+    #: (see :func:`choose_head_split`)
+    head_split: int = 1
 
 
 class _PlanCache(NamedTuple):
@@ -244,19 +247,23 @@ class _PlanCache(NamedTuple):
 
 
 def plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode=None, num_splits=None,
-                config: DecodeConfig | None = None, max_query_len: int | None = None) -> DecodePlan:
+                config: DecodeConfig | None = None, max_query_len: int | None = None,
+                head_split: int | None = None) -> DecodePlan:
     """The launch plan of :func:`decode_attention` for these shapes (no device access).
 
     ``max_query_len``: the longest decode query of the batch when the caller knows it on
     the host (a router planning a batch does); it sizes the packed rows so every sequence
     is done in one pass. Without it the mean query length is used.
 
+    ``head_split``: programs per (split, KV head), each packing ``group // head_split`` of
+    the KV head's query heads (a divisor of the group); None: :func:`choose_head_split`.
+
     Plans are memoized (:func:`_memo_plan`): the same shapes and options give the same
     plan object."""
     facts = _PlanCache(cache.kv_dtype, cache.num_kv_heads, cache.block_size, cache.key.element_size(), cache.device)
     # the planning functions in use are part of the key: replacing one (a test, a sweep) replans
     args = (tuple(query_shape), facts, tuple(block_table_shape), pv_mode, num_splits, config, max_query_len,
-            (default_config, choose_num_splits, _programs_per_sm))
+            head_split, (default_config, choose_num_splits, _programs_per_sm, choose_head_split))
     try:
         hash(args)
     except TypeError:  # an unhashable option: let the planner reject it
@@ -266,18 +273,44 @@ def plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode=
 
 @functools.lru_cache(maxsize=1024, typed=True)  # typed: num_splits=True is not num_splits=1
 def _memo_plan(query_shape, cache: _PlanCache, block_table_shape, pv_mode, num_splits, config, max_query_len,
-               planners) -> DecodePlan:
+               head_split, planners) -> DecodePlan:
     """Memoized :func:`_plan_decode`; ``planners`` only keys the memo. Call
     ``_memo_plan.cache_clear()`` after changing ``MEASURED_BEST`` in place at run time."""
-    return _plan_decode(query_shape, cache, block_table_shape, pv_mode, num_splits, config, max_query_len)
+    return _plan_decode(query_shape, cache, block_table_shape, pv_mode, num_splits, config, max_query_len,
+                        head_split)
+
+
+def choose_head_split(group: int, num_tokens: int, num_seqs: int, max_query_len: int | None = None) -> int:
+    """Programs per (split, KV head) from host shapes: 1 for single-token decode; for a
+    multi-token step whose packed rows (group x query tokens, as :func:`rows_per_program`
+    counts them) exceed 16, the smallest divisor of the group that brings them to 16 or
+    fewer -- the 16-row tile, whose 8-bit form is the 4-warp operand-swapped one that
+    reads at ~95% of copy bandwidth, where 32 rows need a two-warpgroup tile (q4 at GQA 6:
+    1.55x the q1 time). The sibling programs read the same K/V tiles; adjacent in the grid,
+    the second read is an L2 hit."""
+    tokens = -(-num_tokens // max(num_seqs, 1)) if max_query_len is None else max(1, int(max_query_len))
+    tokens = min(tokens, MAX_DECODE_QUERY_LEN)
+    if tokens <= 1 or group * tokens <= 16:
+        return 1
+    for split in range(2, group + 1):
+        if group % split == 0 and (group // split) * tokens <= 16:
+            return split
+    return group
 
 
 def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None, num_splits=None,
-                 config: DecodeConfig | None = None, max_query_len: int | None = None) -> DecodePlan:
+                 config: DecodeConfig | None = None, max_query_len: int | None = None,
+                 head_split: int | None = None) -> DecodePlan:
     """:func:`plan_decode` without the memo."""
     num_tokens, num_q_heads, head_dim = query_shape
     num_seqs, max_blocks = block_table_shape
-    group = num_q_heads // cache.num_kv_heads
+    kv_group = num_q_heads // cache.num_kv_heads
+    if head_split is None:
+        head_split = choose_head_split(kv_group, num_tokens, num_seqs, max_query_len)
+    elif not _checks.is_int(head_split, 1, kv_group) or kv_group % head_split:
+        raise ValueError(f"head_split must be a divisor of the GQA group {kv_group}, got {head_split!r}")
+    # the rows one program packs: its share of the group's heads
+    group = kv_group // head_split
     allowed = PV_MODES[cache.kv_dtype]
     if pv_mode is None:
         # the cache's own precision: INT8 PV (shifted 0..255 P) meets the accuracy goal and
@@ -303,11 +336,12 @@ def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None
     elem = cache.elem_bytes
     if num_splits is None:
         slots = sm_count(cache.device) * _programs_per_sm(config, padded_head_dim(head_dim), elem)
-        num_splits = choose_num_splits(num_seqs, cache.num_kv_heads, max_blocks * cache.block_size, config.block_n,
-                                       group * tokens, head_dim, elem, slots)
+        num_splits = choose_num_splits(num_seqs, cache.num_kv_heads * head_split, max_blocks * cache.block_size,
+                                       config.block_n, group * tokens, head_dim, elem, slots)
     elif not _checks.is_int(num_splits, 1, MAX_NUM_SPLITS):
         raise ValueError(f"num_splits must be an int in [1, {MAX_NUM_SPLITS}], got {num_splits!r}")
-    return DecodePlan(num_splits=num_splits, tokens_per_pass=tokens, block_m=block_m, config=config, pv_mode=pv_mode)
+    return DecodePlan(num_splits=num_splits, tokens_per_pass=tokens, block_m=block_m, config=config, pv_mode=pv_mode,
+                      head_split=head_split)
 
 
 def decode_attention(query, cache, block_table, seq_lens, query_start_loc, *, softmax_scale=None, out=None,
@@ -521,10 +555,11 @@ class DecodeLaunch:
             _, _, counters = _placeholder_partials(device, num_q_heads, head_dim)
         else:
             part_acc, part_ml, counters = _placeholder_partials(device, num_q_heads, head_dim)
+        hs = plan.head_split
         if fused:
-            # arrival counters per (sequence, KV head, split group): zero between launches
-            # (every launch's last arrivals reset theirs), so they are made once, here
-            counters = torch.zeros((num_seqs, cache.num_kv_heads, splits), dtype=torch.int32, device=device)
+            # arrival counters per (sequence, program of a KV head, split group): zero between
+            # launches (every launch's last arrivals reset theirs), so they are made once, here
+            counters = torch.zeros((num_seqs, cache.num_kv_heads * hs, splits), dtype=torch.int32, device=device)
         self._part_acc, self._part_ml, self._counters = part_acc, part_ml, counters
         if cache.quantized:
             scale_strides = cache.key_scale.stride()
@@ -534,7 +569,7 @@ class DecodeLaunch:
         block_n = max(cfg.block_n, cache.block_size)
         part_strides = (*part_acc.stride()[:3], *part_ml.stride()[:3])
         key_strides = cache.key.stride()
-        self._split_grid = (splits, cache.num_kv_heads, num_seqs)
+        self._split_grid = (splits, cache.num_kv_heads * hs, num_seqs)
         # the split kernel's arguments after qk_scale, in its signature's order
         self._split_args = (
             splits,
@@ -554,7 +589,8 @@ class DecodeLaunch:
             BLOCK_N=block_n, BLOCK_M=plan.block_m, TOKENS_PER_PASS=plan.tokens_per_pass,
             MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[plan.pv_mode],
             INTERPRET=interpret, SWAP_AB=cfg.swap_ab, **({"SAFE": True} if safe else {}),
-            **(_fused_merge_constexprs(num_q_heads // cache.num_kv_heads, plan.tokens_per_pass,
+            HEAD_SPLIT=hs,
+            **(_fused_merge_constexprs(num_q_heads // cache.num_kv_heads // hs, plan.tokens_per_pass,
                                        padded_head_dim(head_dim)) if fused else {}),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
