@@ -714,20 +714,23 @@ def test_head_split_matches_references(device, monkeypatch, kv, pv, hq, hkv, d, 
 
 
 def test_choose_head_split():
-    """Multi-token steps whose packed rows exceed 16 split the group (smallest divisor that
-    fits 16 rows); single-token decode never does; a bad explicit value is refused."""
+    """Multi-token steps whose packed rows exceed the widest measured tile split the group
+    (smallest divisor that fits 16 rows); single-token decode never does; the planner lets
+    int8 at head_dim 256 keep 32 rows in one program; a bad explicit value is refused."""
     from int8attn.ops.decode import choose_head_split
 
     assert choose_head_split(6, 16, 16) == 1            # q1
     assert choose_head_split(6, 32, 16) == 1            # q2: 12 rows
     assert choose_head_split(6, 64, 16) == 2            # q4: 24 rows -> 2 x 12
-    assert choose_head_split(6, 16, 16, max_query_len=8) == 3  # q8: 48 rows -> 3 x 16
+    assert choose_head_split(6, 64, 16, max_rows=32) == 1  # ... unless a 32-row tile is measured good
+    assert choose_head_split(6, 16, 16, max_query_len=8, max_rows=32) == 3  # q8: 48 rows -> 3 x 16
     assert choose_head_split(8, 48, 16) == 2            # q3: 24 -> 2 x 12
-    assert choose_head_split(32, 32, 32) == 1           # q1 at GQA 32: one program, as before
+    assert choose_head_split(16, 16, 16) == 1           # q1 at GQA 16: one program
     assert choose_head_split(5, 40, 10) == 5            # q4 at GQA 5: 20 rows, only 5 x 4 fits
-    b = testing.make_paged_batch([20], [4], num_q_heads=6, num_kv_heads=1, head_dim=64, kv_dtype="int8", seed=1,
-                                 device="cpu")
+    for kv, d, want in (("int8", 256, 1), ("fp8", 256, 2), ("bf16", 256, 2), ("int8", 64, 2)):
+        b = testing.make_paged_batch([20], [4], num_q_heads=6, num_kv_heads=1, head_dim=d, kv_dtype=kv, seed=1,
+                                     device="cpu")
+        assert plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape)).head_split == want, (kv, d)
     for bad in (0, 4, 7, 2.0):
         with pytest.raises(ValueError, match="head_split"):
             plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), head_split=bad)
-    assert plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape)).head_split == 2

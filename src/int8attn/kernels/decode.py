@@ -42,7 +42,9 @@ at most one; programs with ``split >= n_active`` exit at once. The sizes come fr
 ``seq_len`` on the device, so the host never reads lengths. A sequence with one active
 split writes its output directly; otherwise each split writes (running max, sum,
 unnormalized output) per row to the workspace and :func:`_decode_merge_kernel` combines
-them. Sequences with ``q_len == 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows
+them -- or, with ``FUSED_MERGE``, the last of the sequence's splits to finish does
+(:func:`_arrive_and_merge`, arrival counters ``counter_ptr`` [num_seqs, Hkv x HEAD_SPLIT,
+num_splits] int32, zero between launches): one launch per call. Sequences with ``q_len == 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows
 are not written).
 
 head_dim: any multiple of 16 from 16 to 256. The tiles span ``BLOCK_D``, head_dim rounded

@@ -280,17 +280,20 @@ def _memo_plan(query_shape, cache: _PlanCache, block_table_shape, pv_mode, num_s
                         head_split)
 
 
-def choose_head_split(group: int, num_tokens: int, num_seqs: int, max_query_len: int | None = None) -> int:
-    """Programs per (split, KV head) from host shapes: 1 for single-token decode; for a
-    multi-token step whose packed rows (group x query tokens, as :func:`rows_per_program`
-    counts them) exceed 16, the smallest divisor of the group that brings them to 16 or
-    fewer -- the 16-row tile, whose 8-bit form is the 4-warp operand-swapped one that
-    reads at ~95% of copy bandwidth, where 32 rows need a two-warpgroup tile (q4 at GQA 6:
-    1.55x the q1 time). The sibling programs read the same K/V tiles; adjacent in the grid,
-    the second read is an L2 hit."""
+def choose_head_split(group: int, num_tokens: int, num_seqs: int, max_query_len: int | None = None,
+                      max_rows: int = 16) -> int:
+    """Programs per (split, KV head) from host shapes: 1 while the packed rows (group x
+    query tokens, as :func:`rows_per_program` counts them) fit ``max_rows`` -- 16, or 32
+    where a 32-row tile was measured good (int8 at head_dim 256, ``MEASURED_BEST``); beyond,
+    the smallest divisor of the group that brings a program's rows to 16 or fewer: the
+    16-row tile, whose 8-bit form is the 4-warp operand-swapped one that reads at ~95% of
+    copy bandwidth. The sibling programs read the same K/V tiles (adjacent in the grid, much
+    of the second read hits L2). H200, bs16 L8k graph: fp8 q4 126.3 us split against 207.9 as
+    one program, int8 q8 207.2 against 460.0, bf16 q4 211.3 against 225.8; int8 q4 as one
+    32-row program 119.9 against 137.0 split (benchmarks/notes/decode.md)."""
     tokens = -(-num_tokens // max(num_seqs, 1)) if max_query_len is None else max(1, int(max_query_len))
     tokens = min(tokens, MAX_DECODE_QUERY_LEN)
-    if tokens <= 1 or group * tokens <= 16:
+    if group * tokens <= max_rows:
         return 1
     for split in range(2, group + 1):
         if group % split == 0 and (group // split) * tokens <= 16:
@@ -306,7 +309,8 @@ def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None
     num_seqs, max_blocks = block_table_shape
     kv_group = num_q_heads // cache.num_kv_heads
     if head_split is None:
-        head_split = choose_head_split(kv_group, num_tokens, num_seqs, max_query_len)
+        wide = (cache.kv_dtype, padded_head_dim(head_dim), 32) in MEASURED_BEST
+        head_split = choose_head_split(kv_group, num_tokens, num_seqs, max_query_len, 32 if wide else 16)
     elif not _checks.is_int(head_split, 1, kv_group) or kv_group % head_split:
         raise ValueError(f"head_split must be a divisor of the GQA group {kv_group}, got {head_split!r}")
     # the rows one program packs: its share of the group's heads
@@ -510,8 +514,9 @@ class DecodeLaunch:
     ``quantize``, the query-quantization launch and its outputs (q codes [T, Hq, D] of the
     cache's storage dtype, q scales [T, Hq] fp32, owned by this object and overwritten by
     every call). Calling it launches, in stream order: the query quantization (with
-    ``quantize``), the split kernel, the merge kernel (more than one split). No
-    validation, no host sync, no allocation: capturable in a CUDA graph.
+    ``quantize``), the split kernel, the merge kernel (more than one split, unless the
+    config fuses the merge into the split kernel; the fused merge's arrival counters are
+    owned here too). No validation, no host sync, no allocation: capturable in a CUDA graph.
 
     :func:`decode_attention` builds one per call; an :class:`~int8attn.ops.attention.AttentionPlan`
     keeps one per input layout and reuses it for every layer and step.
