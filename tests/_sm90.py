@@ -35,6 +35,15 @@ def _arg_type(value):
     raise TypeError(f"no sm_90 signature type for {type(value).__name__}")
 
 
+def _defaults(fn) -> dict:
+    """Default values of an interpreted kernel's parameters (from the Python function)."""
+    import inspect
+
+    py = getattr(fn, "fn", fn)
+    return {n: p.default for n, p in inspect.signature(py).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
 @contextlib.contextmanager
 def launched_kernels():
     """Record every interpreted launch inside the block: yields a list of dicts
@@ -61,9 +70,12 @@ def launched_kernels():
                     pass
             const[name] = value
             sig[name] = "constexpr"
+        defaults = _defaults(fn)
         for name in list(const):
             if name == "INTERPRET":
                 const[name] = False
+            elif const[name] is None and name not in params and name in defaults:
+                const[name] = defaults[name]  # left out of the launch: Triton binds its default
         rec = dict(module=fn.__module__, name=fn.__name__, signature=sig, constexprs=const, options=options)
         key = json.dumps(rec, sort_keys=True, default=str)
         if key not in seen:
