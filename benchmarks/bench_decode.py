@@ -21,6 +21,9 @@ over). Sections, each under try/except so one failure does not lose the rest:
    and without a register cap (DecodeConfig.maxnreg) at the FP8-goal points; ``prof``:
    split / merge kernel device times (torch profiler) against the graph time;
 5. ``batch``: bs 1..64 at L 8k (no cliff); 6. ``mt``: q_len 2 and 4 at a few points;
+   ``mtcfg``: q4 over candidate 32-row configs (one program per KV head); ``hsplit``: q4 /
+   q8 with the planner's head split against one program per KV head; ``fused``: the
+   fused merge (one launch) against split + merge kernels, graph and eager;
 7. ``d128``: 32q/8kv D128; 8. ``splits``: split counts around the planner's choice;
 9. ``peers``: FlashInfer paged decode (fa2 tensor-core kernel, BF16 and FP8 e4m3 K/V) at
    the headline grid points, when installed (benchmarks/_peers.py; rows carry its version).
