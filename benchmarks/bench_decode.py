@@ -290,7 +290,8 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
     pct_copy(r, row)
     row.update(extra or {})
     r.row(**row)
-    r.log(f"{tag:6s} {name:12s} bs{bs:3d} L{ctx:6d} q{q_len} S{p.num_splits:3d} H{p.head_split} BN{p.config.block_n:4d} "
+    r.log(f"{tag:6s} {name:12s} bs{bs:3d} L{ctx:6d} q{q_len} S{p.num_splits:3d} H{p.head_split} "
+        f"BN{p.config.block_n:4d} "
         f"w{p.config.num_warps} st{p.config.num_stages}{' swap' if p.config.swap_ab else ''}"
         f"{f' r{p.config.maxnreg}' if p.config.maxnreg else ''} graph {res['graph_us']:9.1f}us "
         f"({row['graph_pct_copy']:5.1f}%)" + (f" eager {res['eager_us']:9.1f}us ({row['eager_pct_copy']:5.1f}%)"

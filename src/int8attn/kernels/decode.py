@@ -7,7 +7,8 @@ padded to ``BLOCK_M >= 16`` rows, so each K/V tile is read from memory once for 
 them. With ``HEAD_SPLIT > 1`` the group's heads are shared out over that many programs
 (grid axis 1 is ``KV head x HEAD_SPLIT``), each packing ``GROUP // HEAD_SPLIT`` heads:
 a multi-token step then fits the 16-row tile, and sibling programs, adjacent in the
-grid, read the same K/V tiles at about the same time (the second read hits L2). The program walks its share of the sequence's KV tiles (``BLOCK_N`` keys, a
+grid, read the same K/V tiles at about the same time (part of the second read hits L2).
+The program walks its share of the sequence's KV tiles (``BLOCK_N`` keys, a
 multiple of the page size; one block-table entry per page, broadcast to the page's keys).
 When all the sequence's query tokens fit in one pass (the common case) Q, its scales and
 the causal limits are loaded once before the tile loop; longer queries take a flat
@@ -44,8 +45,8 @@ split writes its output directly; otherwise each split writes (running max, sum,
 unnormalized output) per row to the workspace and :func:`_decode_merge_kernel` combines
 them -- or, with ``FUSED_MERGE``, the last of the sequence's splits to finish does
 (:func:`_arrive_and_merge`, arrival counters ``counter_ptr`` [num_seqs, Hkv x HEAD_SPLIT,
-num_splits] int32, zero between launches): one launch per call. Sequences with ``q_len == 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows
-are not written).
+num_splits] int32, zero between launches): one launch per call. Sequences with
+``q_len == 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows are not written).
 
 head_dim: any multiple of 16 from 16 to 256. The tiles span ``BLOCK_D``, head_dim rounded
 up to a power of two (``tl.arange`` and the MMA shapes need one); when the two differ, every
@@ -158,7 +159,8 @@ def _decode_split_kernel(
 ):
     split = tl.program_id(0)
     # HEAD_SPLIT programs share a KV head, each with GROUP // HEAD_SPLIT of its query heads
-    # (siblings read the same K/V tiles at about the same time: the second read is an L2 hit)
+    # (siblings read the same K/V tiles at about the same time: part of the second read
+    # hits L2)
     kv_prog = tl.program_id(1)
     HEADS: tl.constexpr = GROUP // HEAD_SPLIT
     if HEAD_SPLIT == 1:
