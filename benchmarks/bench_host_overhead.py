@@ -65,8 +65,7 @@ from int8attn.ops import producer as prod
 from int8attn.ops.attention import attention, plan_attention
 
 HQ, HKV, D, PAGE = 24, 4, 256, 16
-PLANNED = ("plan.run", "attention(plan=)", "plan.run q_quant", "plan.run fused", "plan.run q_quant fused",
-           "plan.run triton-runner")
+PLANNED = ("plan.run", "attention(plan=)", "plan.run q_quant", "plan.run fused", "plan.run q_quant fused")
 LAYERS = 16
 
 
@@ -161,15 +160,11 @@ def make_batch(kv_dtype: str, batch: int, length: int, device: str, full_cache: 
     return query, cache, block_table, seq_lens, qsl, out
 
 
-def _variant_plans(cache, bt, sl, qsl, q, scale, out, real: bool) -> dict:
+def _variant_plans(cache, bt, sl, qsl, q, scale, out) -> dict:
     """Planned calls next to ``plan.run``: with the producer's query codes given
     (``q_quant``: no quantization launch), with the fused merge (one launch for the split
-    kernel and its merge), both, and (real launches) through Triton's own runner instead
-    of the direct launch (``ops._launch.DIRECT``: fixed when a launch first compiles, so
-    that plan's launches are built with it off)."""
+    kernel and its merge), and both."""
     import dataclasses
-
-    from int8attn.ops import _launch
 
     plan_fused = _plan_with(lambda c: dataclasses.replace(c, fused_merge=True), cache, bt, sl, qsl)
     fns = {"plan.run fused": lambda: plan_fused.run(q, cache, bt, sl, qsl, scale, out)}
@@ -179,15 +174,6 @@ def _variant_plans(cache, bt, sl, qsl, q, scale, out, real: bool) -> dict:
         fns["plan.run q_quant"] = lambda: plan_q.run(q, cache, bt, sl, qsl, scale, out, q_quant=qq, q_scale=qs)
         fns["plan.run q_quant fused"] = lambda: plan_fused.run(q, cache, bt, sl, qsl, scale, out, q_quant=qq,
                                                                q_scale=qs)
-    if real:
-        plan_r = plan_attention(cache, bt, sl, qsl, HQ)
-        _launch.DIRECT = False
-        try:
-            plan_r.run(q, cache, bt, sl, qsl, scale, out)  # builds and compiles its launches now
-            plan_r.run(q, cache, bt, sl, qsl, scale, out)
-        finally:
-            _launch.DIRECT = True
-        fns["plan.run triton-runner"] = lambda: plan_r.run(q, cache, bt, sl, qsl, scale, out)
     return fns
 
 
@@ -263,7 +249,7 @@ def _measure_batch(mode, device, kv_dtype, batch, length, n, repeats, rec, graph
     ws = dec.DecodeWorkspace(batch, HQ, D, device=device)
     # the planned calls first: the no-plan router also compiles the prefill kernel (its grid
     # runs for T > 8 tokens), the slowest compile of the lot
-    variants = _variant_plans(cache, bt, sl, qsl, q, scale, out, on_gpu and mode == "real")
+    variants = _variant_plans(cache, bt, sl, qsl, q, scale, out)
     fns = {
         "plan.run": lambda: plan.run(q, cache, bt, sl, qsl, scale, out),
         **variants,

@@ -24,62 +24,6 @@ import torch
 
 from .. import launches
 
-#: Launch through the backend's C launcher directly where Triton's layout allows it (see
-#: :func:`_runner`); False: through the compiled kernel's own runner ``compiled[grid]``.
-#: benchmarks/bench_launch_cost.py times both.
-DIRECT = True
-
-
-def _stream_lookup():
-    """``() -> raw stream handle`` of the current device, as Triton's runner looks it up."""
-    from triton.runtime.driver import driver
-
-    active = driver.active
-    get_device, get_stream = active.get_current_device, active.get_current_stream
-    return lambda: get_stream(get_device())
-
-
-def _runner(compiled, grid: tuple):
-    """The cheapest call that launches ``compiled`` over ``grid`` (three dims) with the
-    kernel's positional arguments, through Triton's own launcher.
-
-    ``compiled[grid]`` (Triton's runner) looks the device and stream up, builds the
-    launch metadata of profiler hooks and calls the backend launcher, whose Python
-    ``__call__`` allocates scratch buffers before its C launch. With no launch hook
-    installed (a profiler such as proton installs one: every call then takes Triton's
-    runner) and a kernel that needs no scratch, only the stream lookup and the C launch
-    are needed. The C launch is called directly where the launcher has Triton 3.6's layout
-    (``__call__(gridX, gridY, gridZ, stream, function, *args)`` forwarding to ``launch``
-    with the cooperative / PDL flags and two scratch pointers first); elsewhere the
-    launcher itself is called with the runner's arguments."""
-    slow = compiled[grid]
-    run, function, packed = (getattr(compiled, name, None) for name in ("run", "function", "packed_metadata"))
-    if not DIRECT or run is None or function is None or packed is None:
-        return slow
-    from triton import knobs
-
-    hooks = knobs.runtime
-    current_stream = _stream_lookup()
-    g0, g1, g2 = grid
-    c_launch = getattr(run, "launch", None)
-    params = list(inspect.signature(type(run).__call__).parameters) if callable(run) else []
-    if (c_launch is not None and params == ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
-            and not getattr(run, "global_scratch_size", 1) and not getattr(run, "profile_scratch_size", 1)):
-        coop, pdl = run.launch_cooperative_grid, run.launch_pdl
-
-        def direct(*args):
-            if hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
-                return slow(*args)
-            c_launch(g0, g1, g2, current_stream(), function, coop, pdl, None, None, packed, None, None, None, *args)
-        return direct
-
-    def via_launcher(*args):
-        if hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
-            return slow(*args)
-        run(g0, g1, g2, current_stream(), function, packed, None, None, None, *args)
-    return via_launcher
-
-
 def _signature(args) -> tuple:
     """What the compiled kernel was specialized on: dtype and 16-byte alignment of each
     tensor, the type and value of everything else (True == 1, but Triton types them apart)."""
@@ -95,13 +39,13 @@ def _identities(args) -> tuple:
 
 def _defaults(kernel) -> dict:
     """Default values of a Triton kernel's parameters, read from the Python function it
-    wraps (``kernel.fn``, as JITFunction and the interpreter's function keep it); none are
-    known for a kernel without one."""
-    fn = getattr(kernel, "fn", None)
-    if fn is None:
+    wraps (``kernel.fn``, as JITFunction and the interpreter's function keep it) or from
+    ``kernel`` itself when it is that function; none are known for anything else."""
+    try:
+        params = inspect.signature(getattr(kernel, "fn", kernel)).parameters
+    except (TypeError, ValueError):
         return {}
-    return {name: p.default for name, p in inspect.signature(fn).parameters.items()
-            if p.default is not inspect.Parameter.empty}
+    return {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
 
 
 def _is_same(ident, arg) -> bool:
@@ -166,6 +110,6 @@ class CachedLaunch:
             if all(n in given for n in names):
                 self._tail = self.fixed_args + tuple(given[n] for n in names)
                 self._compiled, self._signature, self._last = compiled, _signature(args), _identities(args)
-                self._runner = _runner(compiled, self.grid)
+                self._runner = compiled[self.grid]
         launches.record(self._name, compiled, self._facts)
         return compiled
