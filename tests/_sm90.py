@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+from int8attn.ops._launch import _defaults
+
 _PTR = {torch.int8: "*i8", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv", torch.bfloat16: "*bf16",
         torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32", torch.int64: "*i64"}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "maxnreg")
@@ -33,15 +35,6 @@ def _arg_type(value):
     if isinstance(value, float):
         return "fp32"
     raise TypeError(f"no sm_90 signature type for {type(value).__name__}")
-
-
-def _defaults(fn) -> dict:
-    """Default values of an interpreted kernel's parameters (from the Python function)."""
-    import inspect
-
-    py = getattr(fn, "fn", fn)
-    return {n: p.default for n, p in inspect.signature(py).parameters.items()
-            if p.default is not inspect.Parameter.empty}
 
 
 @contextlib.contextmanager
@@ -70,7 +63,7 @@ def launched_kernels():
                     pass
             const[name] = value
             sig[name] = "constexpr"
-        defaults = _defaults(fn)
+        defaults = _defaults(fn)  # the launcher's rule: a left-out constexpr takes its default
         for name in list(const):
             if name == "INTERPRET":
                 const[name] = False

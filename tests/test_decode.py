@@ -443,12 +443,13 @@ def test_cuda_graph_capture_and_replay():
 
 
 _SM90_COMPILE = r"""
-import inspect, json, sys
+import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from int8attn.kernels.codes import KV_KIND, PV_KIND
 from int8attn.kernels.decode import _decode_split_kernel
+from int8attn.ops._launch import _defaults
 
 kv, pv, block_n, warps, stages, swap = json.loads(sys.argv[1])
 elem = {"int8": "*i8", "fp8": "*fp8e4nv", "bf16": "*bf16"}[kv]
@@ -456,8 +457,7 @@ const = dict(GROUP=6, HEAD_DIM=256, BLOCK_D=256, PAGE=16, BLOCK_N=block_n, BLOCK
              MAX_QUERY_LEN=8, KV_KIND=KV_KIND[kv], PV_KIND=PV_KIND[pv], INTERPRET=False, SWAP_AB=swap,
              SAFE=True)  # the clamped kernel launches use by default
 # the other constexprs at their defaults (as a launch that leaves them out compiles them)
-const = {**{n: p.default for n, p in inspect.signature(_decode_split_kernel.fn).parameters.items()
-            if p.default is not inspect.Parameter.empty}, **const}
+const = {**_defaults(_decode_split_kernel), **const}
 ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
             block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16",
             part_acc_ptr="*fp32", part_ml_ptr="*fp32", flags_ptr="*i32", counter_ptr="*i32", qk_scale="fp32")

@@ -301,7 +301,8 @@ def _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_l
     splits once its partial rows are stored; the last to arrive combines them, so a decode
     call is one launch.
 
-    ``counters`` points at the (sequence, KV head)'s ``num_splits`` int32 arrival counters
+    ``counters`` points at the ``num_splits`` int32 arrival counters of the program's
+    (sequence, grid axis 1) slot -- its KV head, or its share of it under HEAD_SPLIT --
     (indexed by the program's own grid coordinates, never by metadata values, so no
     metadata can make two programs share one). Two levels bound the serial work at the
     end: splits arrive in groups of MERGE_GROUP (counter ``group``); the last arrival of a

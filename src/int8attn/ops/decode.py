@@ -553,14 +553,12 @@ class DecodeLaunch:
             self._q_scales = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=device)
             q_strides, q_scale_strides = self._q_codes.stride(), self._q_scales.stride()
         fused = plan.config.fused_merge and splits > 1
+        hs = plan.head_split
+        part_acc, part_ml, counters = _placeholder_partials(device, num_q_heads, head_dim)
         if splits > 1:
             if workspace is None:
                 workspace = DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=device)
             part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, splits)
-            _, _, counters = _placeholder_partials(device, num_q_heads, head_dim)
-        else:
-            part_acc, part_ml, counters = _placeholder_partials(device, num_q_heads, head_dim)
-        hs = plan.head_split
         if fused:
             # arrival counters per (sequence, program of a KV head, split group): zero between
             # launches (every launch's last arrivals reset theirs), so they are made once, here
