@@ -139,7 +139,7 @@ def cfg_label(c) -> str:
     c = c if isinstance(c, dec.DecodeConfig) else dec.DecodeConfig(*c)
     return (f"{c.block_n}/{c.num_warps}/{c.num_stages}" + (f"/m{c.min_block_m}" if c.min_block_m != 16 else "")
             + ("/swap" if c.swap_ab else "") + (f"/r{c.maxnreg}" if c.maxnreg else "")
-            + ("/fused" if c.fused_merge else ""))
+            + ({True: "/fused", "last": "/fused", "barrier": "/barrier"}.get(c.fused_merge, "")))
 # head_dim 128, 16 rows (32q/8kv): int8 128/4/4 is 22 warp-instructions per key, 198 regs;
 # int8 128/4/5 swapped 29, 233 regs (row-major 128/4/5: 23, 223 regs);
 # fp8 swapped 64/4/6 39 per key, 193 regs; 128/4/5 27, 255 regs (128/4/4 keeps one tile: unpipelined)
@@ -534,14 +534,15 @@ def multi_token_configs(r: Run) -> None:
                       q_len=4, graph_only=True, head_split=1)
 
 
-def _fused(cfg: "dec.DecodeConfig") -> "dec.DecodeConfig":
-    return dataclasses.replace(cfg, fused_merge=True)
+def _fused(cfg: "dec.DecodeConfig", mode=True) -> "dec.DecodeConfig":
+    return dataclasses.replace(cfg, fused_merge=mode)
 
 
 @H.section("fused")
 def fused_merge(r: Run) -> None:
-    """One launch (the split programs merge their own partials) against split + merge
-    kernels, same config and split count, graph and eager, at the grid points."""
+    """One launch (the split programs merge their own partials: the last to finish, or
+    all of them after a barrier) against split + merge kernels, same config, graph and
+    eager, at the grid points; then the barrier merge over small batches (graph)."""
     for bs in BATCHES:
         for ctx in CONTEXTS if not QUICK else (L8K, CONTEXTS[-1]):
             for kv in ("int8", "fp8", "bf16"):
@@ -550,6 +551,15 @@ def fused_merge(r: Run) -> None:
                 base = dec.plan_decode((bs, 24, 256), r.caches[kv], (bs, ctx // 16)).config
                 time_path(r, "fused", f"{kv} two-launch", kv, None, base, HEADLINE, bs, ctx)
                 time_path(r, "fused", f"{kv} fused", kv, None, _fused(base), HEADLINE, bs, ctx)
+                time_path(r, "fused", f"{kv} barrier", kv, None, _fused(base, "barrier"), HEADLINE, bs, ctx)
+    for bs in (2, 4, 8) if not SMOKE else (2,):
+        for ctx in (L8K, CONTEXTS[-1]):
+            if r.late(f"fused barrier bs{bs} L{ctx}"):
+                return
+            base = dec.plan_decode((bs, 24, 256), r.caches["int8"], (bs, ctx // 16)).config
+            time_path(r, "fused", "int8 two-launch", "int8", None, base, HEADLINE, bs, ctx, graph_only=True)
+            time_path(r, "fused", "int8 barrier", "int8", None, _fused(base, "barrier"), HEADLINE, bs, ctx,
+                      graph_only=True)
     for q_len in MT_QLENS:
         for ctx in (L8K, CONTEXTS[-1]):
             base = dec.plan_decode((BS_MID * q_len, 24, 256), r.caches["int8"], (BS_MID, ctx // 16)).config

@@ -167,13 +167,17 @@ def _variant_plans(cache, bt, sl, qsl, q, scale, out) -> dict:
     import dataclasses
 
     plan_fused = _plan_with(lambda c: dataclasses.replace(c, fused_merge=True), cache, bt, sl, qsl)
-    fns = {"plan.run fused": lambda: plan_fused.run(q, cache, bt, sl, qsl, scale, out)}
+    plan_barrier = _plan_with(lambda c: dataclasses.replace(c, fused_merge="barrier"), cache, bt, sl, qsl)
+    fns = {"plan.run fused": lambda: plan_fused.run(q, cache, bt, sl, qsl, scale, out),
+           "plan.run barrier": lambda: plan_barrier.run(q, cache, bt, sl, qsl, scale, out)}
     if cache.quantized:
         qq, qs = prod.quantize_query(q, cache.kv_dtype)
         plan_q = plan_attention(cache, bt, sl, qsl, HQ)
         fns["plan.run q_quant"] = lambda: plan_q.run(q, cache, bt, sl, qsl, scale, out, q_quant=qq, q_scale=qs)
         fns["plan.run q_quant fused"] = lambda: plan_fused.run(q, cache, bt, sl, qsl, scale, out, q_quant=qq,
                                                                q_scale=qs)
+        fns["plan.run q_quant barrier"] = lambda: plan_barrier.run(q, cache, bt, sl, qsl, scale, out, q_quant=qq,
+                                                                   q_scale=qs)
     return fns
 
 

@@ -32,7 +32,7 @@ echo "$(echo $files | wc -w) test files in $SHARDS shards (limit ${LIMIT}s)" | t
 SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
 (
   for op in ${MEMCHECK_OPS:-write producer prefill decode}; do
-    INT8ATTN_CHECK_VALUES=0 timeout $([ $op = decode ] && echo 150 || echo 90) "$SAN" --tool memcheck --error-exitcode 9 \
+    INT8ATTN_CHECK_VALUES=0 timeout $([ $op = decode ] && echo 240 || echo 90) "$SAN" --tool memcheck --error-exitcode 9 \
       python3 benchmarks/memcheck_cases.py --op $op 2>&1 | tail -3
   done
 ) >"$OUT/memcheck.log" 2>&1 &

@@ -101,16 +101,18 @@ def prefill_cases() -> None:
 
 
 def decode_cases() -> None:
-    """Every case with the split + merge kernels and with the fused merge (one launch)."""
+    """Every case with the split + merge kernels and with each fused merge (one launch:
+    the last split merges, or every split after a barrier; the barrier only on a GPU)."""
     import dataclasses
 
     from int8attn.ops import decode as dec
 
     real = dec.default_config
-    for fused in (False, True):
-        dec.default_config = (lambda *a, **k: dataclasses.replace(real(*a, **k), fused_merge=True)) if fused else real
+    for fused in (False, True, "barrier") if DEVICE == "cuda" else (False, True):
+        dec.default_config = ((lambda *a, k_=fused, **k: dataclasses.replace(real(*a, **k), fused_merge=k_))
+                              if fused else real)
         try:
-            _decode_cases("fused " if fused else "")
+            _decode_cases({False: "", True: "fused ", "barrier": "barrier "}[fused])
         finally:
             dec.default_config = real
 

@@ -451,11 +451,11 @@ from int8attn.kernels.codes import KV_KIND, PV_KIND
 from int8attn.kernels.decode import _decode_split_kernel
 from int8attn.ops._launch import _defaults
 
-kv, pv, block_n, warps, stages, swap = json.loads(sys.argv[1])
+kv, pv, block_n, warps, stages, swap, extra, asm = json.loads(sys.argv[1])
 elem = {"int8": "*i8", "fp8": "*fp8e4nv", "bf16": "*bf16"}[kv]
 const = dict(GROUP=6, HEAD_DIM=256, BLOCK_D=256, PAGE=16, BLOCK_N=block_n, BLOCK_M=16, TOKENS_PER_PASS=1,
              MAX_QUERY_LEN=8, KV_KIND=KV_KIND[kv], PV_KIND=PV_KIND[pv], INTERPRET=False, SWAP_AB=swap,
-             SAFE=True)  # the clamped kernel launches use by default
+             SAFE=True, **extra)  # the clamped kernel launches use by default
 # the other constexprs at their defaults (as a launch that leaves them out compiles them)
 const = {**_defaults(_decode_split_kernel), **const}
 ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
@@ -470,24 +470,27 @@ compiled = triton.compile(
     ASTSource(fn=_decode_split_kernel, signature=sig, constexprs=const,
               attrs={(i,): [["tt.divisibility", 16]] for i in aligned}),
     target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-sys.stdout.write(compiled.asm["ttgir"])
+sys.stdout.write(compiled.asm[asm])
 """
 
 
-def _ttgir_for_sm90(kv_dtype: str, pv_mode: str, config: DecodeConfig) -> str:
-    """TTGIR of the split kernel compiled ahead of time for sm_90 (no GPU needed), in a
-    subprocess because this test session runs Triton in its interpreter."""
+def _ttgir_for_sm90(kv_dtype: str, pv_mode: str, config: DecodeConfig, extra: dict | None = None,
+                    asm: str = "ttgir") -> str:
+    """TTGIR (or ``asm``: "ptx") of the split kernel compiled ahead of time for sm_90 (no
+    GPU needed; ``extra``: more constexprs), in a subprocess because this test session runs
+    Triton in its interpreter."""
     import json
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, TRITON_INTERPRET="0")
-    args = json.dumps([kv_dtype, pv_mode, config.block_n, config.num_warps, config.num_stages, config.swap_ab])
+    args = json.dumps([kv_dtype, pv_mode, config.block_n, config.num_warps, config.num_stages, config.swap_ab,
+                       extra or {}, asm])
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE, args], capture_output=True, text=True, env=env,
                           timeout=300)
     # a compile failure is a failure (ptxas ships in the Triton wheel: every machine can compile)
-    assert proc.returncode == 0 and "scf.for" in proc.stdout, f"sm_90 compile failed: {proc.stderr[-3000:]}"
+    assert proc.returncode == 0 and proc.stdout, f"sm_90 compile failed: {proc.stderr[-3000:]}"
     return proc.stdout
 
 
@@ -627,13 +630,23 @@ FUSED_CASES = [
 ]
 
 
+#: the fused merges; the barrier merge needs every program resident at once, which the
+#: interpreter (one program after another) never has: it runs on the GPU only (its sm_90
+#: code is checked on every machine by test_barrier_merge_compiles_for_sm90)
+FUSED_MODES = [pytest.param(True, id="last"),
+               pytest.param("barrier", id="barrier", marks=pytest.mark.skipif(
+                   not torch.cuda.is_available(), reason="the barrier merge runs on a GPU only"))]
+
+
+@pytest.mark.parametrize("mode", FUSED_MODES)
 @cases("kv,pv,hq,hkv,d,seq_lens,q_lens,splits,swap,block_n", FUSED_CASES)
-def test_fused_merge_matches_references(device, monkeypatch, kv, pv, hq, hkv, d, seq_lens, q_lens, splits, swap,
-                                        block_n):
+def test_fused_merge_matches_references(device, monkeypatch, mode, kv, pv, hq, hkv, d, seq_lens, q_lens, splits,
+                                        swap, block_n):
     """``fused_merge``: the split programs merge their own partials (the last to finish per
-    (sequence, KV head), in two levels past 8 splits); one launch, no merge kernel; the
-    same results as the merge kernel's launch (to fp32 summation order), its counters
-    back at zero after every call, and a second call on the reused launch bit-identical."""
+    (sequence, KV head), in two levels past 8 splits; or, "barrier", every split its share
+    of the columns after all have arrived); one launch, no merge kernel; the same results
+    as the merge kernel's launch (to fp32 summation order), the counters left valid for the
+    next call (arrivals back at zero), and a second call on the reused launch bit-identical."""
     import int8attn.ops.decode as dec
 
     base = DecodeConfig(block_n=block_n, num_warps=4, num_stages=3, swap_ab=swap)
@@ -641,27 +654,30 @@ def test_fused_merge_matches_references(device, monkeypatch, kv, pv, hq, hkv, d,
                                      kv_dtype=kv, seed=3 * d + hq + splits, device=device)
     monkeypatch.setattr(dec, "default_config", lambda *args: base)
     separate = _run_and_check(batch, pv_mode=pv, num_splits=splits)
-    fused_cfg = DecodeConfig(block_n=block_n, num_warps=4, num_stages=3, swap_ab=swap, fused_merge=True)
+    fused_cfg = DecodeConfig(block_n=block_n, num_warps=4, num_stages=3, swap_ab=swap, fused_merge=mode)
     monkeypatch.setattr(dec, "default_config", lambda *args: fused_cfg)
     launches.clear()
     args = (batch.query, batch.cache, batch.block_table, batch.seq_lens, batch.query_start_loc)
     fused = _run_and_check(batch, pv_mode=pv, num_splits=splits)
     assert launches.last("_decode_merge_kernel") is None, "the fused launch ran the merge kernel"
-    assert launches.last("_decode_split_kernel").facts["plan"].config.fused_merge
+    assert launches.last("_decode_split_kernel").facts["plan"].merge == ("last" if mode is True else mode)
     first = decode_attention(*args, pv_mode=pv, num_splits=splits)
     again = decode_attention(*args, out=testing.poisoned_like(batch.query), pv_mode=pv, num_splits=splits)
     assert torch.equal(first, again)
-    launch = next(v for v in dec._LAUNCHES.values() if v.plan.config.fused_merge and v.plan.num_splits == splits)
-    assert int(launch._counters.abs().sum()) == 0, "arrival counters not reset"
+    launch = next(v for v in dec._LAUNCHES.values() if v.plan.config.fused_merge == mode
+                  and v.plan.num_splits == splits)
+    counters = launch._counters if mode is True else launch._counters[..., 0]
+    assert int(counters.abs().sum()) == 0, "arrival counters not reset"
     assert abs(fused["rel_l2"] - separate["rel_l2"]) < 1e-3
 
 
-def test_fused_merge_with_bad_metadata(device, monkeypatch):
+@pytest.mark.parametrize("mode", FUSED_MODES)
+def test_fused_merge_with_bad_metadata(device, monkeypatch, mode):
     """A sequence with bad metadata under the fused merge: its rows NaN and flagged, the
     others equal to the valid run, and the counters reset (the next valid call is right)."""
     import int8attn.ops.decode as dec
 
-    config = DecodeConfig(block_n=32, num_warps=4, num_stages=3, fused_merge=True)
+    config = DecodeConfig(block_n=32, num_warps=4, num_stages=3, fused_merge=mode)
     monkeypatch.setattr(dec, "default_config", lambda *args: config)
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
     monkeypatch.delenv("INT8ATTN_DECODE_SAFE", raising=False)
@@ -681,6 +697,54 @@ def test_fused_merge_with_bad_metadata(device, monkeypatch):
             check_errors(device)
         assert torch.equal(decode_attention(*args, num_splits=12), good), f"{case}: the next valid call differs"
 
+
+
+def test_barrier_merge_plan(device, monkeypatch):
+    """``fused_merge="barrier"``: the planner caps the split count at the resident program
+    slots (the grid must be co-resident), keeps "barrier" while the grid fits and takes
+    "last" when it cannot (more programs than slots at two splits); under the interpreter
+    the launch runs the last-arrival merge (FUSED_MERGE code of "last"); a bad value is
+    refused."""
+    import int8attn.ops.decode as dec
+    from int8attn.kernels.codes import MERGE
+
+    cfg = DecodeConfig(block_n=32, num_warps=4, num_stages=3, fused_merge="barrier")
+    cache = testing.make_paged_batch([40], [1], num_q_heads=8, num_kv_heads=2, head_dim=64, device=device).cache
+    slots = dec.sm_count(cache.device) * dec._programs_per_sm(cfg, 64, cache.key.element_size())
+    small = dec.plan_decode((1, 8, 64), cache, (1, 4096), config=cfg)
+    assert small.merge == "barrier" and 2 <= small.num_splits and 2 * small.num_splits <= slots
+    wide = dec.plan_decode((slots, 8, 64), cache, (slots, 4096), config=cfg)
+    assert wide.merge == "last" or wide.num_splits == 1
+    with pytest.raises(ValueError, match="fused_merge"):
+        dec.plan_decode((1, 8, 64), cache, (1, 64), config=DecodeConfig(32, 4, 3, fused_merge="grid"))
+    if device == "cpu":
+        monkeypatch.setattr(dec, "default_config", lambda *args: cfg)
+        b = testing.make_paged_batch([300, 70], [1, 2], num_q_heads=8, num_kv_heads=2, head_dim=64, seed=5)
+        _run_and_check(b, num_splits=4)
+        rec = launches.last("_decode_split_kernel")
+        assert rec.facts["plan"].merge == "barrier"
+        launch = next(v for v in dec._LAUNCHES.values() if v.plan is rec.facts["plan"])
+        assert launch._split_constexprs["FUSED_MERGE"] == MERGE["last"]
+        assert "launch_cooperative_grid" not in launch._split_constexprs
+
+
+def test_barrier_merge_compiles_for_sm90():
+    """The barrier merge's sm_90 code (compiled ahead of time, no GPU): one thread per
+    program reads the generation with an acquire load, takes its ticket with an acq_rel
+    add and, the last, advances the generation with a release add; the others spin on
+    acquire loads; the tile loop is still software-pipelined (async copies in the loop)."""
+    import re
+
+    cfg = DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True)
+    extra = dict(FUSED_MERGE=2, MERGE_M=8, MERGE_CHUNK=64, MERGE_COLS=4)
+    ptx = _ttgir_for_sm90("int8", "int8", cfg, extra, asm="ptx")
+    assert len(re.findall(r"ld\.global\.gpu\.acquire\.b32", ptx)) >= 2, "no acquire loads of the generation"
+    assert re.search(r"atom\.global\.gpu\.acq_rel\.add\.u32", ptx), "no acq_rel arrival ticket"
+    # (a result-less add may be emitted as a reduction)
+    assert re.search(r"(atom|red)\.global\.gpu\.release\.add\.u32", ptx), "no release of the generation"
+    ttgir = _ttgir_for_sm90("int8", "int8", cfg, extra)
+    assert "scf.while" in ttgir, "no spin loop"
+    assert "ttg.async_copy_global_to_local" in ttgir and "ttg.async_wait" in ttgir
 
 
 # ---------------------------------------------------------------- head split (GQA group over programs)

@@ -14,6 +14,10 @@ and test follows.
   decode's default (prefill's is ``ops.prefill.DEFAULT_PV``). "bf16" means a 16-bit float
   PV product (fp16 for 8-bit caches: their V values are exact in it).
 * ``QK_ROUTE`` -- the route of the gate's QK-only kernel (kernels/qk_tile.py).
+* ``MERGE`` -- where decode's split partials are merged (``FUSED_MERGE`` of the split
+  kernel): ``kernel`` by the separate merge kernel, ``last`` by the last split of a
+  (sequence, KV head) to finish, ``barrier`` by every split after a barrier (cooperative
+  launch only: it needs every program resident).
 """
 
 import triton.language as tl
@@ -22,6 +26,7 @@ KV_KIND = {"int8": 0, "fp8": 1, "bf16": 2}
 PV_KIND = {"int8": 0, "int8_signed": 1, "fp8": 2, "bf16": 3}
 PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
 QK_ROUTE = {"bf16": 0, "int8_to_bf16": 1, "int8_native": 2}
+MERGE = {"kernel": 0, "last": 1, "barrier": 2}
 
 # constexpr names for @triton.jit bodies
 KIND_INT8 = tl.constexpr(KV_KIND["int8"])
@@ -34,3 +39,5 @@ PV_BF16 = tl.constexpr(PV_KIND["bf16"])
 ROUTE_BF16 = tl.constexpr(QK_ROUTE["bf16"])
 ROUTE_INT8_TO_BF16 = tl.constexpr(QK_ROUTE["int8_to_bf16"])
 ROUTE_INT8_NATIVE = tl.constexpr(QK_ROUTE["int8_native"])
+MERGE_LAST = tl.constexpr(MERGE["last"])
+MERGE_BARRIER = tl.constexpr(MERGE["barrier"])

@@ -43,9 +43,11 @@ at most one; programs with ``split >= n_active`` exit at once. The sizes come fr
 ``seq_len`` on the device, so the host never reads lengths. A sequence with one active
 split writes its output directly; otherwise each split writes (running max, sum,
 unnormalized output) per row to the workspace and :func:`_decode_merge_kernel` combines
-them -- or, with ``FUSED_MERGE``, the last of the sequence's splits to finish does
-(:func:`_arrive_and_merge`, arrival counters ``counter_ptr`` [num_seqs, Hkv x HEAD_SPLIT,
-num_splits] int32, zero between launches): one launch per call. Sequences with
+them -- or, with ``FUSED_MERGE`` (codes ``MERGE``), the split kernel itself: the last of the
+sequence's splits to finish (``MERGE_LAST``, :func:`_arrive_and_merge`) or, in a cooperative
+launch, every split after a barrier, each its share of the columns (``MERGE_BARRIER``,
+:func:`_barrier_and_merge`); counters ``counter_ptr`` [num_seqs, Hkv x HEAD_SPLIT,
+num_splits] int32, which need no reset between launches: one launch per call. Sequences with
 ``q_len == 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows are not written).
 
 head_dim: any multiple of 16 from 16 to 256. The tiles span ``BLOCK_D``, head_dim rounded
@@ -78,7 +80,8 @@ import triton
 import triton.language as tl
 
 from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN, _raise_error
-from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8, PV_INT8_SIGNED
+from .codes import (KIND_BF16, KIND_FP8, KIND_INT8, MERGE_BARRIER, MERGE_LAST, PV_BF16, PV_FP8, PV_INT8,
+                    PV_INT8_SIGNED)
 from .quantize import _round_to_e4m3_grid
 
 #: Running-max start value: finite, so a row that sees no key in a tile keeps
@@ -154,8 +157,8 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
     MAX_QUERY_LEN: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
     INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr = False, SAFE: tl.constexpr = False,
-    FUSED_MERGE: tl.constexpr = False, MERGE_GROUP: tl.constexpr = 8, MERGE_M: tl.constexpr = 16,
-    MERGE_CHUNK: tl.constexpr = 1, HEAD_SPLIT: tl.constexpr = 1,
+    FUSED_MERGE: tl.constexpr = 0, MERGE_GROUP: tl.constexpr = 8, MERGE_M: tl.constexpr = 16,
+    MERGE_CHUNK: tl.constexpr = 1, HEAD_SPLIT: tl.constexpr = 1, MERGE_COLS: tl.constexpr = 16,
 ):
     split = tl.program_id(0)
     # HEAD_SPLIT programs share a KV head, each with GROUP // HEAD_SPLIT of its query heads
@@ -282,7 +285,13 @@ def _decode_split_kernel(
             _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc_out, m_i, _row_sums(l_out, SWAP_AB), tok, row_head,
                         split, n_active, tl.where(last, row_valid, False), stride_ot, stride_oh, stride_pt,
                         stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEAD_DIM, BLOCK_D, SWAP_AB)
-    if FUSED_MERGE:
+    if FUSED_MERGE == MERGE_BARRIER:
+        if n_active > 1:
+            _barrier_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr + seq.to(tl.int64) * stride_cs
+                               + kv_prog * stride_ck, q_start, q_len, head0, split, n_active, stride_ot, stride_oh,
+                               stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEADS, HEAD_DIM,
+                               TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, MERGE_COLS)
+    elif FUSED_MERGE == MERGE_LAST:
         if n_active > 1:
             _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr + seq.to(tl.int64) * stride_cs
                               + kv_prog * stride_ck, q_start, q_len, head0, split, n_active, num_splits,
@@ -325,11 +334,11 @@ def _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_l
     if ticket == count - 1:
         tl.store(counters + group, 0)
         if n_groups == 1:
-            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, 0, count, 1, stride_ot,
+            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, 0, count, 1, 0, stride_ot,
                           stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEADS, HEAD_DIM,
                           BLOCK_D, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, True)
         else:
-            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, first, count, 1, stride_ot,
+            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, first, count, 1, 0, stride_ot,
                           stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEADS, HEAD_DIM,
                           BLOCK_D, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, False)
             tl.debug_barrier()
@@ -337,25 +346,69 @@ def _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_l
             ticket_top = tl.atomic_add(top, 1, sem="acq_rel", scope="gpu")
             if ticket_top == n_groups - 1:
                 tl.store(top, 0)
-                _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, 0, n_groups, MERGE_GROUP,
+                _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, 0, n_groups, MERGE_GROUP, 0,
                               stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
                               HEADS, HEAD_DIM, BLOCK_D, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, True)
 
 
 @triton.jit
-def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, first, count, step, stride_ot,
+def _barrier_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_len, head0, split, n_active,
+                       stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                       HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
+                       MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr, MERGE_COLS: tl.constexpr):
+    """``FUSED_MERGE == MERGE_BARRIER``: every active split of one program slot (sequence,
+    grid axis 1) waits until all of them have stored their partials, then merges its share
+    of the output columns -- column block ``split``, ``split + n_active``, ... of
+    MERGE_COLS columns -- into ``out``: the merge is spread over the slot's programs, so
+    it adds one barrier and one read of a few KB per program, not a serial tail.
+
+    Only valid when every program of the grid is resident at once: the launch is
+    cooperative (the driver refuses a grid that cannot be co-resident, so a wrong
+    occupancy estimate is an error, never a hang), and never under the interpreter, which
+    runs programs one after another.
+
+    ``counters`` points at the slot's int32 pair [arrivals, generation] (indexed by grid
+    coordinates, never by metadata values). A sense-reversing barrier: each split reads the
+    generation, then takes an arrival ticket; the last arrival resets the arrival count and
+    advances the generation (release), the others spin until it changes (acquire). The
+    counters need no reset between launches or CUDA-graph replays (the generation wraps
+    freely: only a change is tested). Memory ordering as in :func:`_arrive_and_merge`: CTA
+    barrier, then acq_rel / release atomics at GPU scope, partials read past L1."""
+    arrivals = counters
+    generation = counters + 1
+    tl.debug_barrier()
+    gen0 = tl.atomic_add(generation, 0, sem="acquire", scope="gpu")
+    ticket = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
+    if ticket == n_active - 1:
+        tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
+        tl.atomic_add(generation, 1, sem="release", scope="gpu")
+    else:
+        gen = tl.atomic_add(generation, 0, sem="acquire", scope="gpu")
+        while gen == gen0:
+            gen = tl.atomic_add(generation, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+    n_blocks: tl.constexpr = (HEAD_DIM + MERGE_COLS - 1) // MERGE_COLS
+    for blk in range(split, n_blocks, n_active):
+        _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, 0, n_active, 1, blk * MERGE_COLS,
+                      stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEADS,
+                      HEAD_DIM, MERGE_COLS, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, True)
+
+
+@triton.jit
+def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, first, count, step, d0, stride_ot,
                   stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEADS: tl.constexpr,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
                   MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr, TO_OUT: tl.constexpr):
     """Combine the partials in slots ``first, first + step, ...`` (``count`` of them) of
-    every query row of one program's heads (``head0 ..``, HEADS of them): into ``out``
-    (normalized; TO_OUT) or back into slot ``first`` (unnormalized, with its max and sum).
+    every query row of one program's heads (``head0 ..``, HEADS of them), columns ``d0 ..
+    d0 + BLOCK_D - 1`` (those below HEAD_DIM): into ``out`` (normalized; TO_OUT) or back
+    into slot ``first`` (unnormalized, with its max and sum).
     Rows are packed as in the split kernel (MERGE_M >= TOKENS_PER_PASS x HEADS rows per pass); MERGE_CHUNK partials
     are loaded at once as a [chunk, rows, D] tile and folded in online (base-2
     log-sum-exp, as :func:`_decode_merge_kernel`)."""
     offs_r = tl.arange(0, MERGE_M)
     offs_c = tl.arange(0, MERGE_CHUNK)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = d0 + tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
     r_tok = offs_r // HEADS
     r_head = head0 + offs_r % HEADS

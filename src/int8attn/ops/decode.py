@@ -22,7 +22,7 @@ import triton
 from .. import _checks
 from ..cache import PagedKVCache
 from ..errors import error_flags
-from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
+from ..kernels.codes import KV_KIND, MERGE, PV_KIND, PV_MODES
 from ..kernels.decode import _decode_merge_kernel, _decode_split_kernel
 from ..kernels.quantize import _quantize_query_kernel
 from ..runtime import device_guard, interpret_mode, sm_count, stream_id
@@ -43,6 +43,9 @@ FUSED_MERGE_GROUP = 8
 #: fp32 elements of the [chunk, rows, D] partial tile a fused-merge step loads at once
 #: (64 registers per thread at 4 warps).
 FUSED_MERGE_TILE = 8192
+#: DecodeConfig.fused_merge values: no fused merge, the last split merges ("last", also
+#: True), every split merges its columns after a barrier ("barrier").
+FUSED_MERGES = (False, True, "last", "barrier")
 #: Upper bound of ``num_splits`` (split-K segments per sequence and KV head).
 MAX_NUM_SPLITS = 256
 #: Most sequences one launch serves: the split kernel's grid has a row per sequence in
@@ -77,10 +80,14 @@ class DecodeConfig:
     #: 4-warp programs whatever the shared memory allows; 168 makes room for a third
     #: (65536 / (128 x 168) = 3), 128 for a fourth, at the cost of a few spills.
     maxnreg: int | None = None
-    #: Merge the split partials inside the split kernel (the last split of a (sequence, KV
-    #: head) to finish combines them; kernels.decode._arrive_and_merge): one launch per
-    #: decode call instead of split + merge kernels.
-    fused_merge: bool = False
+    #: Merge the split partials inside the split kernel: one launch per decode call instead
+    #: of split + merge kernels. True (or "last"): the last split of a (sequence, KV head) to
+    #: finish combines them (kernels.decode._arrive_and_merge). "barrier": every split waits
+    #: for the others, then merges a share of the columns (kernels.decode._barrier_and_merge);
+    #: it needs the whole grid resident, so the launch is cooperative and the planner caps
+    #: the split count at the resident program slots; a grid that still does not fit (or the
+    #: interpreter, which runs programs one by one) takes "last".
+    fused_merge: bool | str = False
 
 
 #: Bytes of one K+V tile the default configs aim at, and the shared memory they may
@@ -233,6 +240,9 @@ class DecodePlan:
     #: programs per (split, KV head), each packing ``group // head_split`` query heads
     #: (see :func:`choose_head_split`)
     head_split: int = 1
+    #: where the split partials are merged (a key of kernels.codes.MERGE): "kernel" (the
+    #: merge kernel; also every one-split plan), "last" or "barrier" (config.fused_merge)
+    merge: str = "kernel"
 
 
 class _PlanCache(NamedTuple):
@@ -337,15 +347,23 @@ def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None
                          f"{cache.kv_dtype!r} cache with pv_mode {pv_mode!r}")
     if config.maxnreg is not None and not _checks.is_int(config.maxnreg, 32, 255):
         raise ValueError(f"maxnreg must be None or an int in [32, 255], got {config.maxnreg!r}")
+    if config.fused_merge not in FUSED_MERGES:
+        raise ValueError(f"fused_merge must be one of {FUSED_MERGES}, got {config.fused_merge!r}")
     elem = cache.elem_bytes
+    slots = sm_count(cache.device) * _programs_per_sm(config, padded_head_dim(head_dim), elem)
+    programs = num_seqs * cache.num_kv_heads * head_split
     if num_splits is None:
-        slots = sm_count(cache.device) * _programs_per_sm(config, padded_head_dim(head_dim), elem)
         num_splits = choose_num_splits(num_seqs, cache.num_kv_heads * head_split, max_blocks * cache.block_size,
                                        config.block_n, group * tokens, head_dim, elem, slots)
+        if config.fused_merge == "barrier" and programs * num_splits > slots and slots // programs >= 2:
+            num_splits = slots // programs  # the barrier needs the whole grid resident
     elif not _checks.is_int(num_splits, 1, MAX_NUM_SPLITS):
         raise ValueError(f"num_splits must be an int in [1, {MAX_NUM_SPLITS}], got {num_splits!r}")
+    merge = "kernel"
+    if num_splits > 1 and config.fused_merge:
+        merge = "barrier" if config.fused_merge == "barrier" and programs * num_splits <= slots else "last"
     return DecodePlan(num_splits=num_splits, tokens_per_pass=tokens, block_m=block_m, config=config, pv_mode=pv_mode,
-                      head_split=head_split)
+                      head_split=head_split, merge=merge)
 
 
 def decode_attention(query, cache, block_table, seq_lens, query_start_loc, *, softmax_scale=None, out=None,
@@ -496,13 +514,24 @@ def _placeholder_partials(device, num_q_heads: int, head_dim: int):
             torch.zeros((1, 1, 1), dtype=torch.int32, device=device))
 
 
-def _fused_merge_constexprs(group: int, tokens_per_pass: int, block_d: int) -> dict:
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def _fused_merge_constexprs(merge: str, group: int, tokens_per_pass: int, block_d: int, splits: int) -> dict:
     """The fused merge's tile: MERGE_M rows (a pass's packed rows, a power of two) by
-    MERGE_CHUNK partials of ``block_d`` columns, at most FUSED_MERGE_TILE elements."""
+    MERGE_CHUNK partials of MERGE_COLS columns, at most FUSED_MERGE_TILE elements. "last"
+    merges all ``block_d`` columns in groups of FUSED_MERGE_GROUP partials; "barrier"
+    shares the columns out over the splits (about one block of >= 4 columns each) and loads
+    every split at once where the tile allows."""
     merge_m = max(2, triton.next_power_of_2(group * tokens_per_pass))
+    if merge == "barrier":
+        cols = min(block_d, max(4, _pow2_floor(block_d // splits)))
+        chunk = min(triton.next_power_of_2(splits), max(1, FUSED_MERGE_TILE // (merge_m * cols)))
+        return dict(FUSED_MERGE=MERGE["barrier"], MERGE_M=merge_m, MERGE_CHUNK=_pow2_floor(chunk), MERGE_COLS=cols)
     chunk = max(1, min(FUSED_MERGE_GROUP, FUSED_MERGE_TILE // (merge_m * block_d)))
-    return dict(FUSED_MERGE=True, MERGE_GROUP=FUSED_MERGE_GROUP, MERGE_M=merge_m,
-                MERGE_CHUNK=1 << (chunk.bit_length() - 1))  # a power of two (tl.arange)
+    return dict(FUSED_MERGE=MERGE["last"], MERGE_GROUP=FUSED_MERGE_GROUP, MERGE_M=merge_m,
+                MERGE_CHUNK=_pow2_floor(chunk))  # a power of two (tl.arange)
 
 
 class DecodeLaunch:
@@ -552,7 +581,9 @@ class DecodeLaunch:
             self._q_codes = torch.empty((num_tokens, num_q_heads, head_dim), dtype=cache.storage_dtype, device=device)
             self._q_scales = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=device)
             q_strides, q_scale_strides = self._q_codes.stride(), self._q_scales.stride()
-        fused = plan.config.fused_merge and splits > 1
+        # programs run one after another under the interpreter: a barrier would never open
+        merge = "last" if plan.merge == "barrier" and interpret else plan.merge
+        fused = merge != "kernel"
         hs = plan.head_split
         part_acc, part_ml, counters = _placeholder_partials(device, num_q_heads, head_dim)
         if splits > 1:
@@ -560,9 +591,11 @@ class DecodeLaunch:
                 workspace = DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=device)
             part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, splits)
         if fused:
-            # arrival counters per (sequence, program of a KV head, split group): zero between
-            # launches (every launch's last arrivals reset theirs), so they are made once, here
-            counters = torch.zeros((num_seqs, cache.num_kv_heads * hs, splits), dtype=torch.int32, device=device)
+            # counters per (sequence, program of a KV head): "last" one per split group,
+            # "barrier" an (arrivals, generation) pair; valid from zero for every launch and
+            # graph replay (each launch leaves them so), so they are made once, here
+            width = splits if merge == "last" else 2
+            counters = torch.zeros((num_seqs, cache.num_kv_heads * hs, width), dtype=torch.int32, device=device)
         self._part_acc, self._part_ml, self._counters = part_acc, part_ml, counters
         if cache.quantized:
             scale_strides = cache.key_scale.stride()
@@ -593,8 +626,10 @@ class DecodeLaunch:
             MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[plan.pv_mode],
             INTERPRET=interpret, SWAP_AB=cfg.swap_ab, **({"SAFE": True} if safe else {}),
             HEAD_SPLIT=hs,
-            **(_fused_merge_constexprs(num_q_heads // cache.num_kv_heads // hs, plan.tokens_per_pass,
-                                       padded_head_dim(head_dim)) if fused else {}),
+            **(_fused_merge_constexprs(merge, num_q_heads // cache.num_kv_heads // hs, plan.tokens_per_pass,
+                                       padded_head_dim(head_dim), splits) if fused else {}),
+            # the barrier merge waits for every split: the driver must co-schedule the grid
+            **({"launch_cooperative_grid": True} if merge == "barrier" else {}),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
         )
