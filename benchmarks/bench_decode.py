@@ -44,6 +44,7 @@ and peer attempts are benchmarks/_harness.py; this script is the setup and the c
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -538,6 +539,25 @@ def _fused(cfg: "dec.DecodeConfig", mode=True) -> "dec.DecodeConfig":
     return dataclasses.replace(cfg, fused_merge=mode)
 
 
+@contextlib.contextmanager
+def _plain_launch():
+    """Measurement only: decode launches built inside the block drop the cooperative launch
+    attribute (what the co-scheduling guarantee of the barrier merge costs; the grids timed
+    fit the GPU, so the barrier opens on an idle GPU without it)."""
+    real = dec.CachedLaunch
+
+    def plain(kernel, grid, constexprs, *a, **k):
+        return real(kernel, grid, {n: v for n, v in constexprs.items() if n != "launch_cooperative_grid"}, *a, **k)
+
+    dec.CachedLaunch = plain
+    dec._LAUNCHES.clear()  # launches cached by unplanned calls: made again inside / after the block
+    try:
+        yield
+    finally:
+        dec.CachedLaunch = real
+        dec._LAUNCHES.clear()
+
+
 @H.section("fused")
 def fused_merge(r: Run) -> None:
     """One launch (the split programs merge their own partials: the last to finish, or
@@ -552,6 +572,10 @@ def fused_merge(r: Run) -> None:
                 time_path(r, "fused", f"{kv} two-launch", kv, None, base, HEADLINE, bs, ctx)
                 time_path(r, "fused", f"{kv} fused", kv, None, _fused(base), HEADLINE, bs, ctx)
                 time_path(r, "fused", f"{kv} barrier", kv, None, _fused(base, "barrier"), HEADLINE, bs, ctx)
+                if kv == "int8" and bs < 64:
+                    with _plain_launch():
+                        time_path(r, "fused", "int8 barrier plain-launch", kv, None, _fused(base, "barrier"),
+                                  HEADLINE, bs, ctx)
     for bs in (2, 4, 8) if not SMOKE else (2,):
         for ctx in (L8K, CONTEXTS[-1]):
             if r.late(f"fused barrier bs{bs} L{ctx}"):

@@ -192,6 +192,12 @@ def _decode_split_kernel(
     n_active = _num_active_splits(seq_len, num_splits, BLOCK_N)
     if split >= n_active:
         return
+    gen0 = 0
+    if FUSED_MERGE == MERGE_BARRIER:
+        # the barrier's generation, read now so that its round trip overlaps the tile loop
+        # (it cannot change before this program arrives: see _barrier_and_merge)
+        gen0 = tl.atomic_add(counter_ptr + seq.to(tl.int64) * stride_cs + kv_prog * stride_ck + 1, 0,
+                             sem="relaxed", scope="gpu")
 
     tile_lo, tile_count = _split_tiles(seq_len, split, num_splits, BLOCK_N)
 
@@ -288,7 +294,8 @@ def _decode_split_kernel(
     if FUSED_MERGE == MERGE_BARRIER:
         if n_active > 1:
             _barrier_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr + seq.to(tl.int64) * stride_cs
-                               + kv_prog * stride_ck, q_start, q_len, head0, split, n_active, stride_ot, stride_oh,
+                               + kv_prog * stride_ck, gen0, q_start, q_len, head0, split, n_active, stride_ot,
+                               stride_oh,
                                stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEADS, HEAD_DIM,
                                TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, MERGE_COLS)
     elif FUSED_MERGE == MERGE_LAST:
@@ -352,7 +359,7 @@ def _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_l
 
 
 @triton.jit
-def _barrier_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_len, head0, split, n_active,
+def _barrier_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, gen0, q_start, q_len, head0, split, n_active,
                        stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
                        HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
                        MERGE_M: tl.constexpr, MERGE_CHUNK: tl.constexpr, MERGE_COLS: tl.constexpr):
@@ -369,15 +376,16 @@ def _barrier_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_
 
     ``counters`` points at the slot's int32 pair [arrivals, generation] (indexed by grid
     coordinates, never by metadata values). A sense-reversing barrier: each split reads the
-    generation, then takes an arrival ticket; the last arrival resets the arrival count and
-    advances the generation (release), the others spin until it changes (acquire). The
+    generation (``gen0``, at its start: the generation only moves once every split of the
+    slot has arrived, this one included), then takes an arrival ticket; the last arrival
+    resets the arrival count and advances the generation (release), the others spin until
+    it changes (acquire). The
     counters need no reset between launches or CUDA-graph replays (the generation wraps
     freely: only a change is tested). Memory ordering as in :func:`_arrive_and_merge`: CTA
     barrier, then acq_rel / release atomics at GPU scope, partials read past L1."""
     arrivals = counters
     generation = counters + 1
     tl.debug_barrier()
-    gen0 = tl.atomic_add(generation, 0, sem="acquire", scope="gpu")
     ticket = tl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu")
     if ticket == n_active - 1:
         tl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
