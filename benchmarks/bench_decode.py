@@ -284,7 +284,7 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
                num_splits=p.num_splits, block_m=p.block_m, tokens_per_pass=p.tokens_per_pass,
                block_n=p.config.block_n, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
                min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, maxnreg=p.config.maxnreg,
-               fused_merge=p.config.fused_merge, head_split=p.head_split, bytes=nbytes,
+               fused_merge=p.config.fused_merge, merge=p.merge, head_split=p.head_split, bytes=nbytes,
                quantize_in_call=quantize_in_call,
                config_source="tuned" if cfg is not None and cfg == r.best.get(kv) else (
                    "default" if cfg is None else "explicit"), **res)
@@ -569,7 +569,8 @@ def fused_merge(r: Run) -> None:
                 if r.late(f"fused {kv} bs{bs} L{ctx}"):
                     return
                 base = dec.plan_decode((bs, 24, 256), r.caches[kv], (bs, ctx // 16)).config
-                time_path(r, "fused", f"{kv} two-launch", kv, None, base, HEADLINE, bs, ctx)
+                time_path(r, "fused", f"{kv} two-launch", kv, None, _fused(base, False), HEADLINE, bs, ctx)
+                time_path(r, "fused", f"{kv} auto", kv, None, _fused(base, None), HEADLINE, bs, ctx)
                 time_path(r, "fused", f"{kv} fused", kv, None, _fused(base), HEADLINE, bs, ctx)
                 time_path(r, "fused", f"{kv} barrier", kv, None, _fused(base, "barrier"), HEADLINE, bs, ctx)
                 if kv == "int8" and bs < 64:
@@ -581,7 +582,8 @@ def fused_merge(r: Run) -> None:
             if r.late(f"fused barrier bs{bs} L{ctx}"):
                 return
             base = dec.plan_decode((bs, 24, 256), r.caches["int8"], (bs, ctx // 16)).config
-            time_path(r, "fused", "int8 two-launch", "int8", None, base, HEADLINE, bs, ctx, graph_only=True)
+            time_path(r, "fused", "int8 two-launch", "int8", None, _fused(base, False), HEADLINE, bs, ctx,
+                      graph_only=True)
             time_path(r, "fused", "int8 barrier", "int8", None, _fused(base, "barrier"), HEADLINE, bs, ctx,
                       graph_only=True)
     for q_len in MT_QLENS:

@@ -168,8 +168,10 @@ def _variant_plans(cache, bt, sl, qsl, q, scale, out) -> dict:
 
     plan_fused = _plan_with(lambda c: dataclasses.replace(c, fused_merge=True), cache, bt, sl, qsl)
     plan_barrier = _plan_with(lambda c: dataclasses.replace(c, fused_merge="barrier"), cache, bt, sl, qsl)
+    plan_kernel = _plan_with(lambda c: dataclasses.replace(c, fused_merge=False), cache, bt, sl, qsl)
     fns = {"plan.run fused": lambda: plan_fused.run(q, cache, bt, sl, qsl, scale, out),
-           "plan.run barrier": lambda: plan_barrier.run(q, cache, bt, sl, qsl, scale, out)}
+           "plan.run barrier": lambda: plan_barrier.run(q, cache, bt, sl, qsl, scale, out),
+           "plan.run merge kernel": lambda: plan_kernel.run(q, cache, bt, sl, qsl, scale, out)}
     if cache.quantized:
         qq, qs = prod.quantize_query(q, cache.kv_dtype)
         plan_q = plan_attention(cache, bt, sl, qsl, HQ)
@@ -178,6 +180,8 @@ def _variant_plans(cache, bt, sl, qsl, q, scale, out) -> dict:
                                                                q_scale=qs)
         fns["plan.run q_quant barrier"] = lambda: plan_barrier.run(q, cache, bt, sl, qsl, scale, out, q_quant=qq,
                                                                    q_scale=qs)
+        fns["plan.run q_quant merge kernel"] = lambda: plan_kernel.run(q, cache, bt, sl, qsl, scale, out,
+                                                                       q_quant=qq, q_scale=qs)
     return fns
 
 

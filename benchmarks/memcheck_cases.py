@@ -109,8 +109,7 @@ def decode_cases() -> None:
 
     real = dec.default_config
     for fused in (False, True, "barrier") if DEVICE == "cuda" else (False, True):
-        dec.default_config = ((lambda *a, k_=fused, **k: dataclasses.replace(real(*a, **k), fused_merge=k_))
-                              if fused else real)
+        dec.default_config = lambda *a, k_=fused, **k: dataclasses.replace(real(*a, **k), fused_merge=k_)
         try:
             _decode_cases({False: "", True: "fused ", "barrier": "barrier "}[fused])
         finally:

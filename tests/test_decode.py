@@ -7,6 +7,7 @@ poisoned with NaN first, against the float64 references of int8attn.reference:
 rounding, fp32 accumulation and the bf16 output separate a correct kernel from it).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -649,7 +650,7 @@ def test_fused_merge_matches_references(device, monkeypatch, mode, kv, pv, hq, h
     next call (arrivals back at zero), and a second call on the reused launch bit-identical."""
     import int8attn.ops.decode as dec
 
-    base = DecodeConfig(block_n=block_n, num_warps=4, num_stages=3, swap_ab=swap)
+    base = DecodeConfig(block_n=block_n, num_warps=4, num_stages=3, swap_ab=swap, fused_merge=False)
     batch = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=16,
                                      kv_dtype=kv, seed=3 * d + hq + splits, device=device)
     monkeypatch.setattr(dec, "default_config", lambda *args: base)
@@ -729,6 +730,70 @@ def test_barrier_merge_plan(device, monkeypatch):
         launch = next(v for v in dec._LAUNCHES.values() if v.plan is rec.facts["plan"])
         assert launch._split_constexprs["FUSED_MERGE"] == MERGE["last"]
         assert "launch_cooperative_grid" not in launch._split_constexprs
+
+
+def test_auto_merge_plan(device):
+    """The default config (``fused_merge=None``): a plan whose grid fits the resident slots
+    merges "auto" -- the barrier merge for eager launches, the merge kernel under graph
+    capture -- with the split count the merge kernel would get (auto never changes it);
+    a grid that does not fit, and one split, take the merge kernel; the interpreter never
+    builds the barrier launch."""
+    import int8attn.ops.decode as dec
+
+    b = testing.make_paged_batch([300, 70], [1, 2], num_q_heads=8, num_kv_heads=2, head_dim=64, seed=5,
+                                 device=device)
+    auto = dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape))
+    kernel = dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape),
+                             config=dataclasses.replace(auto.config, fused_merge=False))
+    assert auto.config.fused_merge is None and auto.num_splits == kernel.num_splits
+    assert (auto.merge, kernel.merge) == ("auto" if auto.num_splits > 1 else "kernel", "kernel")
+    one = dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), num_splits=1)
+    assert one.merge == "kernel"
+    slots = dec.sm_count(b.cache.device) * dec._programs_per_sm(auto.config, 64, b.cache.key.element_size())
+    wide = dec.plan_decode((slots, 8, 64), b.cache, (slots, b.block_table.shape[1]), num_splits=2)
+    assert wide.merge == "kernel"
+    launch = dec.DecodeLaunch.for_tensors(auto, b.cache, b.query, None, None, b.block_table, b.query.stride())
+    assert (launch._eager_split is None) == (device == "cpu" or auto.merge != "auto")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_merge_eager_barrier_graph_kernels():
+    """Default plans on the GPU: an eager call is one launch (the barrier merge, no merge
+    kernel), the same call captured into a CUDA graph is split + merge kernels; both agree
+    with the merge kernel's eager result (to fp32 summation order) and with the reference."""
+    import int8attn.ops.decode as dec
+
+    batch = testing.make_paged_batch([300, 1000, 77], [1, 2, 1], num_q_heads=24, num_kv_heads=4, head_dim=256,
+                                     kv_dtype="int8", seed=9, device="cuda")
+    args = (batch.query, batch.cache, batch.block_table, batch.seq_lens, batch.query_start_loc)
+    ws = DecodeWorkspace(batch.query.shape[0], 24, 256, device="cuda")
+    launches.clear()
+    eager = decode_attention(*args, workspace=ws)
+    rec = launches.last("_decode_split_kernel")
+    assert rec.facts["plan"].merge == "auto" and rec.facts["merge"] == "barrier"
+    assert launches.last("_decode_merge_kernel") is None
+    launches.clear()
+    out = torch.empty_like(batch.query)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(*args, out=out, workspace=ws)
+    assert launches.last("_decode_split_kernel").facts["merge"] == "kernel"
+    assert launches.last("_decode_merge_kernel") is not None
+    out.fill_(math.nan)
+    graph.replay()
+    torch.cuda.synchronize()
+    plan = rec.facts["plan"]
+    kernel_cfg = dataclasses.replace(plan.config, fused_merge=False)
+    real = dec.default_config
+    try:
+        dec.default_config = lambda *a, **k: kernel_cfg
+        separate = decode_attention(*args, workspace=ws)
+    finally:
+        dec.default_config = real
+    ref_q = reference.attention_reference_quantized(*args)
+    for got in (eager, out):
+        testing.assert_close_verbose(got, ref_q, rel_l2=TOL_QUANTIZED[("int8", "int8")])
+        assert (got.float() - separate.float()).abs().max() <= 2e-2
 
 
 def test_barrier_merge_compiles_for_sm90():

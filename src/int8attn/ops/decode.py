@@ -2,7 +2,9 @@
 
 Launches :func:`int8attn.kernels.decode._decode_split_kernel` over a grid of
 (split, KV head, sequence) and, when more than one split is used,
-:func:`~int8attn.kernels.decode._decode_merge_kernel` over (query head, sequence). The
+:func:`~int8attn.kernels.decode._decode_merge_kernel` over (query head, sequence) -- or,
+for an eager call whose grid fits the GPU at once, only the split kernel, whose programs
+merge their own partials after a barrier (``DecodeConfig.fused_merge``). The
 launch path reads only host-known shapes (never ``seq_lens`` or ``query_start_loc``
 values), so it can be captured in a CUDA graph once value checks are off (they are
 skipped automatically during capture, see :mod:`int8attn._checks`).
@@ -43,9 +45,10 @@ FUSED_MERGE_GROUP = 8
 #: fp32 elements of the [chunk, rows, D] partial tile a fused-merge step loads at once
 #: (64 registers per thread at 4 warps).
 FUSED_MERGE_TILE = 8192
-#: DecodeConfig.fused_merge values: no fused merge, the last split merges ("last", also
-#: True), every split merges its columns after a barrier ("barrier").
-FUSED_MERGES = (False, True, "last", "barrier")
+#: DecodeConfig.fused_merge values: the barrier merge when eager and the merge kernel under
+#: graph capture (None), always the merge kernel (False), the last split merges ("last",
+#: also True), every split merges its columns after a barrier ("barrier").
+FUSED_MERGES = (None, False, True, "last", "barrier")
 #: Upper bound of ``num_splits`` (split-K segments per sequence and KV head).
 MAX_NUM_SPLITS = 256
 #: Most sequences one launch serves: the split kernel's grid has a row per sequence in
@@ -80,14 +83,18 @@ class DecodeConfig:
     #: 4-warp programs whatever the shared memory allows; 168 makes room for a third
     #: (65536 / (128 x 168) = 3), 128 for a fourth, at the cost of a few spills.
     maxnreg: int | None = None
-    #: Merge the split partials inside the split kernel: one launch per decode call instead
-    #: of split + merge kernels. True (or "last"): the last split of a (sequence, KV head) to
-    #: finish combines them (kernels.decode._arrive_and_merge). "barrier": every split waits
-    #: for the others, then merges a share of the columns (kernels.decode._barrier_and_merge);
-    #: it needs the whole grid resident, so the launch is cooperative and the planner caps
-    #: the split count at the resident program slots; a grid that still does not fit (or the
-    #: interpreter, which runs programs one by one) takes "last".
-    fused_merge: bool | str = False
+    #: Where the split partials are merged. None (default, "auto"): eager calls whose grid
+    #: fits the resident program slots take the barrier merge (one launch: ~10 us less host
+    #: time per call), calls captured into a CUDA graph the split + merge kernels (no host
+    #: cost there, and 1.5-2.5 us faster on the H200: benchmarks/notes/decode.md). False:
+    #: always the merge kernel. True (or "last"): the last split of a (sequence, KV head) to
+    #: finish combines them (kernels.decode._arrive_and_merge; a serial tail, slow past a
+    #: few splits). "barrier": every split waits for the others, then merges a share of the
+    #: columns (kernels.decode._barrier_and_merge); it needs the whole grid resident, so the
+    #: launch is cooperative and the planner caps the split count at the resident program
+    #: slots; a grid that still does not fit takes "last". Under the interpreter, which runs
+    #: programs one by one, "barrier" runs as "last" and None as the merge kernel.
+    fused_merge: bool | str | None = None
 
 
 #: Bytes of one K+V tile the default configs aim at, and the shared memory they may
@@ -240,8 +247,9 @@ class DecodePlan:
     #: programs per (split, KV head), each packing ``group // head_split`` query heads
     #: (see :func:`choose_head_split`)
     head_split: int = 1
-    #: where the split partials are merged (a key of kernels.codes.MERGE): "kernel" (the
-    #: merge kernel; also every one-split plan), "last" or "barrier" (config.fused_merge)
+    #: where the split partials are merged: "kernel" (the merge kernel; also every one-split
+    #: plan), "last" or "barrier" (keys of kernels.codes.MERGE), or "auto" ("barrier" for
+    #: eager launches, "kernel" under CUDA-graph capture); see DecodeConfig.fused_merge
     merge: str = "kernel"
 
 
@@ -359,9 +367,12 @@ def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None
             num_splits = slots // programs  # the barrier needs the whole grid resident
     elif not _checks.is_int(num_splits, 1, MAX_NUM_SPLITS):
         raise ValueError(f"num_splits must be an int in [1, {MAX_NUM_SPLITS}], got {num_splits!r}")
+    fits = programs * num_splits <= slots
     merge = "kernel"
-    if num_splits > 1 and config.fused_merge:
-        merge = "barrier" if config.fused_merge == "barrier" and programs * num_splits <= slots else "last"
+    if num_splits > 1 and config.fused_merge is None:
+        merge = "auto" if fits else "kernel"
+    elif num_splits > 1 and config.fused_merge:
+        merge = "barrier" if config.fused_merge == "barrier" and fits else "last"
     return DecodePlan(num_splits=num_splits, tokens_per_pass=tokens, block_m=block_m, config=config, pv_mode=pv_mode,
                       head_split=head_split, merge=merge)
 
@@ -544,8 +555,9 @@ class DecodeLaunch:
     cache's storage dtype, q scales [T, Hq] fp32, owned by this object and overwritten by
     every call). Calling it launches, in stream order: the query quantization (with
     ``quantize``), the split kernel, the merge kernel (more than one split, unless the
-    config fuses the merge into the split kernel; the fused merge's arrival counters are
-    owned here too). No validation, no host sync, no allocation: capturable in a CUDA graph.
+    plan fuses the merge into the split kernel -- always, or, ``merge == "auto"``, when the
+    call is not being captured into a CUDA graph; the fused merge's counters are owned here
+    too). No validation, no host sync, no allocation: capturable in a CUDA graph.
 
     :func:`decode_attention` builds one per call; an :class:`~int8attn.ops.attention.AttentionPlan`
     keeps one per input layout and reuses it for every layer and step.
@@ -566,7 +578,7 @@ class DecodeLaunch:
     __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_part_acc", "_part_ml",
                  "_split_grid", "_split_args", "_split_constexprs", "_merge_grid", "_merge_args",
                  "_merge_constexprs", "_quantize_kernel", "_split_kernel", "_merge_kernel", "_quantize_kernel_lam",
-                 "_query_dims", "_counters")
+                 "_query_dims", "_counters", "_eager_split")
 
     def __init__(self, plan: DecodePlan, cache: PagedKVCache, num_tokens: int, num_q_heads: int, num_seqs: int, *,
                  device, q_strides, q_scale_strides, out_strides, block_table_stride: int,
@@ -582,15 +594,19 @@ class DecodeLaunch:
             self._q_scales = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=device)
             q_strides, q_scale_strides = self._q_codes.stride(), self._q_scales.stride()
         # programs run one after another under the interpreter: a barrier would never open
-        merge = "last" if plan.merge == "barrier" and interpret else plan.merge
-        fused = merge != "kernel"
+        merge = plan.merge
+        if interpret and merge in ("barrier", "auto"):
+            merge = "last" if merge == "barrier" else "kernel"
+        # "auto": the barrier merge for eager calls, split + merge kernels under graph capture
+        eager = "barrier" if merge == "auto" else None
+        merge = "kernel" if merge == "auto" else merge
         hs = plan.head_split
         part_acc, part_ml, counters = _placeholder_partials(device, num_q_heads, head_dim)
         if splits > 1:
             if workspace is None:
                 workspace = DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=device)
             part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, splits)
-        if fused:
+        if merge != "kernel" or eager:
             # counters per (sequence, program of a KV head): "last" one per split group,
             # "barrier" an (arrivals, generation) pair; valid from zero for every launch and
             # graph replay (each launch leaves them so), so they are made once, here
@@ -619,6 +635,7 @@ class DecodeLaunch:
             counters, counters.stride(0), counters.stride(1),
         )
         safe = _checks.decode_clamps_enabled()
+        group = num_q_heads // cache.num_kv_heads // hs
         self._split_constexprs = dict(
             GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
             PAGE=cache.block_size,
@@ -626,23 +643,32 @@ class DecodeLaunch:
             MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[plan.pv_mode],
             INTERPRET=interpret, SWAP_AB=cfg.swap_ab, **({"SAFE": True} if safe else {}),
             HEAD_SPLIT=hs,
-            **(_fused_merge_constexprs(merge, num_q_heads // cache.num_kv_heads // hs, plan.tokens_per_pass,
-                                       padded_head_dim(head_dim), splits) if fused else {}),
-            # the barrier merge waits for every split: the driver must co-schedule the grid
-            **({"launch_cooperative_grid": True} if merge == "barrier" else {}),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
         )
-        # launched through CachedLaunch: Triton binds the arguments on the first call only
-        # recorded in int8attn.launches with the plan: launches.last("_decode_split_kernel")
-        self._split_kernel = CachedLaunch(_decode_split_kernel, self._split_grid, self._split_constexprs,
-                                          {"plan": plan, "safe": safe}, fixed_args=self._split_args)
+
+        def split_launch(mode: str) -> CachedLaunch:
+            constexprs = dict(self._split_constexprs)
+            if mode != "kernel":
+                constexprs.update(_fused_merge_constexprs(mode, group, plan.tokens_per_pass, padded_head_dim(head_dim),
+                                                          splits))
+            if mode == "barrier":
+                # the barrier waits for every split: the driver must co-schedule the grid
+                constexprs["launch_cooperative_grid"] = True
+            # launched through CachedLaunch: Triton binds the arguments on the first call only;
+            # recorded in int8attn.launches: launches.last("_decode_split_kernel").facts
+            return CachedLaunch(_decode_split_kernel, self._split_grid, constexprs,
+                                {"plan": plan, "safe": safe, "merge": mode}, fixed_args=self._split_args)
+
+        self._split_kernel = split_launch(merge)
+        self._split_constexprs = self._split_kernel.constexprs
+        self._eager_split = split_launch(eager) if eager else None
         self._quantize_kernel = self._merge_kernel = self._quantize_kernel_lam = None
         self._query_dims = (num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
         if quantize:
             self._quantize_kernel = CachedLaunch(_quantize_query_kernel, *self._query_launch)
         self._merge_grid = None
-        if splits > 1 and not fused:
+        if splits > 1 and merge == "kernel":
             merge_cols = merge_columns(head_dim)
             # The tile of partials a program loads is [chunk, merge_cols]: sized to the split
             # count, not to the largest one, so a few splits take few registers and warps and
@@ -696,7 +722,18 @@ class DecodeLaunch:
                 q_in = q_quant if q_quant is not None else query
                 q_scale_in, k_scale, v_scale = q_in, cache.key, cache.value
             # the strides, sizes and owned buffers after these are the launches' fixed_args
-            self._split_kernel(q_in, q_scale_in, cache.key, cache.value, k_scale, v_scale,
-                               block_table, seq_lens, query_start_loc, out, part_acc, part_ml, qk_scale)
+            args = (q_in, q_scale_in, cache.key, cache.value, k_scale, v_scale, block_table, seq_lens,
+                    query_start_loc, out, part_acc, part_ml, qk_scale)
+            if self._eager_split is not None and not torch.cuda.is_current_stream_capturing():
+                try:
+                    self._eager_split(*args)
+                    return
+                except RuntimeError as exc:
+                    # the driver refused the cooperative grid (fewer programs resident than
+                    # the planner estimated): this launch keeps the two kernels from now on
+                    if "cooperative" not in str(exc):
+                        raise
+                    self._eager_split = None
+            self._split_kernel(*args)
             if self._merge_kernel is not None:
                 self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc)
