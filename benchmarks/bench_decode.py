@@ -232,10 +232,16 @@ class Decode:
         self.ws = dec.DecodeWorkspace(t, shape["hq"], shape["d"], max(2, self.plan.num_splits), device=DEV)
         self.out = torch.empty_like(self.query)
         self._it = itertools.cycle(self.tables)
+        # built once, eagerly, as a plan's run keeps it: a graph captures only its kernels
+        # (a launch built under capture would allocate there, e.g. zeroed merge counters)
+        self.launch = dec.DecodeLaunch.for_tensors(self.plan, cache, self.query, self.qq, self.qs, self.tables[0],
+                                                   self.out.stride(), self.ws)
+        self.qk_scale = dec.qk_scale_of(None, shape["d"])
 
     def __call__(self):
-        return dec.run_decode(self.plan, self.query, self.cache, next(self._it), self.seq_lens, self.qsl, None, self.out,
-                        self.qq, self.qs, self.ws)
+        self.launch(self.query, self.qq, self.qs, self.cache, next(self._it), self.seq_lens, self.qsl, self.out,
+                    self.qk_scale)
+        return self.out
 
 
 # --------------------------------------------------------------------------- compile worker, timed paths
@@ -367,7 +373,7 @@ def setup(r: Run) -> None:
         for mode in modes:
             pv, cfg = ACC_CONFIG_MODES.get(mode, (mode, None))
             want(kv, pv, HEADLINE, 2, 3, cfg)
-    H.precompile(r, _compile_worker, sorted(keys))
+    H.precompile(r, _compile_worker, sorted(keys, key=repr))  # fused_merge: None, bools and strings
 
 
 @H.section("acc")

@@ -316,6 +316,37 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def profile_plan_run(device: str, length: int, out: Path | None, calls: int = 2000) -> None:
+    """cProfile of ``plan.run`` with the producer's query codes (batch 1, the int8 cache):
+    the functions that hold its host time, to ``out/host_profile.txt`` and stdout."""
+    import cProfile
+    import io
+    import pstats
+
+    q, cache, bt, sl, qsl, out_t = make_batch("int8", 1, length, device, full_cache=device == "cuda")
+    plan = plan_attention(cache, bt, sl, qsl, HQ)
+    qq, qs = prod.quantize_query(q, cache.kv_dtype)
+    scale = D ** -0.5
+    for _ in range(50):
+        plan.run(q, cache, bt, sl, qsl, scale, out_t, q_quant=qq, q_scale=qs)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        plan.run(q, cache, bt, sl, qsl, scale, out_t, q_quant=qq, q_scale=qs)
+    prof.disable()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    text = f"plan.run (int8, batch 1, L {length}, q codes given), {calls} calls, cProfile by tottime\n" + buf.getvalue()
+    print(text)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "host_profile.txt").write_text(text)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for host_overhead.jsonl (default benchmarks/results)")
@@ -327,6 +358,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph time of plan.run")
     ap.add_argument("--label", default=None, help="a tag stored in every row (e.g. which tree was measured)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also cProfile 2000 calls of plan.run (producer codes given, batch 1) and print where "
+                         "its host time goes")
     ap.add_argument("--deadline", type=float, default=50.0,
                     help="seconds after which no new measurement starts (the rest is listed as skipped)")
     args = ap.parse_args(argv)
@@ -348,6 +382,8 @@ def main(argv=None) -> int:
         rows += measure(m, device, batches, args.length, args.calls, args.repeats, rec, graph=not args.no_graph,
                         deadline=start + args.deadline, skipped=skipped)
         print(f"[{time.perf_counter() - start:5.1f}s] {m} mode done", flush=True)
+    if args.profile and device == "cuda":  # interpreted kernels would only profile the interpreter
+        profile_plan_run(device, args.length, Path(args.out) if args.out else None)
     path = rec.save()
     print(summary(rows))
     if skipped:

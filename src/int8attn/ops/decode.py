@@ -525,6 +525,11 @@ def _placeholder_partials(device, num_q_heads: int, head_dim: int):
             torch.zeros((1, 1, 1), dtype=torch.int32, device=device))
 
 
+def _capturing(device) -> bool:
+    """Whether the current stream of ``device`` (a CUDA device) is capturing a graph."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
@@ -598,7 +603,9 @@ class DecodeLaunch:
         if interpret and merge in ("barrier", "auto"):
             merge = "last" if merge == "barrier" else "kernel"
         # "auto": the barrier merge for eager calls, split + merge kernels under graph capture
-        eager = "barrier" if merge == "auto" else None
+        # (a launch built during capture serves only that capture: no barrier launch, whose
+        # zeroed counters would add a memset to the graph)
+        eager = "barrier" if merge == "auto" and not _capturing(device) else None
         merge = "kernel" if merge == "auto" else merge
         hs = plan.head_split
         part_acc, part_ml, counters = _placeholder_partials(device, num_q_heads, head_dim)
