@@ -52,7 +52,8 @@ def _cuda_sm_count(index: int) -> int:
 def device_guard(device: torch.device):
     """Make ``device`` current for the launch (Triton launches on the current device)."""
     device = torch.device(device)
-    if device.type == "cuda" and device.index is not None:
+    # already current (the usual case): no device switch, and no context manager to enter
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
 
