@@ -317,8 +317,9 @@ def summary(rows: list[dict]) -> str:
 
 
 def profile_plan_run(device: str, length: int, out: Path | None, calls: int = 2000) -> None:
-    """cProfile of ``plan.run`` with the producer's query codes (batch 1, the int8 cache):
-    the functions that hold its host time, to ``out/host_profile.txt`` and stdout."""
+    """cProfile of ``plan.run`` with the producer's query codes and of an unplanned
+    ``attention()`` (batch 1, the int8 cache, value checks at their default): the functions
+    that hold their host time, to ``out/host_profile.txt`` and stdout."""
     import cProfile
     import io
     import pstats
@@ -327,20 +328,25 @@ def profile_plan_run(device: str, length: int, out: Path | None, calls: int = 20
     plan = plan_attention(cache, bt, sl, qsl, HQ)
     qq, qs = prod.quantize_query(q, cache.kv_dtype)
     scale = D ** -0.5
-    for _ in range(50):
-        plan.run(q, cache, bt, sl, qsl, scale, out_t, q_quant=qq, q_scale=qs)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        plan.run(q, cache, bt, sl, qsl, scale, out_t, q_quant=qq, q_scale=qs)
-    prof.disable()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-    text = f"plan.run (int8, batch 1, L {length}, q codes given), {calls} calls, cProfile by tottime\n" + buf.getvalue()
+    texts = []
+    for name, fn in (("plan.run (q codes given)", lambda: plan.run(q, cache, bt, sl, qsl, scale, out_t, q_quant=qq,
+                                                                    q_scale=qs)),
+                     ("attention() without a plan", lambda: attention(q, cache, bt, sl, qsl, scale, out_t))):
+        for _ in range(50):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        texts.append(f"{name} (int8, batch 1, L {length}), {calls} calls, cProfile by tottime\n" + buf.getvalue())
+    text = "\n".join(texts)
     print(text)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
