@@ -150,10 +150,14 @@ def flashinfer_decode(run, bs: int, ctx: int, hq: int, hkv: int, d: int, page: i
     v0 = _deq(v[seq0], vs).reshape(-1, hkv, d)[:ctx]
     err = check(out[:1], q[:1], k0, v0)
     us = run.time(lambda: w.run(q, (k, v), **scales))
+    try:  # the planned run replayed in a CUDA graph (its buffers are the plan's)
+        graph_us = run.time(lambda: w.run(q, (k, v), **scales), True)
+    except Exception:  # a release whose run() cannot be captured: eager only
+        graph_us = None
     elem = 1 if kv_dtype == "fp8" else 2
     return {"peer": "flashinfer", "peer_version": version("flashinfer"), "peer_kernel": "decode fa2 tensor-core",
             "kv_dtype": kv_dtype, "bs": bs, "context": ctx, "q_heads": hq, "kv_heads": hkv, "head_dim": d,
-            "page": page, "eager_us": us, "rel_l2": err, "bytes": bs * ctx * hkv * d * 2 * elem}
+            "page": page, "eager_us": us, "graph_us": graph_us, "rel_l2": err, "bytes": bs * ctx * hkv * d * 2 * elem}
 
 
 def flashinfer_prefill(run, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, seq_lens, q_lens,

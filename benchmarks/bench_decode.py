@@ -701,7 +701,8 @@ def profiles(r: Run) -> None:
 @H.section("peers")
 def peers(r: Run) -> None:
     """FlashInfer paged decode (fa2 tensor-core kernel) with BF16 and FP8 e4m3 K/V at the
-    headline grid points, eager (CUDA events, L2 flushed); first calls JIT-compile."""
+    headline grid points, eager (CUDA events, L2 flushed) and CUDA-graph replay; first
+    calls JIT-compile."""
     for kv in ("bf16", "fp8"):
         for bs in BATCHES:
             for ctx in CONTEXTS[:1] if SMOKE else CONTEXTS:
@@ -717,8 +718,10 @@ def peers(r: Run) -> None:
                     continue
                 row = pct_copy(r, dict(kind="peer", path=f"flashinfer_{kv}", q_len=1, **res))
                 r.row(**row)
+                graph = (f" graph {res['graph_us']:9.1f}us ({row['graph_pct_copy']:5.1f}%)" if res.get("graph_us")
+                         else " graph –")
                 r.log(f"peer   flashinfer_{kv:5s} bs{bs:3d} L{ctx:6d} eager {res['eager_us']:9.1f}us "
-                      f"({row['eager_pct_copy']:5.1f}%) rel_l2 {res['rel_l2']:.4f} ({res['peer_version']})")
+                      f"({row['eager_pct_copy']:5.1f}%){graph} rel_l2 {res['rel_l2']:.4f} ({res['peer_version']})")
 
 
 # --------------------------------------------------------------------------- summary
