@@ -756,6 +756,41 @@ def test_auto_merge_plan(device):
     assert (launch._eager_split is None) == (device == "cpu" or auto.merge != "auto")
 
 
+def test_refused_cooperative_launch_falls_back_to_the_merge_kernel(device, monkeypatch):
+    """An "auto" launch whose cooperative grid the driver refuses (Triton raises "...too
+    many blocks in cooperative launch") runs the split + merge kernels instead, from then
+    on; any other launch error propagates. (The driver's refusal is simulated: the
+    barrier launch itself runs on a GPU only.)"""
+    import int8attn.ops.decode as dec
+
+    b = testing.make_paged_batch([300, 70], [1, 2], num_q_heads=8, num_kv_heads=2, head_dim=64, seed=5,
+                                 device=device)
+    plan = dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), num_splits=4)
+    assert plan.merge == "auto"
+    launch = dec.DecodeLaunch.for_tensors(plan, b.cache, b.query, None, None, b.block_table, b.query.stride())
+
+    def refused(*args):
+        raise RuntimeError("Triton Error [CUDA]: too many blocks in cooperative launch")
+
+    def broken(*args):
+        raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    args = (b.query, None, None, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    launch._eager_split = broken
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        launch(*args, testing.poisoned_like(b.query), dec.qk_scale_of(None, 64))
+    launch._eager_split = refused
+    launches.clear()
+    out = testing.poisoned_like(b.query)
+    launch(*args, out, dec.qk_scale_of(None, 64))
+    assert launch._eager_split is None
+    assert launches.last("_decode_split_kernel").facts["merge"] == "kernel"
+    assert launches.last("_decode_merge_kernel") is not None
+    ref_q = reference.attention_reference_quantized(b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    testing.assert_close_verbose(out, ref_q, rel_l2=TOL_QUANTIZED[("int8", "int8")])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_auto_merge_eager_barrier_graph_kernels():
     """Default plans on the GPU: an eager call is one launch (the barrier merge, no merge
