@@ -47,8 +47,9 @@ them -- or, with ``FUSED_MERGE`` (codes ``MERGE``), the split kernel itself: the
 sequence's splits to finish (``MERGE_LAST``, :func:`_arrive_and_merge`) or, in a cooperative
 launch, every split after a barrier, each its share of the columns (``MERGE_BARRIER``,
 :func:`_barrier_and_merge`); counters ``counter_ptr`` [num_seqs, Hkv x HEAD_SPLIT,
-num_splits] int32, which need no reset between launches: one launch per call. Sequences with
-``q_len == 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows are not written).
+num_splits (last) or 2 (barrier)] int32, which need no reset between launches: one launch per
+call. Sequences with ``q_len == 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows are
+not written).
 
 head_dim: any multiple of 16 from 16 to 256. The tiles span ``BLOCK_D``, head_dim rounded
 up to a power of two (``tl.arange`` and the MMA shapes need one); when the two differ, every
@@ -295,9 +296,8 @@ def _decode_split_kernel(
         if n_active > 1:
             _barrier_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr + seq.to(tl.int64) * stride_cs
                                + kv_prog * stride_ck, gen0, q_start, q_len, head0, split, n_active, stride_ot,
-                               stride_oh,
-                               stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEADS, HEAD_DIM,
-                               TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, MERGE_COLS)
+                               stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEADS,
+                               HEAD_DIM, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, MERGE_COLS)
     elif FUSED_MERGE == MERGE_LAST:
         if n_active > 1:
             _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr + seq.to(tl.int64) * stride_cs
@@ -379,10 +379,10 @@ def _barrier_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, gen0, q_sta
     generation (``gen0``, at its start: the generation only moves once every split of the
     slot has arrived, this one included), then takes an arrival ticket; the last arrival
     resets the arrival count and advances the generation (release), the others spin until
-    it changes (acquire). The
-    counters need no reset between launches or CUDA-graph replays (the generation wraps
-    freely: only a change is tested). Memory ordering as in :func:`_arrive_and_merge`: CTA
-    barrier, then acq_rel / release atomics at GPU scope, partials read past L1."""
+    it changes (acquire). The counters need no reset between launches or CUDA-graph
+    replays (the generation wraps freely: only a change is tested). Memory ordering as in
+    :func:`_arrive_and_merge`: CTA barrier, then acq_rel / release atomics at GPU scope,
+    partials read past L1."""
     arrivals = counters
     generation = counters + 1
     tl.debug_barrier()

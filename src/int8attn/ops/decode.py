@@ -86,7 +86,7 @@ class DecodeConfig:
     #: Where the split partials are merged. None (default, "auto"): eager calls whose grid
     #: fits the resident program slots take the barrier merge (one launch: ~10 us less host
     #: time per call), calls captured into a CUDA graph the split + merge kernels (no host
-    #: cost there, and 1.5-2.5 us faster on the H200: benchmarks/notes/decode.md). False:
+    #: cost there, and 0.4-0.9 us faster on the H200: benchmarks/notes/decode.md). False:
     #: always the merge kernel. True (or "last"): the last split of a (sequence, KV head) to
     #: finish combines them (kernels.decode._arrive_and_merge; a serial tail, slow past a
     #: few splits). "barrier": every split waits for the others, then merges a share of the
