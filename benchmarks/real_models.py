@@ -110,6 +110,10 @@ LEVERS = {
     "int8+rot+sink4+dec-pv-bf16": (dict(migrate=0.5, rotate=True, sinks=4), "bf16"),
     "int8+rot+qsplit": (dict(migrate=0.5, rotate=True, q_split=True), "int8"),
     "int8+rot+qsplit+dec-pv-bf16": (dict(migrate=0.5, rotate=True, q_split=True), "bf16"),
+    # V rotated too (its inverse applied to the output): emulation of a lever not in the kernels
+    "int8+rotv": (dict(migrate=0.5, rotate_v=True), "int8"),
+    "int8+rot+rotv": (dict(migrate=0.5, rotate=True, rotate_v=True), "int8"),
+    "int8+rot+rotv+qsplit": (dict(migrate=0.5, rotate=True, rotate_v=True, q_split=True), "int8"),
 }
 #: What one rounding of the INT8 default costs alone (PV exact; emulation only): "floor-k"
 #: K rounded as the cache stores it (smoothed, migrated), Q and V exact ("+rot": Q and K
@@ -119,6 +123,7 @@ FLOORS = {
     "floor-k": dict(q="exact", kv="int8", v="exact", smoothing=True, migrate=0.5),
     "floor-k+rot": dict(q="exact", kv="int8", v="exact", smoothing=True, migrate=0.5, rotate=True),
     "floor-kv": dict(q="exact", kv="int8", smoothing=True, migrate=0.5),
+    "floor-kv+rot+rotv": dict(q="exact", kv="int8", smoothing=True, migrate=0.5, rotate=True, rotate_v=True),
     "floor-q": dict(q="int8", kv="exact", migrate=0.5),
 }
 

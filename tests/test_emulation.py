@@ -47,6 +47,22 @@ def test_rotation_spreads_an_outlier_channel_before_the_rounding():
     assert rel_l2(rotated, ref) < 0.5 * rel_l2(plain, ref), (rel_l2(rotated, ref), rel_l2(plain, ref))
 
 
+def test_value_rotation_is_undone_on_the_output_and_spreads_a_value_outlier():
+    """``rotate_v``: V rotated before its rounding, the output rotated back -- unrounded,
+    the attention is unchanged; with one V channel 20x the others, the per-row INT8
+    rounding of V (Q, K and P exact) errs less after the rotation."""
+    q, k, v = _qkv(seed=4)
+    first = k.shape[0] - q.shape[0]
+    ref = exact(q, k, v, first_pos=first)
+    assert rel_l2(emulate(q, k, v, Variant("rotv", rotate_v=True), first_pos=first), ref) < 1e-5
+    v = v.clone()
+    v[..., 5] *= 20
+    ref = exact(q, k, v, first_pos=first)
+    plain = emulate(q, k, v, Variant("v", v="int8", pv="exact"), first_pos=first)
+    rotated = emulate(q, k, v, Variant("v+rotv", v="int8", pv="exact", rotate_v=True), first_pos=first)
+    assert rel_l2(rotated, ref) < 0.5 * rel_l2(plain, ref), (rel_l2(rotated, ref), rel_l2(plain, ref))
+
+
 def test_v_override_rounds_only_the_keys():
     """``v="exact"`` with an INT8 ``kv``: the keys are rounded as the cache stores them,
     the values are not -- the same as attention over dequantized keys and exact values."""

@@ -32,6 +32,10 @@ What each :class:`Variant` field emulates (kernel semantics in brackets):
   everything else (scores unchanged: ``(qH)(kH)^T = q k^T``); the rotation spreads an
   outlier channel over all channels before the per-row rounding (QuaRot's lever). It could
   fold into the producer as migration does; head_dim must be a power of two.
+* ``rotate_v``: V rows multiplied by the same Hadamard matrix before their rounding and the
+  output multiplied back (``P (V H) H^T = P V``): the per-row V scale then sees V's channel
+  outliers spread out. In a model the inverse folds into the output projection's weights
+  (QuaRot); in the library it would cost one [D, D] product per output row.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class Variant:
     q_split: bool = False
     v: str | None = None
     rotate: bool = False
+    rotate_v: bool = False
 
     def __post_init__(self):
         if self.q not in DTYPES or self.kv not in DTYPES or self.v not in (None, *DTYPES):
@@ -173,9 +178,11 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
     n_cal = t if mean_tokens is None else min(mean_tokens, t)
     qf, kf, vf = q.to(torch.float32), k.to(torch.float32), v.to(torch.float32)
     qc = qf[: max(1, min(n_cal, tq))] if calibration_queries is None else calibration_queries.to(torch.float32)
+    rot = hadamard(d) if variant.rotate or variant.rotate_v else None
     if variant.rotate:
-        rot = hadamard(d)
         qf, kf, qc = qf @ rot, kf @ rot, qc @ rot
+    if variant.rotate_v:
+        vf = vf @ rot
     v_kind = variant.v or variant.kv
     # keys: smoothing offset, migration, sinks
     mean = kf[:n_cal].mean(dim=0) if variant.smoothing else torch.zeros_like(kf[0])
@@ -218,6 +225,8 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
             out[:, h] = p @ v_hat[:, kv_h]
         else:
             out[:, h] = _pv_tiles(p, v_codes[:, kv_h], v_scale[:, kv_h], variant.pv, block_n)
+    if variant.rotate_v:
+        out = out @ rot.to(torch.float64).T
     return out
 
 
