@@ -124,6 +124,11 @@ FLOORS = {
     "floor-k+rot": dict(q="exact", kv="int8", v="exact", smoothing=True, migrate=0.5, rotate=True),
     "floor-kv": dict(q="exact", kv="int8", smoothing=True, migrate=0.5),
     "floor-kv+rot+rotv": dict(q="exact", kv="int8", smoothing=True, migrate=0.5, rotate=True, rotate_v=True),
+    # a finer format than the caches store: one scale per 64 / 32 channels of a K or V row
+    "floor-kv+g64": dict(q="exact", kv="int8", smoothing=True, migrate=0.5, kv_group=64),
+    "floor-kv+g32": dict(q="exact", kv="int8", smoothing=True, migrate=0.5, kv_group=32),
+    "floor-kv+rot+rotv+g64": dict(q="exact", kv="int8", smoothing=True, migrate=0.5, rotate=True, rotate_v=True,
+                                  kv_group=64),
     "floor-q": dict(q="int8", kv="exact", migrate=0.5),
 }
 

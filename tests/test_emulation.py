@@ -63,6 +63,21 @@ def test_value_rotation_is_undone_on_the_output_and_spreads_a_value_outlier():
     assert rel_l2(rotated, ref) < 0.5 * rel_l2(plain, ref), (rel_l2(rotated, ref), rel_l2(plain, ref))
 
 
+def test_grouped_scales_round_each_group_alone():
+    """``kv_group``: one scale per group of channels -- a row whose halves differ 100x in
+    range keeps the small half's precision; the group must divide head_dim and PV be exact."""
+    x = torch.cat([torch.randn(5, 2, 32), 100 * torch.randn(5, 2, 32)], dim=-1)
+    per_row = emulation._fake_quant(x, "int8")
+    grouped = emulation._fake_quant(x, "int8", 32)
+    small = x[..., :32].double()
+    assert (grouped[..., :32] - small).abs().max() < 0.05 * (per_row[..., :32] - small).abs().max()
+    assert torch.equal(grouped[..., 32:], emulation._fake_quant(x[..., 32:], "int8"))
+    with pytest.raises(ValueError, match="divide"):
+        emulation._fake_quant(x, "int8", 48)
+    with pytest.raises(ValueError, match="kv_group"):
+        Variant("g", kv="int8", pv="int8", kv_group=32)
+
+
 def test_v_override_rounds_only_the_keys():
     """``v="exact"`` with an INT8 ``kv``: the keys are rounded as the cache stores them,
     the values are not -- the same as attention over dequantized keys and exact values."""

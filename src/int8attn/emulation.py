@@ -36,6 +36,9 @@ What each :class:`Variant` field emulates (kernel semantics in brackets):
   output multiplied back (``P (V H) H^T = P V``): the per-row V scale then sees V's channel
   outliers spread out. In a model the inverse folds into the output projection's weights
   (QuaRot); in the library it would cost one [D, D] product per output row.
+* ``kv_group``: K and V rounded with one scale per ``kv_group`` channels of a row instead
+  of one per (token, KV head) -- a finer format than the caches store, to measure what it
+  would buy; PV exact only (the PV roundings model the per-key scale).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class Variant:
     v: str | None = None
     rotate: bool = False
     rotate_v: bool = False
+    kv_group: int | None = None
 
     def __post_init__(self):
         if self.q not in DTYPES or self.kv not in DTYPES or self.v not in (None, *DTYPES):
@@ -76,6 +80,8 @@ class Variant:
             raise ValueError(f"{self.name}: smoothing applies to 8-bit K only")
         if self.migrate is not None and not 0.0 <= self.migrate <= 1.0:
             raise ValueError(f"{self.name}: migrate alpha must be in [0, 1], got {self.migrate!r}")
+        if self.kv_group is not None and (self.pv != "exact" or self.kv_group < 1):
+            raise ValueError(f"{self.name}: kv_group needs pv='exact' and a positive group, got {self.kv_group!r}")
 
 
 def cache_variant(kv_dtype: str, pv: str | None = None, smoothing: bool | None = None, name: str | None = None,
@@ -91,10 +97,16 @@ def cache_variant(kv_dtype: str, pv: str | None = None, smoothing: bool | None =
     return Variant(name or f"{kv_dtype}/pv-{pv}", q=kv_dtype, kv=kv_dtype, smoothing=smoothing, pv=pv, **levers)
 
 
-def _fake_quant(x: torch.Tensor, dtype: str) -> torch.Tensor:
-    """float64 values of ``x`` after rounding its rows as ``dtype`` (float32 in, like the kernels)."""
+def _fake_quant(x: torch.Tensor, dtype: str, group: int | None = None) -> torch.Tensor:
+    """float64 values of ``x`` after rounding its rows as ``dtype`` (float32 in, like the
+    kernels); ``group``: one scale per that many channels of a row instead of per row."""
     if dtype == "exact":
         return x.to(torch.float64)
+    if group is not None and dtype != "bf16":
+        d = x.shape[-1]
+        if d % group:
+            raise ValueError(f"kv_group {group} does not divide head_dim {d}")
+        return _fake_quant(x.reshape(*x.shape[:-1], d // group, group), dtype).reshape(x.shape)
     if dtype == "bf16":
         return x.to(torch.float32).to(torch.bfloat16).to(torch.float64)
     q, s = quantize_rows(x.to(torch.float32), dtype)
@@ -192,8 +204,8 @@ def emulate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, variant: Variant,
         lam = migration_scale(qc, k_s[:n_cal], variant.migrate).to(torch.float32)
         k_s = k_s / lam
         qf = qf * lam.repeat_interleave(group, dim=0)
-    k_hat = _fake_quant(k_s, variant.kv)
-    v_hat = _fake_quant(vf, v_kind)
+    k_hat = _fake_quant(k_s, variant.kv, variant.kv_group)
+    v_hat = _fake_quant(vf, v_kind, variant.kv_group)
     if variant.sinks:
         k_hat[: variant.sinks] = k_s[: variant.sinks].to(torch.float64)
         v_hat[: variant.sinks] = vf[: variant.sinks].to(torch.float64)
