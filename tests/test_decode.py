@@ -662,8 +662,7 @@ def test_fused_merge_matches_references(device, monkeypatch, mode, kv, pv, hq, h
     fused = _run_and_check(batch, pv_mode=pv, num_splits=splits)
     assert launches.last("_decode_merge_kernel") is None, "the fused launch ran the merge kernel"
     plan = launches.last("_decode_split_kernel").facts["plan"]
-    slots = dec.sm_count(batch.cache.device) * dec._programs_per_sm(fused_cfg, dec.padded_head_dim(d),
-                                                                    batch.cache.key.element_size())
+    slots = dec.resident_slots(fused_cfg, batch.cache.device, d, batch.cache.key.element_size())
     fits = len(seq_lens) * hkv * plan.head_split * splits <= slots
     assert plan.merge == ("barrier" if mode == "barrier" and fits else "last"), (plan.merge, fits)
     first = decode_attention(*args, pv_mode=pv, num_splits=splits)
@@ -714,7 +713,7 @@ def test_barrier_merge_plan(device, monkeypatch):
 
     cfg = DecodeConfig(block_n=32, num_warps=4, num_stages=3, fused_merge="barrier")
     cache = testing.make_paged_batch([40], [1], num_q_heads=8, num_kv_heads=2, head_dim=64, device=device).cache
-    slots = dec.sm_count(cache.device) * dec._programs_per_sm(cfg, 64, cache.key.element_size())
+    slots = dec.resident_slots(cfg, cache.device, 64, cache.key.element_size())
     small = dec.plan_decode((1, 8, 64), cache, (1, 4096), config=cfg)
     assert small.merge == "barrier" and 2 <= small.num_splits and 2 * small.num_splits <= slots
     wide = dec.plan_decode((slots, 8, 64), cache, (slots, 4096), config=cfg)
@@ -728,8 +727,8 @@ def test_barrier_merge_plan(device, monkeypatch):
         rec = launches.last("_decode_split_kernel")
         assert rec.facts["plan"].merge == "barrier"
         launch = next(v for v in dec._LAUNCHES.values() if v.plan is rec.facts["plan"])
-        assert launch._split_constexprs["FUSED_MERGE"] == MERGE["last"]
-        assert "launch_cooperative_grid" not in launch._split_constexprs
+        assert launch._split_kernel.constexprs["FUSED_MERGE"] == MERGE["last"]
+        assert "launch_cooperative_grid" not in launch._split_kernel.constexprs
 
 
 def test_auto_merge_plan(device):
@@ -749,7 +748,7 @@ def test_auto_merge_plan(device):
     assert (auto.merge, kernel.merge) == ("auto" if auto.num_splits > 1 else "kernel", "kernel")
     one = dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), num_splits=1)
     assert one.merge == "kernel"
-    slots = dec.sm_count(b.cache.device) * dec._programs_per_sm(auto.config, 64, b.cache.key.element_size())
+    slots = dec.resident_slots(auto.config, b.cache.device, 64, b.cache.key.element_size())
     wide = dec.plan_decode((slots, 8, 64), b.cache, (slots, b.block_table.shape[1]), num_splits=2)
     assert wide.merge == "kernel"
     launch = dec.DecodeLaunch.for_tensors(auto, b.cache, b.query, None, None, b.block_table, b.query.stride())

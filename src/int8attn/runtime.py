@@ -1,7 +1,8 @@
 """Runtime helpers every launcher shares: where kernels run and how a launch is shaped.
 
 * :func:`interpret_mode`, :func:`default_device` -- Triton's CPU interpreter or a GPU;
-* :func:`sm_count`, :func:`device_guard`, :func:`stream_id` -- the launch device and stream;
+* :func:`sm_count`, :func:`device_guard`, :func:`stream_id`, :func:`capturing` -- the launch
+  device and stream;
 * :func:`default_num_warps`, :func:`heads_per_program`, :func:`full_tiles` -- the
   [rows, head_dim] program tile of the quantize / producer kernels (``TILE_ELEMS``).
 """
@@ -66,9 +67,14 @@ def stream_id(device: torch.device) -> int | None:
     device = torch.device(device)
     if device.type != "cuda":
         return 0
-    if torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         return None
     return torch.cuda.current_stream(device).cuda_stream
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph (never off a GPU)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def default_num_warps(num_tokens: int) -> int:

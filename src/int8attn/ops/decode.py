@@ -27,7 +27,7 @@ from ..errors import error_flags
 from ..kernels.codes import KV_KIND, MERGE, PV_KIND, PV_MODES
 from ..kernels.decode import _decode_merge_kernel, _decode_split_kernel
 from ..kernels.quantize import _quantize_query_kernel
-from ..runtime import device_guard, interpret_mode, sm_count, stream_id
+from ..runtime import capturing, device_guard, interpret_mode, sm_count, stream_id
 from ._launch import CachedLaunch
 from .producer import quantize_query_args, quantize_query_launch
 
@@ -157,6 +157,12 @@ def _programs_per_sm(config: DecodeConfig, head_dim: int, elem_bytes: int) -> in
     regs = config.maxnreg or (255 if head_dim >= 128 else 128)
     by_regs = 65536 // (config.num_warps * 32 * regs)
     return max(1, min(4, (227 * 1024) // smem, by_regs))
+
+
+def resident_slots(config: DecodeConfig, device, head_dim: int, elem_bytes: int) -> int:
+    """Split programs of ``config`` the GPU holds at once (SMs x :func:`_programs_per_sm` at
+    the padded head_dim): the split model's wave size and the barrier merge's grid bound."""
+    return sm_count(device) * _programs_per_sm(config, padded_head_dim(head_dim), elem_bytes)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, rows: int,
@@ -358,7 +364,7 @@ def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None
     if config.fused_merge not in FUSED_MERGES:
         raise ValueError(f"fused_merge must be one of {FUSED_MERGES}, got {config.fused_merge!r}")
     elem = cache.elem_bytes
-    slots = sm_count(cache.device) * _programs_per_sm(config, padded_head_dim(head_dim), elem)
+    slots = resident_slots(config, cache.device, head_dim, elem)
     programs = num_seqs * cache.num_kv_heads * head_split
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, cache.num_kv_heads * head_split, max_blocks * cache.block_size,
@@ -525,11 +531,6 @@ def _placeholder_partials(device, num_q_heads: int, head_dim: int):
             torch.zeros((1, 1, 1), dtype=torch.int32, device=device))
 
 
-def _capturing(device) -> bool:
-    """Whether the current stream of ``device`` (a CUDA device) is capturing a graph."""
-    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
@@ -581,7 +582,7 @@ class DecodeLaunch:
     """
 
     __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_part_acc", "_part_ml",
-                 "_split_grid", "_split_args", "_split_constexprs", "_merge_grid", "_merge_args",
+                 "_split_grid", "_split_args", "_merge_grid", "_merge_args",
                  "_merge_constexprs", "_quantize_kernel", "_split_kernel", "_merge_kernel", "_quantize_kernel_lam",
                  "_query_dims", "_counters", "_eager_split")
 
@@ -605,7 +606,7 @@ class DecodeLaunch:
         # "auto": the barrier merge for eager calls, split + merge kernels under graph capture
         # (a launch built during capture serves only that capture: no barrier launch, whose
         # zeroed counters would add a memset to the graph)
-        eager = "barrier" if merge == "auto" and not _capturing(device) else None
+        eager = "barrier" if merge == "auto" and not capturing(device) else None
         merge = "kernel" if merge == "auto" else merge
         hs = plan.head_split
         part_acc, part_ml, counters = _placeholder_partials(device, num_q_heads, head_dim)
@@ -643,7 +644,7 @@ class DecodeLaunch:
         )
         safe = _checks.decode_clamps_enabled()
         group = num_q_heads // cache.num_kv_heads // hs
-        self._split_constexprs = dict(
+        base = dict(
             GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
             PAGE=cache.block_size,
             BLOCK_N=block_n, BLOCK_M=plan.block_m, TOKENS_PER_PASS=plan.tokens_per_pass,
@@ -655,7 +656,7 @@ class DecodeLaunch:
         )
 
         def split_launch(mode: str) -> CachedLaunch:
-            constexprs = dict(self._split_constexprs)
+            constexprs = dict(base)
             if mode != "kernel":
                 constexprs.update(_fused_merge_constexprs(mode, group, plan.tokens_per_pass, padded_head_dim(head_dim),
                                                           splits))
@@ -668,7 +669,6 @@ class DecodeLaunch:
                                 {"plan": plan, "safe": safe, "merge": mode}, fixed_args=self._split_args)
 
         self._split_kernel = split_launch(merge)
-        self._split_constexprs = self._split_kernel.constexprs
         self._eager_split = split_launch(eager) if eager else None
         self._quantize_kernel = self._merge_kernel = self._quantize_kernel_lam = None
         self._query_dims = (num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
@@ -731,6 +731,7 @@ class DecodeLaunch:
             # the strides, sizes and owned buffers after these are the launches' fixed_args
             args = (q_in, q_scale_in, cache.key, cache.value, k_scale, v_scale, block_table, seq_lens,
                     query_start_loc, out, part_acc, part_ml, qk_scale)
+            # (an eager split exists on CUDA devices only: runtime.capturing's device test is known)
             if self._eager_split is not None and not torch.cuda.is_current_stream_capturing():
                 try:
                     self._eager_split(*args)
