@@ -193,12 +193,13 @@ def _decode_split_kernel(
     n_active = _num_active_splits(seq_len, num_splits, BLOCK_N)
     if split >= n_active:
         return
+    # the fused merges' counters of this program's (sequence, grid axis 1) slot
+    counters = counter_ptr + seq.to(tl.int64) * stride_cs + kv_prog * stride_ck
     gen0 = 0
     if FUSED_MERGE == MERGE_BARRIER:
         # the barrier's generation, read now so that its round trip overlaps the tile loop
         # (it cannot change before this program arrives: see _barrier_and_merge)
-        gen0 = tl.atomic_add(counter_ptr + seq.to(tl.int64) * stride_cs + kv_prog * stride_ck + 1, 0,
-                             sem="relaxed", scope="gpu")
+        gen0 = tl.atomic_add(counters + 1, 0, sem="relaxed", scope="gpu")
 
     tile_lo, tile_count = _split_tiles(seq_len, split, num_splits, BLOCK_N)
 
@@ -294,16 +295,14 @@ def _decode_split_kernel(
                         stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEAD_DIM, BLOCK_D, SWAP_AB)
     if FUSED_MERGE == MERGE_BARRIER:
         if n_active > 1:
-            _barrier_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr + seq.to(tl.int64) * stride_cs
-                               + kv_prog * stride_ck, gen0, q_start, q_len, head0, split, n_active, stride_ot,
-                               stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEADS,
-                               HEAD_DIM, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, MERGE_COLS)
+            _barrier_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, gen0, q_start, q_len, head0, split,
+                               n_active, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
+                               stride_ms, HEADS, HEAD_DIM, TOKENS_PER_PASS, MERGE_M, MERGE_CHUNK, MERGE_COLS)
     elif FUSED_MERGE == MERGE_LAST:
         if n_active > 1:
-            _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr + seq.to(tl.int64) * stride_cs
-                              + kv_prog * stride_ck, q_start, q_len, head0, split, n_active, num_splits,
-                              stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
-                              HEADS, HEAD_DIM, BLOCK_D, TOKENS_PER_PASS, MERGE_GROUP, MERGE_M, MERGE_CHUNK)
+            _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_len, head0, split, n_active,
+                              num_splits, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
+                              stride_ms, HEADS, HEAD_DIM, BLOCK_D, TOKENS_PER_PASS, MERGE_GROUP, MERGE_M, MERGE_CHUNK)
 
 
 @triton.jit
