@@ -9,7 +9,8 @@ caches:
 * ``attention`` -- the public router without a plan;
 * ``plan.run`` -- :meth:`int8attn.AttentionPlan.run`, the per-layer call of a planned step
   (the plan made once, outside the loop); ``attention(plan=)`` the same through the public
-  function;
+  function; ``plan.run triton runner`` the same plan's launches through Triton's own
+  ``compiled[grid]`` runner instead of int8attn's direct one (``ops._launch``);
 * ``plan_attention`` -- making the plan (once per batch, one host sync);
 * ``step of 16 layers`` (stub mode) -- a fresh plan plus one run per layer, each layer with
   its own cache, divided by 16: the per-layer host cost of a planned eager step.
@@ -59,6 +60,7 @@ if not torch.cuda.is_available():  # stub mode on CPU tensors: the checks want t
 
 from int8attn import bench  # noqa: E402
 from int8attn.cache import PagedKVCache  # noqa: E402
+from int8attn.ops import _launch as launch_mod  # noqa: E402
 from int8attn.ops import decode as dec  # noqa: E402
 from int8attn.ops import prefill as pre  # noqa: E402
 from int8attn.ops import producer as prod
@@ -174,7 +176,10 @@ def _variant_plans(cache, bt, sl, qsl, q, scale, out) -> dict:
     plan_fused = _plan_with(lambda c: dataclasses.replace(c, fused_merge=True), cache, bt, sl, qsl)
     plan_barrier = _plan_with(lambda c: dataclasses.replace(c, fused_merge="barrier"), cache, bt, sl, qsl)
     plan_kernel = _plan_with(lambda c: dataclasses.replace(c, fused_merge=False), cache, bt, sl, qsl)
-    fns = {"plan.run fused": lambda: plan_fused.run(q, cache, bt, sl, qsl, scale, out),
+    plan_triton = _first_run_without_direct_launch(plan_attention(cache, bt, sl, qsl, HQ), q, cache, bt, sl, qsl,
+                                                   scale, out)
+    fns = {"plan.run triton runner": lambda: plan_triton.run(q, cache, bt, sl, qsl, scale, out),
+           "plan.run fused": lambda: plan_fused.run(q, cache, bt, sl, qsl, scale, out),
            "plan.run barrier": lambda: plan_barrier.run(q, cache, bt, sl, qsl, scale, out),
            "plan.run merge kernel": lambda: plan_kernel.run(q, cache, bt, sl, qsl, scale, out)}
     if cache.quantized:
@@ -188,6 +193,17 @@ def _variant_plans(cache, bt, sl, qsl, q, scale, out) -> dict:
         fns["plan.run q_quant merge kernel"] = lambda: plan_kernel.run(q, cache, bt, sl, qsl, scale, out,
                                                                        q_quant=qq, q_scale=qs)
     return fns
+
+
+def _first_run_without_direct_launch(plan, q, cache, bt, sl, qsl, scale, out):
+    """``plan`` after a first run that built its launches on Triton's own runner
+    (``ops._launch.DIRECT_LAUNCH`` off): what the direct launch path saves, side by side."""
+    launch_mod.DIRECT_LAUNCH = False
+    try:
+        plan.run(q, cache, bt, sl, qsl, scale, out)
+    finally:
+        launch_mod.DIRECT_LAUNCH = True
+    return plan
 
 
 def _plan_with(change, cache, bt, sl, qsl):

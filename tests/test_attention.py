@@ -186,6 +186,45 @@ def _fail(*args, **kwargs):
     pytest.fail("a planned run validated again or read the device")
 
 
+def bad_input_cases(b, out) -> list:
+    """(what, exception, message, changed arguments) of bad inputs to a decode batch ``b``
+    that every attention call refuses before any launch, planned or not (value errors
+    included: they need value checks on, see the host_value_checks fixture)."""
+    q, cache, bt, sl, qsl = args_of(b)
+    T, H, D = q.shape
+    int8_q = torch.zeros(T, H, D, dtype=torch.int8, device=q.device)
+    q_scale = torch.ones(T, H, device=q.device)
+    bad_block = bt.clone()
+    bad_block[2, 1] = cache.num_blocks
+    short = sl.clone()
+    short[2] = 3  # shorter than its 8 new tokens
+    cases = [
+        ("query dtype", TypeError, "dtype", dict(query=q.to(torch.int8))),
+        ("query not a tensor", TypeError, "torch.Tensor", dict(query=q.tolist())),
+        ("query heads", ValueError, "multiple", dict(query=q[:, :3])),
+        ("query last dim strided", ValueError, "contiguous",
+         dict(query=q.transpose(1, 2).contiguous().transpose(1, 2))),
+        ("out dtype", TypeError, "dtype", dict(out=out.half())),
+        ("out shape", ValueError, "shape", dict(out=out[:, :, :32])),
+        ("q_quant dtype", TypeError, "int8", dict(q_quant=int8_q.to(torch.float8_e4m3fn), q_scale=q_scale)),
+        ("q_quant without q_scale", TypeError, "q_scale", dict(q_quant=int8_q)),
+        ("q_scale without q_quant", ValueError, "q_quant", dict(q_scale=q_scale)),
+        ("q_scale shape", ValueError, "shape", dict(q_quant=int8_q, q_scale=q_scale[:, :1])),
+        ("softmax_scale zero", ValueError, "positive", dict(softmax_scale=0.0)),
+        ("softmax_scale nan", ValueError, "positive", dict(softmax_scale=float("nan"))),
+        ("softmax_scale bool", TypeError, "float", dict(softmax_scale=True)),
+        ("cache object", TypeError, "PagedKVCache", dict(cache=object())),
+        ("block_table dtype", TypeError, "int32", dict(block_table=bt.long())),
+        ("block_table rows", ValueError, "shape", dict(block_table=bt[:-1])),
+        ("seq_lens dtype", TypeError, "int32", dict(seq_lens=sl.long())),
+        ("block id (new table)", ValueError, r"block_table\[2, 1\]", dict(block_table=bad_block)),
+        ("seq_len < q_len (new lens)", ValueError, "smaller", dict(seq_lens=short)),
+    ]
+    if q.device.type == "cpu":
+        cases.append(("query device", ValueError, "cache is on", dict(query=q.to("meta"))))
+    return cases
+
+
 @pytest.mark.parametrize("kv", ["int8", "fp8", "bf16"])
 def test_plan_run_equals_decode_attention(kv, device, monkeypatch):
     """plan.run gives decode_attention's result bit for bit, for every cache of the plan's
@@ -225,48 +264,20 @@ def test_planned_run_rejects_bad_input_before_launch(device, monkeypatch, host_v
     good = plan.run(q, cache, bt, sl, qsl, None, poisoned(b)).clone()
     plan.run(q, cache, bt, sl, qsl, None, poisoned(b))
     before = cache_tensors(cache)
-    T, H, D = q.shape
+    T = q.shape[0]
     out = poisoned(b)
-    int8_q = torch.zeros(T, H, D, dtype=torch.int8, device=device)
-    q_scale = torch.ones(T, H, device=device)
     other_dtype = decode_batch("bf16", seed=11, device=device).cache
     bigger = testing.make_paged_batch(DECODE_SEQ_LENS, DECODE_Q_LENS, num_q_heads=4, num_kv_heads=2, head_dim=64,
                                       extra_blocks=5, seed=11, device=device).cache
-    bad_block = bt.clone()
-    bad_block[2, 1] = cache.num_blocks
-    short = sl.clone()
-    short[2] = 3  # shorter than its 8 new tokens
     prefill_qsl = torch.tensor([0, 1, 4, 4, T], dtype=torch.int32, device=device)  # a 10-token query
     long_lens = torch.tensor([37, 16, 70, 15], dtype=torch.int32, device=device)
-    cases = [
-        ("query dtype", TypeError, "dtype", dict(query=q.to(torch.int8))),
-        ("query not a tensor", TypeError, "torch.Tensor", dict(query=q.tolist())),
+    cases = bad_input_cases(b, out) + [
         ("query tokens", ValueError, "AttentionPlan was made for", dict(query=q[:-1], out=None)),
-        ("query heads", ValueError, "multiple", dict(query=q[:, :3])),
-        ("query last dim strided", ValueError, "contiguous",
-         dict(query=q.transpose(1, 2).contiguous().transpose(1, 2))),
-        ("out dtype", TypeError, "dtype", dict(out=out.half())),
-        ("out shape", ValueError, "shape", dict(out=out[:, :, :32])),
-        ("q_quant dtype", TypeError, "int8", dict(q_quant=int8_q.to(torch.float8_e4m3fn), q_scale=q_scale)),
-        ("q_quant without q_scale", TypeError, "q_scale", dict(q_quant=int8_q)),
-        ("q_scale without q_quant", ValueError, "q_quant", dict(q_scale=q_scale)),
-        ("q_scale shape", ValueError, "shape", dict(q_quant=int8_q, q_scale=q_scale[:, :1])),
-        ("softmax_scale zero", ValueError, "positive", dict(softmax_scale=0.0)),
-        ("softmax_scale nan", ValueError, "positive", dict(softmax_scale=float("nan"))),
-        ("softmax_scale bool", TypeError, "float", dict(softmax_scale=True)),
         ("cache dtype", ValueError, "made for", dict(cache=other_dtype)),
         ("cache geometry", ValueError, "made for a cache", dict(cache=bigger)),
-        ("cache object", TypeError, "PagedKVCache", dict(cache=object())),
-        ("block_table dtype", TypeError, "int32", dict(block_table=bt.long())),
-        ("block_table rows", ValueError, "shape", dict(block_table=bt[:-1])),
-        ("seq_lens dtype", TypeError, "int32", dict(seq_lens=sl.long())),
-        ("block id (new table)", ValueError, r"block_table\[2, 1\]", dict(block_table=bad_block)),
-        ("seq_len < q_len (new lens)", ValueError, "smaller", dict(seq_lens=short)),
         ("batch does not fit the plan", ValueError, "does not fit",
          dict(seq_lens=long_lens, query_start_loc=prefill_qsl)),
     ]
-    if device == "cpu":
-        cases.append(("query device", ValueError, "cache is on", dict(query=q.to("meta"))))
     watch_launches(monkeypatch, forbid=True)
     args = dict(query=q, cache=cache, block_table=bt, seq_lens=sl, query_start_loc=qsl, out=out)
     for what, exc, match, change in cases:
@@ -284,6 +295,67 @@ def test_planned_run_rejects_bad_input_before_launch(device, monkeypatch, host_v
     assert_cache_untouched(cache, before)
     monkeypatch.undo()
     assert torch.equal(plan.run(q, cache, bt, sl, qsl, None, poisoned(b)), good)
+
+
+def _no_launch(*args, **kwargs):
+    pytest.fail("a kernel launched despite bad input")
+
+
+def test_unplanned_repeat_skips_checks(device, monkeypatch):
+    """A repeated unplanned call (same cache object, input layouts, options and switches
+    as a checked one) launches the remembered decode launch without validating or
+    planning again, and gives the result a first call gives; with value checks on it
+    still checks the values on every call."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    b = decode_batch("int8", seed=31, device=device)
+    q, cache, bt, sl, qsl = args_of(b)
+    attention(q, cache, bt, sl, qsl, 0.1, poisoned(b))
+    query = fresh_query(q, 3)
+    with monkeypatch.context() as m:
+        for name in ("check_attention_inputs", "check_attention_values", "check_query"):
+            m.setattr(_checks, name, _fail)
+        m.setattr(attention_mod._decode, "_memo_plan", _fail)
+        got = attention(query, cache, bt, sl, qsl, 0.1, poisoned(b))
+    assert not torch.isnan(got.float()).any(), "a row was not written"
+    attention_mod._ROUTES.clear()  # the same call made from scratch
+    assert torch.equal(got, attention(query, cache, bt, sl, qsl, 0.1, poisoned(b)))
+    assert torch.equal(got, decode_attention(query, cache, bt, sl, qsl, softmax_scale=0.1, out=poisoned(b)))
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")  # a switch is part of the key: seen at once
+    reads = []
+    real = _checks.check_attention_values
+    monkeypatch.setattr(_checks, "check_attention_values", lambda *a, **k: (reads.append(1), real(*a, **k))[1])
+    for _ in range(3):
+        attention(query, cache, bt, sl, qsl, 0.1, poisoned(b))
+    assert len(reads) == 3
+
+
+def test_unplanned_repeat_rejects_bad_input_before_launch(device, monkeypatch, host_value_checks):
+    """After good unplanned calls remembered their route, every kind of bad input still
+    raises a clear error before any kernel launch, and the cache stays untouched."""
+    b = decode_batch("int8", seed=13, device=device)
+    q, cache, bt, sl, qsl = args_of(b)
+    out = poisoned(b)
+    good = attention(q, cache, bt, sl, qsl, None, out).clone()
+    attention(q, cache, bt, sl, qsl, None, poisoned(b))
+    before = cache_tensors(cache)
+    out = poisoned(b)
+    monkeypatch.setattr(attention_mod._decode.DecodeLaunch, "__call__", _no_launch)
+    monkeypatch.setattr(attention_mod, "_run_prefill", _no_launch)
+    args = dict(query=q, cache=cache, block_table=bt, seq_lens=sl, query_start_loc=qsl, out=out)
+    for what, exc, match, change in bad_input_cases(b, out):
+        call = {**args, **change}
+        with pytest.raises(exc, match=match):
+            attention(call.pop("query"), call.pop("cache"), call.pop("block_table"), call.pop("seq_lens"),
+                      call.pop("query_start_loc"), **call)
+    good_value = cache.value  # storage replaced by the wrong layout: checked again
+    cache.value = cache.value_rows.contiguous()
+    with pytest.raises(ValueError, match="cache.value"):
+        attention(q, cache, bt, sl, qsl, None, out)
+    cache.value = good_value
+    assert torch.isnan(out.float()).all()
+    assert_cache_untouched(cache, before)
+    monkeypatch.undo()
+    assert torch.equal(attention(q, cache, bt, sl, qsl, None, poisoned(b)), good)
 
 
 def test_plan_checks_values_once_at_planning(device, monkeypatch):

@@ -119,3 +119,41 @@ def test_left_out_constexprs_take_the_kernels_defaults(monkeypatch):
     launch(x, 1)
     launch(x, 1)
     assert [e[0] for e in k.log] == ["bound", "direct"] and k.log[1][2] == (x, 1, 64, False)
+
+
+def test_direct_runner_calls_the_compiled_launcher_unless_a_hook_is_registered(monkeypatch):
+    """The direct path passes what Triton's own runner passes to the compiled launcher
+    (grid, the current stream, function, packed metadata) with no launch metadata and no
+    hooks; while a launch hook is registered every call goes through Triton's runner."""
+    import triton
+
+    from int8attn.ops import _launch as launch_mod
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 3, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device, raising=False)
+    calls = []
+
+    class Compiled:
+        function, packed_metadata = "fn", "packed"
+
+        def run(self, *args):
+            calls.append(("run", args))
+
+    runner = launch_mod._direct_runner(Compiled(), (4, 5, 6), lambda *a: calls.append(("triton", a)))
+    assert runner is not None
+    runner("x", 7)
+    assert calls == [("run", (4, 5, 6, 1003, "fn", "packed", None, None, None, "x", 7))]
+    hook = triton.knobs.runtime.launch_enter_hook
+
+    def profiler(metadata):
+        pass
+
+    hook.add(profiler)
+    try:
+        runner("y", 8)
+    finally:
+        hook.remove(profiler)
+    assert calls[-1] == ("triton", ("y", 8))
+    runner("z", 9)
+    assert calls[-1][0] == "run"
+    assert launch_mod._direct_runner(object(), (1, 1, 1), None) is None  # not a compiled kernel

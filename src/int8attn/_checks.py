@@ -49,6 +49,28 @@ def _env_switch(name: str) -> bool | None:
     return True if value in ("1", "true", "yes", "on") else False if value in ("0", "false", "no", "off") else None
 
 
+#: Every environment variable the launchers read (``INT8ATTN_PREFILL_KERNEL`` in
+#: :mod:`int8attn.ops.prefill_hopper`, ``TRITON_INTERPRET`` in :mod:`int8attn.runtime`).
+SWITCHES = ("INT8ATTN_CHECK_VALUES", "INT8ATTN_DECODE_SAFE", "INT8ATTN_PREFILL_KERNEL", "TRITON_INTERPRET")
+
+
+_SWITCH_KEYS = tuple(map(os.environ.encodekey, SWITCHES))
+
+
+def switches() -> tuple:
+    """The raw values of :data:`SWITCHES` now: part of the key of anything remembered from a
+    call whose checks or launches they steer (changing one is seen by the next call).
+
+    Read from the dict behind ``os.environ`` (CPython's ``os.environ._data``, which every
+    ``os.environ`` update writes): the mapping itself encodes each key and decodes each
+    value, ~1 us per lookup, four times the rest of a remembered call's key."""
+    data = getattr(os.environ, "_data", None)
+    if type(data) is not dict:  # not CPython's os.environ: the public mapping
+        return tuple(os.environ.get(name) for name in SWITCHES)
+    get = data.get
+    return tuple(get(key) for key in _SWITCH_KEYS)
+
+
 def decode_clamps_enabled() -> bool:
     """True unless ``INT8ATTN_DECODE_SAFE=0``: decode launches built from then on clamp their
     metadata in-kernel (query ranges, lengths, block ids), give a sequence whose metadata
@@ -312,8 +334,14 @@ def check_attention_inputs(
         check_tensor("out", out, dtypes=out_dtypes, shape=tuple(query.shape), device=dev)
     check_quantized_query(q_quant, q_scale, tuple(query.shape), cache)
     if check_values and num_seqs > 0 and value_checks_enabled(dev):
-        check_attention_values(query.shape[0], cache, block_table, seq_lens, query_start_loc)
-        check_errors(dev)  # what earlier kernels on this device found, now that we read back anyway
+        check_values_now(query.shape[0], cache, block_table, seq_lens, query_start_loc)
+
+
+def check_values_now(num_tokens, cache, block_table, seq_lens, query_start_loc) -> None:
+    """The value checks of an unplanned attention call (one read-back), then the error
+    flags earlier kernels on this device raised, now that the host waited anyway."""
+    check_attention_values(num_tokens, cache, block_table, seq_lens, query_start_loc)
+    check_errors(cache.device)
 
 
 def check_attention_values(num_tokens, cache, block_table, seq_lens, query_start_loc, *,

@@ -5,8 +5,9 @@ cache key and looks the compiled kernel up on every call: on the H200 box (Trito
 that is 25-40 us of host time per launch, more than a small decode kernel runs
 (benchmarks/notes/gate.md). A launcher made once per fixed launch geometry (a planned
 decode call: same constexprs, strides and integer arguments every time) keeps the
-compiled kernel the first launch returned and launches it directly afterwards, the way
-Triton's own ``CompiledKernel[grid](*args)`` API is used.
+compiled kernel the first launch returned and launches it directly afterwards: through
+the compiled launcher itself where no Triton launch hook is registered
+(:func:`_direct_runner`), else through Triton's own ``CompiledKernel[grid](*args)`` runner.
 
 The direct path is taken only while the compiled kernel is still the right one: every
 tensor argument must have the dtype and the 16-byte pointer alignment (which Triton
@@ -21,8 +22,13 @@ import inspect
 import weakref
 
 import torch
+import triton
 
 from .. import launches
+
+#: Launch cached kernels through :func:`_direct_runner` (False: through Triton's own
+#: ``compiled[grid]`` runner; for measuring what the direct path saves).
+DIRECT_LAUNCH = True
 
 def _signature(args) -> tuple:
     """What the compiled kernel was specialized on: dtype and 16-byte alignment of each
@@ -46,6 +52,33 @@ def _defaults(kernel) -> dict:
     except (TypeError, ValueError):
         return {}
     return {name: p.default for name, p in params.items() if p.default is not inspect.Parameter.empty}
+
+
+def _direct_runner(compiled, grid, fallback):
+    """A launcher of ``compiled`` over ``grid`` that does per call only what Triton's
+    ``compiled[grid]`` runner (Triton 3.4 to 3.9) must: find the current stream and call the
+    compiled launcher. That runner also looks the device and stream up through Triton's
+    driver proxy and builds a launch-metadata dict for the launch hooks on every call,
+    hooks or not. While a launch hook is registered (a profiler: ``triton.knobs.runtime``),
+    calls go to ``fallback`` (Triton's runner), which serves them. None where the compiled
+    kernel does not have the attributes this relies on."""
+    run, function, packed = (getattr(compiled, name, None) for name in ("run", "function", "packed_metadata"))
+    hooks = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if run is None or function is None or packed is None or not hasattr(getattr(hooks, "launch_enter_hook", None),
+                                                                           "calls"):
+        return None
+    try:
+        from torch._C import _cuda_getCurrentRawStream as current_stream, _cuda_getDevice as current_device
+    except ImportError:
+        return None
+    gx, gy, gz = grid
+
+    def runner(*args):
+        if hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
+            return fallback(*args)
+        # no hooks: no launch metadata, no hook calls (None is what the launcher skips)
+        run(gx, gy, gz, current_stream(current_device()), function, packed, None, None, None, *args)
+    return runner
 
 
 def _is_same(ident, arg) -> bool:
@@ -111,5 +144,7 @@ class CachedLaunch:
                 self._tail = self.fixed_args + tuple(given[n] for n in names)
                 self._compiled, self._signature, self._last = compiled, _signature(args), _identities(args)
                 self._runner = compiled[self.grid]
+                if DIRECT_LAUNCH:
+                    self._runner = _direct_runner(compiled, self.grid, self._runner) or self._runner
         launches.record(self._name, compiled, self._facts)
         return compiled

@@ -10,10 +10,14 @@ sequences on the device, so the router needs no query lengths on the host:
 
 * without a plan, ``attention()`` launches both kernels; it leaves one out only on
   host-known facts (``T <= MAX_DECODE_QUERY_LEN`` means no prefill sequence can exist;
-  an empty batch launches nothing). Inputs are validated on every call
-  (:func:`int8attn._checks.check_attention_inputs`); its value checks read the device
-  back, so on a CUDA device they run only with ``INT8ATTN_CHECK_VALUES=1``: an unplanned
-  call never synchronises by default (the kernels clamp bad metadata themselves);
+  an empty batch launches nothing). The first call of an input layout is validated in
+  full (:func:`int8attn._checks.check_attention_inputs`) and its route remembered: a later
+  call with the same cache object, input layouts (dtype, shape, strides, device of every
+  tensor argument), options and environment switches launches the remembered decode
+  launch directly, for about the host cost of a planned run. Value checks read the device
+  back, so on a CUDA device they run only with ``INT8ATTN_CHECK_VALUES=1`` (then on every
+  call): an unplanned call never synchronises by default (the kernels clamp bad metadata
+  themselves);
 * :func:`plan_attention` plans a batch once (the plan/run split of FlashInfer): it reads
   the metadata values once (one host sync, which also checks them: block ids, lengths,
   ``query_start_loc``), records which kernels are needed, the longest query (a tighter
@@ -36,14 +40,16 @@ in full again, values included.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 from .. import _checks
 from ..cache import PagedKVCache
 from ..errors import check_errors
-from ..runtime import interpret_mode
+from ..runtime import interpret_mode, stream_id
 from . import decode as _decode
 from . import prefill as _prefill
 from . import prefill_hopper as _hopper
@@ -400,7 +406,9 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     to every cached key at a position <= its own. Returns ``out`` [T, Hq, D] bf16; rows of
     sequences with q_len 0 do not exist, every other row is written.
 
-    Checks: types, shapes, strides and devices always, before any launch. Value checks
+    Checks: types, shapes, strides and devices before any launch, in full on the first
+    call of a layout (a repeat with the same cache object, layouts and options compares
+    them with the remembered ones, see the module docstring). Value checks
     (block ids, lengths, ``query_start_loc``; a device read-back) run in
     :func:`plan_attention` (one sync per batch, shared by every layer's run), in unplanned
     calls on CPU tensors, and in unplanned calls on a CUDA device only with
@@ -423,25 +431,95 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
             raise ValueError("prefill_kernel applies when planning: pass it to plan_attention")
         return plan.run(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                         q_quant=q_quant, q_scale=q_scale)
+    key = _route_key(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
+                     pv_mode, prefill_kernel)
+    route = _ROUTES.get(key) if key is not None else None
+    if route is not None and route.cache() is cache:
+        _checks.check_cache(cache)  # remembered: an identity test unless the storage was replaced
+        if route.cache_facts == _cache_facts(cache):
+            return _launch_route(route, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
+                                 q_quant, q_scale)
     _check_common(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale)
     _hopper.requested_kernel(prefill_kernel)  # a bad name fails on every call
     num_tokens = query.shape[0]
     num_seqs = block_table.shape[0]
     prefill_pv = _prefill.resolve_pv_mode(cache.kv_dtype, pv_mode)
     decode_plan = _decode.plan_decode(tuple(query.shape), cache, tuple(block_table.shape), pv_mode=pv_mode)
+    if num_tokens == 0 or num_seqs == 0:
+        return torch.empty(query.shape, dtype=torch.bfloat16, device=query.device) if out is None else out
+    check_values = _checks.value_checks_enabled(cache.device)
+    prefill = None
+    if num_tokens > MAX_DECODE_QUERY_LEN:
+        prefill = (*_prefill_route(cache, prefill_pv, query.shape[1], prefill_kernel, check_values), prefill_pv)
+    _decode.check_num_seqs(num_seqs)
+    out_strides = out.stride() if out is not None else (query.shape[1] * query.shape[2], query.shape[2], 1)
+    launch = _decode.reused_launch(decode_plan, cache, query, q_quant, q_scale, block_table, out_strides)
+    if launch is None:  # being captured into a CUDA graph: a launch for this capture only
+        launch = _decode.DecodeLaunch.for_tensors(decode_plan, cache, query, q_quant, q_scale, block_table,
+                                                  out_strides)
+    route = _Route(weakref.ref(cache), _cache_facts(cache), launch, _decode.qk_scale_of(softmax_scale, cache.head_dim),
+                   check_values, prefill)
+    if key is not None:
+        if len(_ROUTES) >= _MAX_REMEMBERED:
+            _ROUTES.clear()
+        _ROUTES[key] = route
+    # checked above: the route's own value checks are for later calls
+    return _launch_route(route._replace(check_values=False), query, cache, block_table, seq_lens, query_start_loc,
+                         softmax_scale, out, q_quant, q_scale)
+
+
+#: Unplanned calls whose inputs passed the full checks, by everything those checks and the
+#: launch choices depend on (:func:`_route_key`): a later call with the same cache object,
+#: input layouts, options and environment switches skips the checks and the planning and
+#: launches the remembered decode launch, as a plan's runs do (value checks, where enabled,
+#: still run on every call). Cleared when full.
+_ROUTES: dict = {}
+
+
+class _Route(NamedTuple):
+    """What an unplanned call launches, worked out once per layout."""
+
+    cache: weakref.ref  # the cache the key's id() named: a new object at a reused id misses
+    cache_facts: tuple  # its geometry and scale strides (the launch's fixed arguments)
+    decode: "_decode.DecodeLaunch"
+    qk_scale: float
+    check_values: bool  # read the metadata back on every call (CPU tensors, INT8ATTN_CHECK_VALUES=1)
+    prefill: tuple | None  # (kernel, config, PV mode) when the batch may hold a prefill sequence
+
+
+def _cache_facts(cache) -> tuple:
+    return _geometry(cache), _scale_strides(cache)
+
+
+def _route_key(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
+               pv_mode, prefill_kernel):
+    """The key of an unplanned call in :data:`_ROUTES`, or None for a call that is not
+    remembered (one being captured into a CUDA graph, or with arguments that are not
+    tensors or not hashable: the full checks then say what is wrong)."""
+    try:
+        stream = stream_id(cache.device)
+        if stream is None:
+            return None
+        key = (id(cache), _layout(query), _layout(out), _layout(q_quant), _layout(q_scale), _layout(block_table),
+               _layout(seq_lens), _layout(query_start_loc), type(softmax_scale), softmax_scale, pv_mode,
+               prefill_kernel, stream, _checks.switches(), _decode.launch_makers(), _prefill.default_config)
+        hash(key)
+    except (AttributeError, TypeError):
+        return None
+    return key
+
+
+def _launch_route(route: _Route, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant,
+                  q_scale) -> torch.Tensor:
+    if route.check_values:
+        _checks.check_values_now(query.shape[0], cache, block_table, seq_lens, query_start_loc)
     if out is None:
         out = torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-    prefill_config = None
-    if num_tokens > MAX_DECODE_QUERY_LEN:
-        prefill_kernel, prefill_config = _prefill_route(cache, prefill_pv, query.shape[1], prefill_kernel,
-                                                        _checks.value_checks_enabled(cache.device))
-    _decode.run_decode(decode_plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
-                 q_quant, q_scale, None)
-    if prefill_config is not None:
-        _run_prefill(prefill_kernel, prefill_config, prefill_pv, query, cache, block_table, seq_lens, query_start_loc,
-                     softmax_scale, out, q_quant, q_scale, MAX_DECODE_QUERY_LEN, None)
+    route.decode(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, route.qk_scale)
+    if route.prefill is not None:
+        kernel, config, pv = route.prefill
+        _run_prefill(kernel, config, pv, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
+                     q_quant, q_scale, MAX_DECODE_QUERY_LEN, None)
     return out
 
 

@@ -287,12 +287,25 @@ def plan_decode(query_shape, cache: PagedKVCache, block_table_shape, *, pv_mode=
     facts = _PlanCache(cache.kv_dtype, cache.num_kv_heads, cache.block_size, cache.key.element_size(), cache.device)
     # the planning functions in use are part of the key: replacing one (a test, a sweep) replans
     args = (tuple(query_shape), facts, tuple(block_table_shape), pv_mode, num_splits, config, max_query_len,
-            head_split, (default_config, choose_num_splits, _programs_per_sm, choose_head_split))
+            head_split, planners())
     try:
         hash(args)
     except TypeError:  # an unhashable option: let the planner reject it
         return _plan_decode(*args[:-1])
     return _memo_plan(*args)
+
+
+def planners() -> tuple:
+    """The planning functions this module holds now (module attributes: a test or a sweep
+    may replace one): part of the key of every memo of plans."""
+    return default_config, choose_num_splits, _programs_per_sm, choose_head_split
+
+
+def launch_makers() -> tuple:
+    """What a :class:`DecodeLaunch` is built from, as this module holds it now: the
+    planners, :func:`plan_decode` and the kernels. Part of the key of every memo of
+    launches (replacing one replans and rebuilds)."""
+    return planners() + (plan_decode, _decode_split_kernel, _decode_merge_kernel, _quantize_query_kernel)
 
 
 @functools.lru_cache(maxsize=1024, typed=True)  # typed: num_splits=True is not num_splits=1
@@ -442,7 +455,7 @@ def run_decode(plan: DecodePlan, query, cache, block_table, seq_lens, query_star
     if num_tokens == 0 or num_seqs == 0:
         return out
     check_num_seqs(num_seqs)
-    launch = _reused_launch(plan, cache, query, q_quant, q_scale, block_table, out, workspace)
+    launch = reused_launch(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace)
     if launch is None:
         launch = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace)
     qk_scale = qk_scale_of(softmax_scale, head_dim)
@@ -460,19 +473,20 @@ _LAUNCHES: dict = {}
 _MAX_LAUNCHES = 64
 
 
-def _reused_launch(plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table, out,
-                   workspace: "DecodeWorkspace | None" = None) -> "DecodeLaunch | None":
+def reused_launch(plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table, out_strides,
+                  workspace: "DecodeWorkspace | None" = None) -> "DecodeLaunch | None":
     """The cached launch for an unplanned call shaped like these tensors (made on first
-    use; kept on ``workspace`` when given), or None while a graph is being captured."""
+    use; kept on ``workspace`` when given), or None while a graph is being captured.
+    ``out_strides``: of the output the call writes."""
     stream = stream_id(cache.device)
     if stream is None:
         return None
     q_in = q_quant if q_quant is not None else query
-    key = (plan, _decode_split_kernel, _decode_merge_kernel, _quantize_query_kernel, cache.device, stream,
+    key = (plan, launch_makers(), cache.device, stream,
            cache.kv_dtype, cache.block_size, cache.num_kv_heads, cache.head_dim, cache.num_blocks,
            cache.key.stride(), cache.key_scale.stride() if cache.quantized else None,
            tuple(query.shape), q_in.stride(), None if q_scale is None else q_scale.stride(), q_quant is None,
-           tuple(block_table.shape), block_table.stride(0), out.stride(),
+           tuple(block_table.shape), block_table.stride(0), tuple(out_strides),
            _checks.decode_clamps_enabled(), interpret_mode())
     store = _LAUNCHES if workspace is None else workspace.launches
     launch = store.get(key)
@@ -480,7 +494,7 @@ def _reused_launch(plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scal
         if len(store) >= _MAX_LAUNCHES:
             store.clear()
         launch = store[key] = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table,
-                                                       out.stride(), workspace)
+                                                       out_strides, workspace)
     return launch
 
 
