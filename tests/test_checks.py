@@ -332,3 +332,19 @@ def test_clear_errors_drops_raised_flags_without_raising(device):
     flags[0], flags[1], flags[2] = errors.ERR_SEQ_LEN, 5, 1
     with pytest.raises(errors.DeviceMetadataError, match="seq_len.*index 5;"):
         errors.check_errors(device)
+
+
+def test_error_flags_first_made_under_inference_mode_reset_outside_it(device, monkeypatch):
+    """The flag buffer of a device first used inside torch.inference_mode (a generate()
+    loop) is a normal tensor: it is reset and read outside inference mode afterwards."""
+    from int8attn import errors
+
+    monkeypatch.setattr(errors, "_FLAGS", {})
+    with torch.inference_mode():
+        flags = errors.error_flags(device)
+    assert not flags.is_inference()
+    flags[0] = 1  # as a kernel raising a flag would
+    with pytest.raises(errors.DeviceMetadataError):
+        errors.check_errors(device)
+    errors.clear_errors(device)
+    errors.check_errors(device)

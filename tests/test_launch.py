@@ -129,8 +129,10 @@ def test_direct_runner_calls_the_compiled_launcher_unless_a_hook_is_registered(m
 
     from int8attn.ops import _launch as launch_mod
 
-    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 3, raising=False)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device, raising=False)
+    from int8attn import runtime
+
+    monkeypatch.setattr(runtime, "current_device", lambda: 3)
+    monkeypatch.setattr(runtime, "raw_stream", lambda device: 1000 + device)
     calls = []
 
     class Compiled:

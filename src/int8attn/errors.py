@@ -77,8 +77,11 @@ def error_flags(device) -> torch.Tensor:
                     raise RuntimeError(
                         "int8attn's device error flags are allocated when the first cache of a "
                         "device is created; create the PagedKVCache before capturing a CUDA graph")
-                flags = torch.tensor([0, NO_INDEX, 0], dtype=torch.int32, device=torch.device(*key)
-                                     if key[1] is not None else torch.device(key[0]))
+                # a normal tensor even when the first use is under torch.inference_mode (a
+                # generate() loop): an inference tensor could not be reset outside it
+                with torch.inference_mode(False):
+                    flags = torch.tensor([0, NO_INDEX, 0], dtype=torch.int32, device=torch.device(*key)
+                                         if key[1] is not None else torch.device(key[0]))
                 _FLAGS[key] = flags
     return flags
 

@@ -59,6 +59,12 @@ def device_guard(device: torch.device):
     return contextlib.nullcontext()
 
 
+try:  # what Triton's own launches ask: the current device and its raw cudaStream_t
+    from torch._C import _cuda_getCurrentRawStream as raw_stream, _cuda_getDevice as current_device
+except ImportError:  # a CPU-only build of torch
+    raw_stream = current_device = None
+
+
 def stream_id(device: torch.device) -> int | None:
     """The current stream of ``device`` as an int (0 off a GPU), for keys of launch buffers
     reused across calls: calls on one stream run in order, so they may share a workspace.
@@ -69,7 +75,9 @@ def stream_id(device: torch.device) -> int | None:
         return 0
     if capturing(device):
         return None
-    return torch.cuda.current_stream(device).cuda_stream
+    # the raw handle: torch.cuda.current_stream builds a Stream object (~2 us per call)
+    index = device.index if device.index is not None else current_device()
+    return raw_stream(index)
 
 
 def capturing(device: torch.device) -> bool:

@@ -24,7 +24,7 @@ import weakref
 import torch
 import triton
 
-from .. import launches
+from .. import launches, runtime
 
 #: Launch cached kernels through :func:`_direct_runner` (False: through Triton's own
 #: ``compiled[grid]`` runner; for measuring what the direct path saves).
@@ -67,9 +67,8 @@ def _direct_runner(compiled, grid, fallback):
     if run is None or function is None or packed is None or not hasattr(getattr(hooks, "launch_enter_hook", None),
                                                                            "calls"):
         return None
-    try:
-        from torch._C import _cuda_getCurrentRawStream as current_stream, _cuda_getDevice as current_device
-    except ImportError:
+    current_stream, current_device = runtime.raw_stream, runtime.current_device
+    if current_stream is None:
         return None
     gx, gy, gz = grid
 

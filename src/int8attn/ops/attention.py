@@ -434,7 +434,7 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     key = _route_key(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
                      pv_mode, prefill_kernel)
     route = _ROUTES.get(key) if key is not None else None
-    if route is not None and route.cache() is cache:
+    if route is not None and route.cache() is cache and route.makers == _makers():
         _checks.check_cache(cache)  # remembered: an identity test unless the storage was replaced
         if route.cache_facts == _cache_facts(cache):
             return _launch_route(route, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
@@ -457,8 +457,8 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     if launch is None:  # being captured into a CUDA graph: a launch for this capture only
         launch = _decode.DecodeLaunch.for_tensors(decode_plan, cache, query, q_quant, q_scale, block_table,
                                                   out_strides)
-    route = _Route(weakref.ref(cache), _cache_facts(cache), launch, _decode.qk_scale_of(softmax_scale, cache.head_dim),
-                   check_values, prefill)
+    route = _Route(weakref.ref(cache), _cache_facts(cache), _makers(), launch,
+                   _decode.qk_scale_of(softmax_scale, cache.head_dim), check_values, prefill)
     if key is not None:
         if len(_ROUTES) >= _MAX_REMEMBERED:
             _ROUTES.clear()
@@ -469,8 +469,9 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
 
 
 #: Unplanned calls whose inputs passed the full checks, by everything those checks and the
-#: launch choices depend on (:func:`_route_key`): a later call with the same cache object,
-#: input layouts, options and environment switches skips the checks and the planning and
+#: launch choices depend on (:func:`_route_key`, and the route's makers): a later call with
+#: the same cache object, input layouts, options, environment switches, planners and kernels
+#: skips the checks and the planning and
 #: launches the remembered decode launch, as a plan's runs do (value checks, where enabled,
 #: still run on every call). Cleared when full.
 _ROUTES: dict = {}
@@ -481,6 +482,7 @@ class _Route(NamedTuple):
 
     cache: weakref.ref  # the cache the key's id() named: a new object at a reused id misses
     cache_facts: tuple  # its geometry and scale strides (the launch's fixed arguments)
+    makers: tuple  # the planners and kernels it was made with (_makers(); compared, not hashed)
     decode: "_decode.DecodeLaunch"
     qk_scale: float
     check_values: bool  # read the metadata back on every call (CPU tensors, INT8ATTN_CHECK_VALUES=1)
@@ -489,6 +491,13 @@ class _Route(NamedTuple):
 
 def _cache_facts(cache) -> tuple:
     return _geometry(cache), _scale_strides(cache)
+
+
+def _makers() -> tuple:
+    """The planners and kernels a route is made with, as their modules hold them now (a
+    test or a sweep may replace one). Kept in the route and compared by identity on a hit:
+    hashing Triton kernels in the key costs more than the rest of the key."""
+    return _decode.launch_makers() + (_prefill.default_config,)
 
 
 def _route_key(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
@@ -502,7 +511,7 @@ def _route_key(query, cache, block_table, seq_lens, query_start_loc, softmax_sca
             return None
         key = (id(cache), _layout(query), _layout(out), _layout(q_quant), _layout(q_scale), _layout(block_table),
                _layout(seq_lens), _layout(query_start_loc), type(softmax_scale), softmax_scale, pv_mode,
-               prefill_kernel, stream, _checks.switches(), _decode.launch_makers(), _prefill.default_config)
+               prefill_kernel, stream, _checks.switches())
         hash(key)
     except (AttributeError, TypeError):
         return None
