@@ -216,6 +216,29 @@ def _plan_with(change, cache, bt, sl, qsl):
         dec.default_config = real
 
 
+def interleaved_us(fns: dict, n: int, repeats: int, sync) -> dict:
+    """{name: (host_us, wall_us)} as :func:`per_call_us` measures them, with the loops of
+    every call interleaved round by round: the host's speed drifts by tens of percent over
+    a run on the GPU box, so only calls timed side by side compare."""
+    for fn in fns.values():
+        for _ in range(max(3, n // 10)):
+            fn()
+    host = {name: [] for name in fns}
+    wall = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            host[name].append((t1 - t0) / n * 1e6)
+            wall[name].append((t2 - t0) / n * 1e6)
+    return {name: (statistics.median(host[name]), statistics.median(wall[name])) for name in fns}
+
+
 def per_call_us(fn, n: int, repeats: int, sync) -> tuple[float, float]:
     """(host_us, wall_us) per call, medians over ``repeats`` loops of ``n`` calls: host =
     until the last call returned, wall = until the device finished too."""
@@ -294,18 +317,22 @@ def _measure_batch(mode, device, kv_dtype, batch, length, n, repeats, rec, graph
     per_call_us(fns["plan.run"], n, 2, sync)
     for checks in (True, False):
         with value_checks(checks):
-            for call, fn in fns.items():
-                planned = is_planned(call)
-                if planned and not checks:
-                    continue  # a planned run reads no values either way
-                if time.perf_counter() > deadline:
-                    skipped.append(f"{mode} {kv_dtype} bs{batch} {call} checks={checks}")
-                    continue
+            # a planned run reads no values either way: timed once
+            calls = {call: fn for call, fn in fns.items() if checks or not is_planned(call)}
+            if time.perf_counter() > deadline:
+                skipped.extend(f"{mode} {kv_dtype} bs{batch} {call} checks={checks}" for call in calls)
+                continue
+            launches = {}
+            for call, fn in calls.items():
                 del grids[:]
-                host, wall = per_call_us(fn, n, repeats, sync)
-                launches = len(grids) / max(1, n * repeats + max(3, n // 10)) if mode == "stub" else None
+                fn()
+                launches[call] = len(grids) if mode == "stub" else None
+            timed = interleaved_us(calls, n, repeats, sync)
+            for call, fn in calls.items():
+                host, wall = timed[call]
+                planned = is_planned(call)
                 row = dict(base, call=call, value_checks=None if planned else checks, host_us=host,
-                           wall_us=wall if on_gpu else None, launches_per_call=launches)
+                           wall_us=wall if on_gpu else None, launches_per_call=launches[call])
                 if graph and call.startswith("plan.run") and mode == "real":
                     row["gpu_us"] = bench.time_graph(fn, replays=20, repeats=5, warmup=2)
                 rows.append(rec.add(**row))

@@ -68,7 +68,8 @@ def switches() -> tuple:
     if type(data) is not dict:  # not CPython's os.environ: the public mapping
         return tuple(os.environ.get(name) for name in SWITCHES)
     get = data.get
-    return tuple(get(key) for key in _SWITCH_KEYS)
+    k0, k1, k2, k3 = _SWITCH_KEYS
+    return get(k0), get(k1), get(k2), get(k3)
 
 
 def decode_clamps_enabled() -> bool:

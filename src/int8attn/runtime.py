@@ -70,7 +70,8 @@ def stream_id(device: torch.device) -> int | None:
     reused across calls: calls on one stream run in order, so they may share a workspace.
     None while that stream captures a CUDA graph: buffers allocated then belong to the
     graph's memory pool and must not outlive it."""
-    device = torch.device(device)
+    if type(device) is not torch.device:
+        device = torch.device(device)
     if device.type != "cuda":
         return 0
     if capturing(device):
@@ -82,7 +83,8 @@ def stream_id(device: torch.device) -> int | None:
 
 def capturing(device: torch.device) -> bool:
     """Whether the current stream of ``device`` is capturing a CUDA graph (never off a GPU)."""
-    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+    kind = device.type if type(device) is torch.device else torch.device(device).type
+    return kind == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def default_num_warps(num_tokens: int) -> int:
