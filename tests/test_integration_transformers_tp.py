@@ -35,7 +35,9 @@ def _rel_l2(a, b):
 @pytest.fixture(scope="module")
 def tp_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+    # a CPU test on any machine: with a GPU visible, transformers' TP set-up would put rank r
+    # on cuda:r (an invalid ordinal on a one-GPU box)
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                TRITON_CACHE_DIR=os.environ.get("TRITON_CACHE_DIR", str(out / "triton")))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(int8attn.__file__).parents[1]), env.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
