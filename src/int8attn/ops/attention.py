@@ -471,9 +471,8 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
 #: Unplanned calls whose inputs passed the full checks, by everything those checks and the
 #: launch choices depend on (:func:`_route_key`, and the route's makers): a later call with
 #: the same cache object, input layouts, options, environment switches, planners and kernels
-#: skips the checks and the planning and
-#: launches the remembered decode launch, as a plan's runs do (value checks, where enabled,
-#: still run on every call). Cleared when full.
+#: skips the checks and the planning and launches the remembered decode launch, as a plan's
+#: runs do (value checks, where enabled, still run on every call). Cleared when full.
 _ROUTES: dict = {}
 
 
