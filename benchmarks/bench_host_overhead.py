@@ -242,21 +242,7 @@ def interleaved_us(fns: dict, n: int, repeats: int, sync) -> dict:
 def per_call_us(fn, n: int, repeats: int, sync) -> tuple[float, float]:
     """(host_us, wall_us) per call, medians over ``repeats`` loops of ``n`` calls: host =
     until the last call returned, wall = until the device finished too."""
-    for _ in range(max(3, n // 10)):
-        fn()
-    sync()
-    host, wall = [], []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t1 = time.perf_counter()
-        sync()
-        t2 = time.perf_counter()
-        host.append((t1 - t0) / n * 1e6)
-        wall.append((t2 - t0) / n * 1e6)
-    return statistics.median(host), statistics.median(wall)
+    return interleaved_us({"call": fn}, n, repeats, sync)["call"]
 
 
 def _layers_step(query, cache, block_table, seq_lens, qsl, out, scale):

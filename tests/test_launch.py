@@ -127,9 +127,8 @@ def test_direct_runner_calls_the_compiled_launcher_unless_a_hook_is_registered(m
     hooks; while a launch hook is registered every call goes through Triton's runner."""
     import triton
 
-    from int8attn.ops import _launch as launch_mod
-
     from int8attn import runtime
+    from int8attn.ops import _launch as launch_mod
 
     monkeypatch.setattr(runtime, "current_device", lambda: 3)
     monkeypatch.setattr(runtime, "raw_stream", lambda device: 1000 + device)
