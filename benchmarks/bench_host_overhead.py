@@ -26,7 +26,10 @@ is the same as off). Two modes:
   between two ``torch.cuda.synchronize()`` (eager throughput: host-bound when it exceeds
   the kernels' own time); ``host_us`` the time to issue the N calls, before the final
   sync; ``gpu_us`` the time per call of the same call replayed in a CUDA graph (kernels
-  only; plan.run only, the one capturable without turning value checks off).
+  only; plan.run only, the one capturable without turning value checks off); ``queued_gpu_us``
+  the GPU time per call of the eager launches themselves (:func:`int8attn.bench.time_queued`:
+  calls issued behind a sleep kernel, so host time is hidden; an eager call may launch other
+  kernels than its graph capture does, e.g. the one-launch barrier decode).
 
 On a GPU both modes run, real first: ``real - stub`` host time is what Triton's launch
 path itself costs. The planned calls are measured first in each block, the no-plan
@@ -321,6 +324,9 @@ def _measure_batch(mode, device, kv_dtype, batch, length, n, repeats, rec, graph
                            wall_us=wall if on_gpu else None, launches_per_call=launches[call])
                 if graph and call.startswith("plan.run") and mode == "real":
                     row["gpu_us"] = bench.time_graph(fn, replays=20, repeats=5, warmup=2)
+                if mode == "real" and (planned or not checks):
+                    # the eager launches' own GPU time (a graph replays the capture-time launches)
+                    row["queued_gpu_us"], row["queued"] = bench.time_queued(fn, calls=100, repeats=5)
                 rows.append(rec.add(**row))
             if time.perf_counter() > deadline:
                 skipped.append(f"{mode} {kv_dtype} bs{batch} plan_attention checks={checks}")
@@ -338,15 +344,15 @@ def _measure_batch(mode, device, kv_dtype, batch, length, n, repeats, rec, graph
 
 
 def summary(rows: list[dict]) -> str:
-    lines = ["| mode | kv | batch | call | checks | host us/call | wall us/call | gpu us (graph) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | kv | batch | call | checks | host us/call | wall us/call | gpu us (graph) | gpu us (queued) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         checks = "-" if r["value_checks"] is None else ("on" if r["value_checks"] else "off")
 
         def fmt(v):
             return "-" if v is None else f"{v:.1f}"
         lines.append(f"| {r['mode']} | {r['kv_dtype']} | {r['batch']} | {r['call']} | {checks} | {fmt(r['host_us'])} "
-                     f"| {fmt(r['wall_us'])} | {fmt(r.get('gpu_us'))} |")
+                     f"| {fmt(r['wall_us'])} | {fmt(r.get('gpu_us'))} | {fmt(r.get('queued_gpu_us'))} |")
     return "\n".join(lines)
 
 

@@ -459,19 +459,25 @@ const = dict(GROUP=6, HEAD_DIM=256, BLOCK_D=256, PAGE=16, BLOCK_N=block_n, BLOCK
              SAFE=True, **extra)  # the clamped kernel launches use by default
 # the other constexprs at their defaults (as a launch that leaves them out compiles them)
 const = {**_defaults(_decode_split_kernel), **const}
-ptrs = dict(q_ptr=elem, k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32",
-            block_table_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", out_ptr="*bf16",
-            part_acc_ptr="*fp32", part_ml_ptr="*fp32", flags_ptr="*i32", counter_ptr="*i32", qk_scale="fp32")
+# a launch that quantizes its query (QUERY_IN) reads a bf16 query and writes codes of the cache's dtype
+ptrs = dict(q_ptr="*bf16" if extra.get("QUERY_IN") else elem, k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32",
+            k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32", seq_lens_ptr="*i32",
+            query_start_loc_ptr="*i32", out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32", flags_ptr="*i32",
+            counter_ptr="*i32", qk_scale="fp32", qc_ptr=elem, qcs_ptr="*fp32")
 names = _decode_split_kernel.arg_names
 sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in names}
 aligned = [i for i, n in enumerate(names) if (n in ptrs and n != "qk_scale")
            or n in ("stride_qt", "stride_qh", "stride_cb", "stride_ch", "stride_ot", "stride_oh",
-                    "stride_pt", "stride_ph", "stride_ps")]
+                    "stride_pt", "stride_ph", "stride_ps", "stride_qct", "stride_qch")]
 compiled = triton.compile(
     ASTSource(fn=_decode_split_kernel, signature=sig, constexprs=const,
               attrs={(i,): [["tt.divisibility", 16]] for i in aligned}),
     target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-sys.stdout.write(compiled.asm[asm])
+if asm == "sass":
+    from int8attn.gate import sass
+    sys.stdout.write(sass.dump_sass(compiled.asm["cubin"]))
+else:
+    sys.stdout.write(compiled.asm[asm])
 """
 
 
@@ -491,7 +497,7 @@ def _ttgir_for_sm90(kv_dtype: str, pv_mode: str, config: DecodeConfig, extra: di
     proc = subprocess.run([sys.executable, "-c", _SM90_COMPILE, args], capture_output=True, text=True, env=env,
                           timeout=300)
     # a compile failure is a failure (ptxas ships in the Triton wheel: every machine can compile)
-    marker = "scf.for" if asm == "ttgir" else ".entry"
+    marker = {"ttgir": "scf.for", "ptx": ".entry", "sass": "Function"}[asm]
     assert proc.returncode == 0 and marker in proc.stdout, f"sm_90 compile failed: {proc.stderr[-3000:]}"
     return proc.stdout
 
@@ -702,6 +708,56 @@ def test_fused_merge_with_bad_metadata(device, monkeypatch, mode):
         assert torch.equal(decode_attention(*args, num_splits=12), good), f"{case}: the next valid call differs"
 
 
+# --------------------------------------------------------------------------- non-finite input
+_DEFAULT_PV = {"int8": "int8", "fp8": "fp8", "bf16": "bf16"}
+
+
+@pytest.mark.parametrize("kv,pre", [("int8", False), ("int8", True), ("fp8", False), ("fp8", True),
+                                    ("bf16", False)], ids=["int8", "int8_prequantized", "fp8", "fp8_prequantized",
+                                                           "bf16"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
+@pytest.mark.parametrize("splits", [1, 3], ids=["one_split", "three_splits"])
+def test_non_finite_query_gives_nan_rows_for_that_query_only(kv, pre, bad, splits, device):
+    """A query row with an inf / NaN (its q_scale NaN; bf16: its scores) makes exactly its
+    own output row NaN -- never a finite row (an 8-bit P rounds NaN to 0, so the
+    normalization must keep a NaN denominator) -- through one split and through the
+    merge; every other row matches the reference."""
+    b = testing.make_paged_batch([97, 40, 17], [1, 2, 1], num_q_heads=8, num_kv_heads=2, head_dim=64, kv_dtype=kv,
+                                 seed=3, device=device)
+    b.query[0, 1, 3] = bad
+    b.query[2, 6, 0] = bad  # sequence 1's second token
+    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
+    want[0, 1] = want[2, 6] = True
+    clean = b.query.clone()
+    clean[0, 1] = clean[2, 6] = 0
+    kw = {}
+    if pre:
+        q, s = quantize_query(b.query, kv)
+        kw = dict(q_quant=q, q_scale=s)
+    args = (b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    out = decode_attention(b.query, *args, out=testing.poisoned_like(b.query), num_splits=splits, **kw)
+    ref = reference.attention_reference_quantized(clean, *args)
+    testing.assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, _DEFAULT_PV[kv])], f"{kv}, {splits} splits")
+
+
+@pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("bf16", "bf16")])
+@pytest.mark.parametrize("tensor,bad", [("k", float("nan")), ("v", float("inf"))], ids=["k_nan", "v_inf"])
+@pytest.mark.parametrize("splits", [1, 3], ids=["one_split", "three_splits"])
+def test_non_finite_kv_poisons_exactly_the_rows_that_read_it(kv, pv, tensor, bad, splits, device):
+    """A K or V row with an inf / NaN (stored poisoned) makes NaN exactly the decode rows
+    that see it: the KV head's query heads of its sequence, at positions at or after it
+    (sequence 0's 3-token step at positions 58..60 over a token at 59: its last two
+    tokens); other heads, earlier positions and other sequences stay finite and correct."""
+    b = testing.make_paged_batch([61, 40], [3, 1], num_q_heads=6, num_kv_heads=2, head_dim=64, kv_dtype=kv,
+                                 seed=23, device=device, writer=testing.poisoning_writer([(59, 1, 5, tensor)], bad))
+    args = (b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    out = decode_attention(b.query, *args, out=testing.poisoned_like(b.query), pv_mode=pv, num_splits=splits)
+    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
+    want[1:3, 3:6] = True
+    ref = reference.attention_reference_quantized(b.query, *args)
+    testing.assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, pv)], f"{kv}/{pv}, {splits} splits")
+
+
 
 def test_barrier_merge_plan(device, monkeypatch):
     """``fused_merge="barrier"``: the planner caps the split count at the resident program
@@ -728,8 +784,70 @@ def test_barrier_merge_plan(device, monkeypatch):
         rec = launches.last("_decode_split_kernel")
         assert rec.facts["plan"].merge == "barrier"
         launch = next(v for v in dec._LAUNCHES.values() if v.plan is rec.facts["plan"])
-        assert launch._split_kernel.constexprs["FUSED_MERGE"] == MERGE["last"]
-        assert "launch_cooperative_grid" not in launch._split_kernel.constexprs
+        # the interpreter runs programs in order: the split launch quantizes its own query
+        assert rec.facts["query_in"] == "quantize" and isinstance(launch._split_kernel, tuple)
+        for split in launch._split_kernel:
+            assert split.constexprs["FUSED_MERGE"] == MERGE["last"]
+            assert "launch_cooperative_grid" not in split.constexprs
+
+
+FUSED_QUERY_CASES = [
+    # (kv, q_heads, kv_heads, head_dim, seq_lens, q_lens, num_splits, head_split, migrated)
+    ("int8", 8, 2, 64, [97, 17, 1], [1, 1, 1], 3, 1, False),
+    ("int8", 8, 2, 64, [123, 40], [4, 1], 4, 1, True),
+    ("fp8", 12, 2, 128, [97, 33], [8, 2], 2, 1, True),
+    ("int8", 12, 2, 64, [123, 9], [4, 3], 3, 2, True),
+]
+
+
+@pytest.mark.parametrize("kv,hq,hkv,d,seq_lens,q_lens,splits,head_split,migrated", FUSED_QUERY_CASES,
+                         ids=lambda v: str(v).replace(" ", ""))
+def test_split_kernel_quantizing_its_query_matches_given_codes(device, kv, hq, hkv, d, seq_lens, q_lens, splits,
+                                                               head_split, migrated):
+    """A split launch that quantizes the float query itself (``QUERY_IN``: one program per
+    (sequence, KV head) rounds it, the others wait for its codes) gives bit for bit the
+    output of the same launch reading the codes of the query quantization kernel, writes
+    those same codes, and leaves its ready counts at zero (so the next launch and every
+    graph replay start clean). On the CPU every quantizing launch is fused (the interpreter
+    runs split 0 first); on a GPU the eager barrier launch is. Covered: GQA packing, several
+    passes (q_len 8 over 4-token passes), head-split programs, channel migration, a NaN
+    query row (its own rows NaN, nothing else changed)."""
+    import int8attn.ops.decode as dec
+    from int8attn.ops.producer import quantize_query
+
+    b = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, kv_dtype=kv,
+                                 seed=11, device=device)
+    if migrated:
+        lam = torch.rand(hkv, d, generator=torch.Generator().manual_seed(3)).add_(0.5).to(device)
+        b.cache.set_channel_migration(lam)
+    query = b.query.clone()
+    query[0, 1, 5] = float("nan")  # sequence 0's first token, head 1
+    plan = dec.plan_decode(tuple(query.shape), b.cache, tuple(b.block_table.shape), num_splits=splits,
+                           head_split=head_split, max_query_len=max(q_lens))
+    tail = (b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    fused = dec.DecodeLaunch.for_tensors(plan, b.cache, query, None, None, b.block_table, query.stride())
+    if device == "cuda" and fused._eager_split is None:
+        pytest.skip("this plan has no eager barrier launch on this GPU")
+    out = testing.poisoned_like(query)
+    launches.clear()
+    fused(query, None, None, *tail, out, dec.qk_scale_of(None, d))
+    assert launches.last("_decode_split_kernel").facts["query_in"] == ("quantize_lam" if migrated else "quantize")
+    assert launches.last("_quantize_query_kernel") is None
+
+    q_quant, q_scale = quantize_query(query, kv, channel_scale=b.cache.key_channel_scale)
+    given = dec.DecodeLaunch.for_tensors(plan, b.cache, query, q_quant, q_scale, b.block_table, query.stride())
+    expect = testing.poisoned_like(query)
+    given(query, q_quant, q_scale, *tail, expect, dec.qk_scale_of(None, d))
+    assert launches.last("_decode_split_kernel").facts["query_in"] == "codes"
+
+    assert torch.equal(fused._q_codes.view(torch.uint8), q_quant.view(torch.uint8))
+    torch.testing.assert_close(fused._q_scales, q_scale, rtol=0, atol=0, equal_nan=True)
+    nan_rows = torch.isnan(out.float()).flatten(1).any(1)
+    assert nan_rows[0] and not nan_rows[1:].any(), "the NaN query row reached other tokens' rows"
+    assert torch.isnan(out[0, 1].float()).all()
+    testing.assert_close_verbose(out[1:], expect[1:], rel_l2=0.0, name="fused query vs given codes")
+    assert torch.equal(out[0, torch.arange(hq) != 1], expect[0, torch.arange(hq) != 1])
+    assert int(fused._counters[..., 0].abs().sum()) == 0, "ready counts not back at zero"
 
 
 def test_auto_merge_plan(device):
@@ -846,6 +964,41 @@ def test_barrier_merge_compiles_for_sm90():
     ttgir = _ttgir_for_sm90("int8", "int8", cfg, extra)
     assert "scf.while" in ttgir, "no spin loop"
     assert "ttg.async_copy_global_to_local" in ttgir and "ttg.async_wait" in ttgir
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_query_quantizing_barrier_launch_compiles_for_sm90(kv):
+    """The eager one-launch decode that quantizes its own query (QUERY_IN "quantize_lam",
+    the barrier merge, the 16-row swapped tile of the default D256 q1 plan), compiled for
+    sm_90 without a GPU: split 0 publishes the codes with a release add (beside the
+    barrier's), the other splits spin on acquire loads, both products stay on Hopper's
+    8-bit warpgroup MMA (IGMMA / QGMMA in SASS), the tile loop stays software-pipelined,
+    and the int8 kernel uses no local memory (fp8's, at the 255-register limit, at most 12
+    local-memory instructions more than the same launch reading given codes: 6 with Triton
+    3.6, 16 against 6 with 3.9)."""
+    import re
+
+    from int8attn.kernels.codes import QUERY_IN
+
+    cfg = DecodeConfig(block_n=64, num_warps=4, num_stages=6, swap_ab=True)
+    extra = dict(FUSED_MERGE=2, MERGE_M=8, MERGE_CHUNK=64, MERGE_COLS=4, QUERY_IN=QUERY_IN["quantize_lam"])
+    ptx = _ttgir_for_sm90(kv, kv, cfg, extra, asm="ptx")
+    assert len(re.findall(r"(?:atom|red)\.global\.gpu\.release\.add", ptx)) == 2, "ready count not released"
+    assert len(re.findall(r"ld\.global\.gpu\.acquire\.b32", ptx)) >= 2, "no acquire spin on the ready count"
+    mma = {"int8": r"\.s32\.s8\.s8", "fp8": r"\.f32\.e4m3\.e4m3"}[kv]
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.\w+" + mma, ptx), "products left the 8-bit wgmma"
+    ttgir = _ttgir_for_sm90(kv, kv, cfg, extra)
+    assert ttgir.count("scf.while") >= 2, "no spin loops"
+    assert "ttg.async_copy_global_to_local" in ttgir and "ttg.async_wait" in ttgir
+    text = _ttgir_for_sm90(kv, kv, cfg, extra, asm="sass")
+    assert ("IGMMA" if kv == "int8" else "QGMMA") in text
+    local = len(re.findall(r"\b(?:LDL|STL)\b", text))
+    if kv == "int8":
+        assert local == 0, f"{local} local-memory instructions"
+    else:
+        codes = dict(extra, QUERY_IN=QUERY_IN["codes"])
+        given = len(re.findall(r"\b(?:LDL|STL)\b", _ttgir_for_sm90(kv, kv, cfg, codes, asm="sass")))
+        assert local <= given + 12, f"{local} local-memory instructions against {given} with given codes"
 
 
 # ---------------------------------------------------------------- head split (GQA group over programs)

@@ -227,28 +227,6 @@ def test_stale_slots_never_leak(kv, pv, bs, config, device):
 
 
 # --------------------------------------------------------------------------- non-finite input
-def _assert_nan_exactly(out, ref, want_nan, rel_l2, name):
-    """Rows (token, head) of ``want_nan`` are all NaN in ``out``; every other element is
-    finite and within ``rel_l2`` of ``ref``."""
-    got_nan = torch.isnan(out.float()).any(-1).cpu()
-    assert torch.equal(got_nan, want_nan), (
-        f"{name}: NaN rows {got_nan.nonzero().tolist()[:8]}, want {want_nan.nonzero().tolist()[:8]}")
-    assert torch.isnan(out.float()[want_nan.to(out.device)]).all(), f"{name}: a poisoned row is partly finite"
-    keep = ~want_nan
-    testing.assert_close_verbose(out.cpu()[keep], ref[keep], rel_l2=rel_l2, name=name)
-
-
-def _poisoning_writer(where, bad):
-    """write_kv_reference after putting ``bad`` at each (token, head, channel, tensor) of
-    ``where`` (indices into the batch's raw K / V)."""
-    def writer(c, k, v, s):
-        k, v = k.clone(), v.clone()
-        for tok, head, ch, tensor in where:
-            (k if tensor == "k" else v)[tok, head, ch] = bad
-        reference.write_kv_reference(c, k, v, s)
-    return writer
-
-
 @pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16"),
                                    ("bf16", "bf16")])
 @pytest.mark.parametrize("tensor,bad", [("k", float("nan")), ("v", float("inf"))], ids=["k_nan", "v_inf"])
@@ -261,14 +239,14 @@ def test_non_finite_kv_poisons_exactly_the_rows_that_read_it(kv, pv, tensor, bad
     hq, hkv = 6, 2
     # token 30 of sequence 0 (position 30: query rows 14.. of the 45-token chunk), KV head 1
     b = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, kv_dtype=kv,
-                                 seed=23, device=device, writer=_poisoning_writer([(30, 1, 5, tensor)], bad))
+                                 seed=23, device=device, writer=testing.poisoning_writer([(30, 1, 5, tensor)], bad))
     out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
     prefill_attention(*args_of(b), out=out, pv_mode=pv, config=on_device(SMALL, pv, device))
     want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
     ctx = seq_lens[0] - q_lens[0]
     want[30 - ctx:q_lens[0], 3:6] = True
     ref = reference.attention_reference_quantized(*args_of(b))
-    _assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, pv)], f"{kv}/{pv}")
+    testing.assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, pv)], f"{kv}/{pv}")
 
 
 @pytest.mark.parametrize("kv,pre", [("int8", False), ("int8", True), ("fp8", False), ("fp8", True),
@@ -291,7 +269,7 @@ def test_non_finite_query_gives_nan_rows_for_that_query_only(kv, pre, bad, devic
     out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
     prefill_attention(*args_of(b), out=out, config=SMALL, **kw)
     ref = reference.attention_reference_quantized(clean, *args_of(b)[1:])
-    _assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, DEFAULT_PV[kv])], kv)
+    testing.assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, DEFAULT_PV[kv])], kv)
 
 
 # --------------------------------------------------------------------------- unchecked bad metadata
@@ -321,7 +299,7 @@ def test_unchecked_bad_metadata_stays_in_bounds(case, kv, device, monkeypatch):
     want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
     want[starts[bad_seq]:starts[bad_seq + 1]] = True
     ref = reference.attention_reference_quantized(*args_of(b))
-    _assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, DEFAULT_PV[kv])], case)
+    testing.assert_nan_exactly(out, ref, want, TOL_QUANTIZED[(kv, DEFAULT_PV[kv])], case)
     for t, t0 in zip((b.cache.key, b.cache.value), before):
         assert torch.equal(t.view(torch.uint8), t0.view(torch.uint8))
     with pytest.raises(DeviceMetadataError, match=f"{words}.*index {bad_seq};"):
@@ -338,7 +316,7 @@ def test_unchecked_bad_metadata_with_the_dense_grid(device, monkeypatch):
     prefill_attention(b.query, b.cache, bt, sl, qsl, out=out, config=SMALL, max_query_len=21)
     want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
     want[12:33] = True
-    _assert_nan_exactly(out, reference.attention_reference_quantized(*args_of(b)), want,
+    testing.assert_nan_exactly(out, reference.attention_reference_quantized(*args_of(b)), want,
                         TOL_QUANTIZED[("int8", "bf16")], "dense grid")
     with pytest.raises(DeviceMetadataError, match="index 1;"):
         check_errors(device)
@@ -482,7 +460,7 @@ def test_gpu_default_tiles_poisoned_token_query_and_bad_block_id():
     query row and an out-of-range block id each make exactly their rows NaN; the flag
     names the bad sequence."""
     b = testing.make_paged_batch([700, 900, 300], [300, 500, 300], num_q_heads=24, num_kv_heads=4, head_dim=256,
-                                 seed=5, device="cuda", writer=_poisoning_writer([(600, 2, 11, "k")], float("nan")))
+                                 seed=5, device="cuda", writer=testing.poisoning_writer([(600, 2, 11, "k")], float("nan")))
     b.query[50, 3, 0] = float("inf")
     bt = b.block_table.clone()
     bt[2, 3] = 10 ** 6
@@ -495,7 +473,7 @@ def test_gpu_default_tiles_poisoned_token_query_and_bad_block_id():
     clean = b.query.clone()
     clean[50, 3] = 0
     ref = reference.attention_reference_quantized(clean, *args_of(b)[1:])
-    _assert_nan_exactly(out, ref, want, 0.012, "default tiles")
+    testing.assert_nan_exactly(out, ref, want, 0.012, "default tiles")
     with pytest.raises(DeviceMetadataError, match="block id.*index 2;"):
         check_errors("cuda")
 

@@ -16,6 +16,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -136,6 +137,37 @@ def time_graph(fn: Callable[[], object], replays: int = 50, repeats: int = 15, w
         times.append(start.elapsed_time(end) * 1e3 / replays)
     del graph
     return statistics.median(times)
+
+
+def time_queued(fn: Callable[[], object], calls: int = 100, repeats: int = 5) -> tuple[float, bool]:
+    """GPU time per eager call in microseconds, host cost hidden: ``calls`` calls are issued
+    while the stream is held by a sleep kernel longer than issuing them takes, and timed
+    between events recorded after the sleep and after the last call -- the launches run
+    back to back, gaps between them included, as a GPU-bound eager loop runs them
+    (CUDA-graph replays skip those gaps). Returns (median, queued): ``queued`` False when
+    the GPU reached the calls before the host had issued them all in some repeat (then
+    the figure includes host time)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    issue_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    cycles = int(3 * issue_s * 2.0e9) + 1_000_000  # 3x the issue time at a 2 GHz SM clock
+    times, queued = [], True
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        start.record()
+        for _ in range(calls):
+            fn()
+        queued &= not start.query()  # the GPU was still asleep when the last call was issued
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times), queued
 
 
 _COPY_BW: dict[str, float] = {}

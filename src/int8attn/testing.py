@@ -179,3 +179,28 @@ def assert_close_verbose(out: torch.Tensor, ref: torch.Tensor, *, rel_l2: float,
             lines.append(f"  at {index}: got {o[index].item():.6g}, want {r[index].item():.6g}, |diff| {v:.3g}")
         raise AssertionError("\n".join(lines))
     return stats
+
+
+def assert_nan_exactly(out: torch.Tensor, ref: torch.Tensor, want_nan: torch.Tensor, rel_l2: float,
+                       name: str = "output") -> None:
+    """Rows (token, head) of ``want_nan`` [T, H] bool are all NaN in ``out`` [T, H, D];
+    every other element is finite and within ``rel_l2`` of ``ref``: a non-finite input
+    poisons exactly the rows that read it."""
+    got_nan = torch.isnan(out.float()).any(-1).cpu()
+    assert torch.equal(got_nan, want_nan), (
+        f"{name}: NaN rows {got_nan.nonzero().tolist()[:8]}, want {want_nan.nonzero().tolist()[:8]}")
+    assert torch.isnan(out.float()[want_nan.to(out.device)]).all(), f"{name}: a poisoned row is partly finite"
+    keep = ~want_nan
+    assert_close_verbose(out.cpu()[keep], ref.cpu()[keep], rel_l2=rel_l2, name=name)
+
+
+def poisoning_writer(where, bad: float):
+    """A ``make_paged_batch`` writer: :func:`int8attn.reference.write_kv_reference` after
+    putting ``bad`` at each (token, head, channel, "k" | "v") of ``where`` (indices into the
+    batch's raw K / V)."""
+    def writer(cache, key, value, slots):
+        key, value = key.clone(), value.clone()
+        for tok, head, ch, tensor in where:
+            (key if tensor == "k" else value)[tok, head, ch] = bad
+        reference.write_kv_reference(cache, key, value, slots)
+    return writer

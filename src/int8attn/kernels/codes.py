@@ -18,6 +18,10 @@ and test follows.
   kernel): ``kernel`` by the separate merge kernel, ``last`` by the last split of a
   (sequence, KV head) to finish, ``barrier`` by every split after a barrier (cooperative
   launch only: it needs every program resident).
+* ``QUERY_IN`` -- what decode's split kernel reads as its query (``QUERY_IN``): ``codes``
+  already quantized (or a bf16 query for the bf16 cache); ``quantize`` a float query that
+  one program per (sequence, KV head) quantizes in the launch for the others;
+  ``quantize_lam`` the same, multiplied by the cache's channel-migration scale first.
 """
 
 import triton.language as tl
@@ -27,6 +31,7 @@ PV_KIND = {"int8": 0, "int8_signed": 1, "fp8": 2, "bf16": 3}
 PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
 QK_ROUTE = {"bf16": 0, "int8_to_bf16": 1, "int8_native": 2}
 MERGE = {"kernel": 0, "last": 1, "barrier": 2}
+QUERY_IN = {"codes": 0, "quantize": 1, "quantize_lam": 2}
 
 # constexpr names for @triton.jit bodies
 KIND_INT8 = tl.constexpr(KV_KIND["int8"])
@@ -41,3 +46,5 @@ ROUTE_INT8_TO_BF16 = tl.constexpr(QK_ROUTE["int8_to_bf16"])
 ROUTE_INT8_NATIVE = tl.constexpr(QK_ROUTE["int8_native"])
 MERGE_LAST = tl.constexpr(MERGE["last"])
 MERGE_BARRIER = tl.constexpr(MERGE["barrier"])
+QUERY_CODES = tl.constexpr(QUERY_IN["codes"])
+QUERY_QUANTIZE_LAM = tl.constexpr(QUERY_IN["quantize_lam"])

@@ -51,6 +51,14 @@ num_splits (last) or 2 (barrier)] int32, which need no reset between launches: o
 call. Sequences with ``q_len == 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows are
 not written).
 
+Query (``QUERY_IN``, codes ``QUERY_IN``): the kernel reads the query's codes and scales
+(``codes``), or -- in a launch whose programs are all resident -- quantizes a float query
+itself (``quantize`` / ``quantize_lam``, :func:`_quantize_slot_query`): split 0 of each
+(sequence, grid axis 1) slot rounds the slot's rows into ``qc`` / ``qcs`` and the slot's
+other splits wait for them on a ready count that precedes the merge's words in the
+counters (one more word per slot). The query is then quantized once per launch, never
+per split, and an eager decode that quantizes its query is one launch.
+
 head_dim: any multiple of 16 from 16 to 256. The tiles span ``BLOCK_D``, head_dim rounded
 up to a power of two (``tl.arange`` and the MMA shapes need one); when the two differ, every
 load masks the padding channels to zero (they add nothing to a score) and the stores skip
@@ -67,6 +75,9 @@ the clamps existed.
 Tensor layouts (strides passed explicitly, last dims unit stride):
 
 * q [T, Hq, D] (int8 | e4m3 | bf16/fp16/fp32 for the bf16 cache), q_scale [T, Hq] fp32;
+  with ``QUERY_IN != codes``: q the float query, q_scale the channel-migration scale
+  [Hkv, D] fp32 contiguous (``quantize_lam``; unread otherwise), and qc [T, Hq, D] int8 |
+  e4m3, qcs [T, Hq] fp32 the codes the launch writes and reads;
 * cache key [num_blocks, Hkv, PAGE, D]; value [num_blocks, Hkv, D, PAGE] for 8-bit caches
   (pages transposed, see :func:`_load_v_pages`), [num_blocks, Hkv, PAGE, D] for bf16; both
   with key's block and head strides; key_scale/value_scale [num_blocks, Hkv, PAGE];
@@ -82,8 +93,8 @@ import triton.language as tl
 
 from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN, _raise_error
 from .codes import (KIND_BF16, KIND_FP8, KIND_INT8, MERGE_BARRIER, MERGE_LAST, PV_BF16, PV_FP8, PV_INT8,
-                    PV_INT8_SIGNED)
-from .quantize import _round_to_e4m3_grid
+                    PV_INT8_SIGNED, QUERY_CODES, QUERY_QUANTIZE_LAM)
+from .quantize import _quantize_rows, _round_to_e4m3_grid
 
 #: Running-max start value: finite, so a row that sees no key in a tile keeps
 #: ``exp2(-inf - NEG_BIG) = 0`` instead of ``exp2(-inf + inf) = NaN``.
@@ -135,7 +146,7 @@ def _untrusted_metadata(q_start, q_len, seq_len, num_tokens, max_blocks, PAGE: t
 # serves every split count and batch width (the vector strides stay specialized).
 _SCALAR_ARGS = ["num_splits", "stride_qst", "stride_qsh", "stride_sb", "stride_sh", "stride_bt",
                 "stride_mt", "stride_mh", "stride_ms", "num_tokens", "num_blocks", "max_blocks",
-                "stride_cs", "stride_ck"]
+                "stride_cs", "stride_ck", "stride_qcst", "stride_qcsh"]
 
 
 @triton.jit(do_not_specialize=_SCALAR_ARGS)
@@ -154,12 +165,14 @@ def _decode_split_kernel(
     stride_mt, stride_mh, stride_ms,
     flags_ptr, num_tokens, num_blocks, max_blocks,
     counter_ptr, stride_cs, stride_ck,
+    qc_ptr, qcs_ptr, stride_qct, stride_qch, stride_qcst, stride_qcsh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, TOKENS_PER_PASS: tl.constexpr,
     MAX_QUERY_LEN: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
     INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr = False, SAFE: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = 0, MERGE_GROUP: tl.constexpr = 8, MERGE_M: tl.constexpr = 16,
     MERGE_CHUNK: tl.constexpr = 1, HEAD_SPLIT: tl.constexpr = 1, MERGE_COLS: tl.constexpr = 16,
+    QUERY_IN: tl.constexpr = 0,
 ):
     split = tl.program_id(0)
     # HEAD_SPLIT programs share a KV head, each with GROUP // HEAD_SPLIT of its query heads
@@ -195,6 +208,16 @@ def _decode_split_kernel(
         return
     # the fused merges' counters of this program's (sequence, grid axis 1) slot
     counters = counter_ptr + seq.to(tl.int64) * stride_cs + kv_prog * stride_ck
+    if QUERY_IN != QUERY_CODES:
+        # split 0 quantizes the slot's query rows into qc / qcs; the others wait for them.
+        # From here on the kernel reads those codes, as if they had been passed in.
+        _quantize_slot_query(q_ptr, q_scale_ptr, qc_ptr, qcs_ptr, counters, q_start, q_len, kv_head, head0, split,
+                             n_active, stride_qt, stride_qh, stride_qct, stride_qch, stride_qcst, stride_qcsh, HEADS,
+                             HEAD_DIM, BLOCK_D, BLOCK_M, TOKENS_PER_PASS, KV_KIND, QUERY_IN == QUERY_QUANTIZE_LAM,
+                             INTERPRET)
+        counters = counters + 1  # the merges' words follow the query's ready count
+        q_ptr, q_scale_ptr = qc_ptr, qcs_ptr
+        stride_qt, stride_qh, stride_qst, stride_qsh = stride_qct, stride_qch, stride_qcst, stride_qcsh
     gen0 = 0
     if FUSED_MERGE == MERGE_BARRIER:
         # the barrier's generation, read now so that its round trip overlaps the tile loop
@@ -217,7 +240,8 @@ def _decode_split_kernel(
         tok = (q_start + row_tok).to(tl.int64)
         row_limit = tl.where(row_valid, seq_len - q_len + row_tok, -1)
         q, row_scale = _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_qt, stride_qh,
-                                   stride_qst, stride_qsh, HEAD_DIM, BLOCK_D, BLOCK_M, KV_KIND, INTERPRET)
+                                   stride_qst, stride_qsh, HEAD_DIM, BLOCK_D, BLOCK_M, KV_KIND, INTERPRET,
+                                   QUERY_IN != QUERY_CODES)
         m_i = tl.full([BLOCK_M], NEG_BIG, tl.float32)
         l_i = _zero_sums(BLOCK_N, BLOCK_M, SWAP_AB)
         acc = _zero_acc(BLOCK_D, BLOCK_M, SWAP_AB)
@@ -272,7 +296,7 @@ def _decode_split_kernel(
             row_limit = tl.where(row_valid, seq_len - q_len + tok0 + row_tok, -1)
             q, row_scale = _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_qt,
                                        stride_qh, stride_qst, stride_qsh, HEAD_DIM, BLOCK_D, BLOCK_M, KV_KIND,
-                                       INTERPRET)
+                                       INTERPRET, QUERY_IN != QUERY_CODES)
             # A new pass starts from an empty state: alpha = 0 drops the previous pass.
             fresh = tile_idx == 0
             m_i = tl.where(fresh, NEG_BIG, m_i)
@@ -303,6 +327,61 @@ def _decode_split_kernel(
             _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_len, head0, split, n_active,
                               num_splits, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
                               stride_ms, HEADS, HEAD_DIM, BLOCK_D, TOKENS_PER_PASS, MERGE_GROUP, MERGE_M, MERGE_CHUNK)
+
+
+@triton.jit
+def _quantize_slot_query(x_ptr, lam_ptr, qc_ptr, qcs_ptr, ready, q_start, q_len, kv_head, head0, split, n_active,
+                         stride_xt, stride_xh, stride_ct, stride_ch, stride_cst, stride_csh, HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                         TOKENS_PER_PASS: tl.constexpr, KV_KIND: tl.constexpr, HAS_LAM: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    """``QUERY_IN != QUERY_CODES``: the query quantized once per launch, not per split.
+
+    Split 0 of a (sequence, grid axis 1) slot rounds the slot's query rows -- every token of
+    the sequence, the program's heads -- exactly as the query quantization kernel does
+    (fp32, times ``lam[kv_head]`` with HAS_LAM, :func:`~int8attn.kernels.quantize._quantize_rows`)
+    into ``qc`` [T, Hq, D] / ``qcs`` [T, Hq] and, when the slot has other active splits,
+    adds ``n_active - 1`` to the slot's ready count (CTA barrier, then a release atomic at
+    GPU scope, as the merges publish partials). Every other split spins on an acquire load
+    until the count is non-zero, then takes one off: the count is back at zero when the
+    launch ends (no reset between launches or graph replays), and it is indexed by grid
+    coordinates, never by metadata values.
+
+    A waiter needs split 0 to make progress: valid in a cooperative launch (every program
+    resident) and under the interpreter, which runs split 0 of every slot first (grid axis
+    0 is its outer loop; a waiter that finds the count at zero there fails an assert
+    instead of spinning)."""
+    if split == 0:
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        row_tok = offs_m // HEADS
+        row_head = head0 + offs_m % HEADS
+        d_ok = offs_d < HEAD_DIM
+        if HAS_LAM:
+            lam = tl.load(lam_ptr + kv_head * HEAD_DIM + offs_d, mask=d_ok, other=0.0)
+        for t0 in range(0, q_len, TOKENS_PER_PASS):
+            valid = (row_tok < TOKENS_PER_PASS) & (t0 + row_tok < q_len)
+            tok = (q_start + t0 + row_tok).to(tl.int64)
+            mask = valid[:, None] & d_ok[None, :]
+            x = tl.load(x_ptr + (tok * stride_xt + row_head * stride_xh)[:, None] + offs_d[None, :], mask=mask,
+                        other=0.0).to(tl.float32)
+            if HAS_LAM:
+                x = x * lam[None, :]
+            codes, scale = _quantize_rows(x, KV_KIND, INTERPRET)
+            tl.store(qc_ptr + (tok * stride_ct + row_head * stride_ch)[:, None] + offs_d[None, :], codes, mask=mask)
+            tl.store(qcs_ptr + tok * stride_cst + row_head * stride_csh, scale, mask=valid)
+        if n_active > 1:
+            tl.debug_barrier()
+            tl.atomic_add(ready, n_active - 1, sem="release", scope="gpu")
+    else:
+        count = tl.atomic_add(ready, 0, sem="acquire", scope="gpu")
+        if INTERPRET:
+            tl.device_assert(count > 0, "decode: a split ran before its slot's query quantization")
+        else:
+            while count == 0:
+                count = tl.atomic_add(ready, 0, sem="acquire", scope="gpu")
+        tl.atomic_add(ready, -1, sem="relaxed", scope="gpu")
+    tl.debug_barrier()
 
 
 @triton.jit
@@ -443,7 +522,7 @@ def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, q_start, q_len, head0, fir
             den = den * alpha + tl.sum(w * l_c, 0)
             m_run = m_new
         if TO_OUT:
-            o = acc / tl.where(den > 0.0, den, 1.0)[:, None]
+            o = acc / tl.where(den == 0.0, 1.0, den)[:, None]  # NaN stays NaN (see _store_rows)
             tl.store(out_ptr + tok[:, None] * stride_ot + r_head[:, None] * stride_oh + offs_d[None, :],
                      o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & d_ok[None, :])
         else:
@@ -528,22 +607,25 @@ def _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr
 @triton.jit
 def _load_query(q_ptr, q_scale_ptr, tok, row_head, row_valid, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr,
-                INTERPRET: tl.constexpr):
+                INTERPRET: tl.constexpr, PAST_L1: tl.constexpr = False):
     """The packed query rows [BLOCK_M, BLOCK_D] in the dot's precision and each row's score
-    scale ``sQ * softmax_scale * log2(e)`` (padding rows and padding channels: zeros)."""
+    scale ``sQ * softmax_scale * log2(e)`` (padding rows and padding channels: zeros).
+    PAST_L1: codes another program of this launch wrote (read from L2, ``.cg``)."""
+    cache: tl.constexpr = ".cg" if PAST_L1 else ""
     offs_d = tl.arange(0, BLOCK_D)
     q_ptrs = q_ptr + tok[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :]
     if BLOCK_D == HEAD_DIM:
-        q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+        q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0, cache_modifier=cache)
     else:
-        q = tl.load(q_ptrs, mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        q = tl.load(q_ptrs, mask=row_valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0, cache_modifier=cache)
     if KV_KIND == KIND_BF16:
         q = q.to(tl.bfloat16)
         if INTERPRET:
             q = q.to(tl.float32)
         row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * qk_scale
     else:
-        q_scale = tl.load(q_scale_ptr + tok * stride_qst + row_head * stride_qsh, mask=row_valid, other=0.0)
+        q_scale = tl.load(q_scale_ptr + tok * stride_qst + row_head * stride_qsh, mask=row_valid, other=0.0,
+                          cache_modifier=cache)
         row_scale = q_scale * qk_scale
     return q, row_scale
 
@@ -781,7 +863,9 @@ def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tok, row_head
     offs_d = tl.arange(0, BLOCK_D)
     direct = tl.where(n_active == 1, rows, False)
     partial = tl.where(n_active > 1, rows, False)
-    inv_l = 1.0 / tl.where(l_i > 0.0, l_i, 1.0)
+    # l is 0 only for a row that saw no key; NaN (a poisoned key or query row: its p is NaN)
+    # must stay NaN here, since its accumulator may be finite (8-bit P rounds NaN to 0)
+    inv_l = 1.0 / tl.where(l_i == 0.0, 1.0, l_i)
     part = tok * stride_pt + row_head * stride_ph + split * stride_ps
     out_row = tok * stride_ot + row_head * stride_oh
     if TRANSPOSED:

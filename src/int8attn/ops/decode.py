@@ -24,7 +24,7 @@ import triton
 from .. import _checks
 from ..cache import PagedKVCache
 from ..errors import error_flags
-from ..kernels.codes import KV_KIND, MERGE, PV_KIND, PV_MODES
+from ..kernels.codes import KV_KIND, MERGE, PV_KIND, PV_MODES, QUERY_IN
 from ..kernels.decode import _decode_merge_kernel, _decode_split_kernel
 from ..kernels.quantize import _quantize_query_kernel
 from ..runtime import capturing, device_guard, interpret_mode, sm_count, stream_id
@@ -577,7 +577,12 @@ class DecodeLaunch:
     ``quantize``), the split kernel, the merge kernel (more than one split, unless the
     plan fuses the merge into the split kernel -- always, or, ``merge == "auto"``, when the
     call is not being captured into a CUDA graph; the fused merge's counters are owned here
-    too). No validation, no host sync, no allocation: capturable in a CUDA graph.
+    too). A split launch whose programs are all resident at once (the cooperative barrier
+    launch of an eager call; every launch under the interpreter, which runs them in order)
+    also quantizes the query itself, once per (sequence, KV head), into the same code
+    buffers (``QUERY_IN``, :func:`int8attn.kernels.decode._quantize_slot_query`): an eager
+    decode call that quantizes its query is then one launch. No validation, no host sync,
+    no allocation: capturable in a CUDA graph.
 
     :func:`decode_attention` builds one per call; an :class:`~int8attn.ops.attention.AttentionPlan`
     keeps one per input layout and reuses it for every layer and step.
@@ -608,6 +613,7 @@ class DecodeLaunch:
         self.plan, self.quantize, self._device = plan, quantize, device
         self._query_launch = self._q_codes = self._q_scales = None
         interpret = interpret_mode()
+        raw_q_strides = q_strides
         if quantize:
             self._query_launch = _query_launch(num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
             self._q_codes = torch.empty((num_tokens, num_q_heads, head_dim), dtype=cache.storage_dtype, device=device)
@@ -628,11 +634,17 @@ class DecodeLaunch:
             if workspace is None:
                 workspace = DecodeWorkspace(num_tokens, num_q_heads, head_dim, splits, device=device)
             part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, splits)
-        if merge != "kernel" or eager:
-            # counters per (sequence, program of a KV head): "last" one per split group,
-            # "barrier" an (arrivals, generation) pair; valid from zero for every launch and
-            # graph replay (each launch leaves them so), so they are made once, here
-            width = splits if merge == "last" else 2
+        # launches that quantize the query themselves: those whose programs are all resident
+        # (cooperative, or run in order by the interpreter)
+        fuse_split = quantize and (interpret or merge == "barrier")
+        fuse_eager = quantize and eager is not None
+        if merge != "kernel" or eager or fuse_split:
+            # counters per (sequence, program of a KV head): with a fused query quantization
+            # its ready count first, then the merge's: "last" one per split, "barrier" an
+            # (arrivals, generation) pair; valid from zero for every launch and graph replay
+            # (each launch leaves them so), so they are made once, here
+            width = (splits if merge == "last" else 2 if merge == "barrier" or eager else 0) \
+                + (1 if fuse_split or fuse_eager else 0)
             counters = torch.zeros((num_seqs, cache.num_kv_heads * hs, width), dtype=torch.int32, device=device)
         self._part_acc, self._part_ml, self._counters = part_acc, part_ml, counters
         if cache.quantized:
@@ -655,7 +667,12 @@ class DecodeLaunch:
             *part_strides,
             error_flags(device), num_tokens, cache.num_blocks, max_blocks,
             counters, counters.stride(0), counters.stride(1),
+            counters, counters, 0, 0, 0, 0,  # the query codes a fused quantization writes: unused here
         )
+        if fuse_split or fuse_eager:
+            # reads the float query (its strides), writes and then reads the owned codes
+            codes = (self._q_codes, self._q_scales, *self._q_codes.stride()[:2], *self._q_scales.stride())
+            fused_args = (splits, *raw_q_strides[:2], 0, 0, *self._split_args[5:-6], *codes)
         safe = _checks.decode_clamps_enabled()
         group = num_q_heads // cache.num_kv_heads // hs
         base = dict(
@@ -669,21 +686,28 @@ class DecodeLaunch:
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
         )
 
-        def split_launch(mode: str) -> CachedLaunch:
+        def split_launch(mode: str, fused: bool = False):
+            """The split kernel's launch merging by ``mode``; ``fused``: a pair of launches
+            that quantize the query themselves, (without, with) channel migration."""
             constexprs = dict(base)
             if mode != "kernel":
                 constexprs.update(_fused_merge_constexprs(mode, group, plan.tokens_per_pass, padded_head_dim(head_dim),
                                                           splits))
-            if mode == "barrier":
+            if mode == "barrier" and not interpret:
                 # the barrier waits for every split: the driver must co-schedule the grid
                 constexprs["launch_cooperative_grid"] = True
             # launched through CachedLaunch: Triton binds the arguments on the first call only;
             # recorded in int8attn.launches: launches.last("_decode_split_kernel").facts
-            return CachedLaunch(_decode_split_kernel, self._split_grid, constexprs,
-                                {"plan": plan, "safe": safe, "merge": mode}, fixed_args=self._split_args)
+            if not fused:
+                return CachedLaunch(_decode_split_kernel, self._split_grid, constexprs,
+                                    {"plan": plan, "safe": safe, "merge": mode, "query_in": "codes"},
+                                    fixed_args=self._split_args)
+            return tuple(CachedLaunch(_decode_split_kernel, self._split_grid, {**constexprs, "QUERY_IN": QUERY_IN[q]},
+                                      {"plan": plan, "safe": safe, "merge": mode, "query_in": q}, fixed_args=fused_args)
+                         for q in ("quantize", "quantize_lam"))
 
-        self._split_kernel = split_launch(merge)
-        self._eager_split = split_launch(eager) if eager else None
+        self._split_kernel = split_launch(merge, fuse_split)
+        self._eager_split = split_launch(eager, fuse_eager) if eager else None
         self._quantize_kernel = self._merge_kernel = self._quantize_kernel_lam = None
         self._query_dims = (num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
         if quantize:
@@ -727,28 +751,18 @@ class DecodeLaunch:
         """Launch for these tensors (their layouts as at construction; not checked)."""
         part_acc, part_ml = self._part_acc, self._part_ml
         with device_guard(self._device):
-            if self.quantize:
-                q_quant, q_scale = self._q_codes, self._q_scales
-                lam = cache.key_channel_scale  # channel migration: Q times lam before its rounding
-                if lam is None:
-                    self._quantize_kernel(*quantize_query_args(query, q_quant, q_scale))
-                else:
-                    if self._quantize_kernel_lam is None:
-                        self._quantize_kernel_lam = CachedLaunch(_quantize_query_kernel,
-                                                                 *_query_launch(*self._query_dims, True))
-                    self._quantize_kernel_lam(*quantize_query_args(query, q_quant, q_scale, lam))
             if cache.quantized:
-                q_in, q_scale_in, k_scale, v_scale = q_quant, q_scale, cache.key_scale, cache.value_scale
+                k_scale, v_scale = cache.key_scale, cache.value_scale
             else:
-                q_in = q_quant if q_quant is not None else query
-                q_scale_in, k_scale, v_scale = q_in, cache.key, cache.value
+                q_quant = q_quant if q_quant is not None else query
+                q_scale, k_scale, v_scale = q_quant, cache.key, cache.value
             # the strides, sizes and owned buffers after these are the launches' fixed_args
-            args = (q_in, q_scale_in, cache.key, cache.value, k_scale, v_scale, block_table, seq_lens,
-                    query_start_loc, out, part_acc, part_ml, qk_scale)
+            tail = (cache.key, cache.value, k_scale, v_scale, block_table, seq_lens, query_start_loc, out, part_acc,
+                    part_ml, qk_scale)
             # (an eager split exists on CUDA devices only: runtime.capturing's device test is known)
             if self._eager_split is not None and not torch.cuda.is_current_stream_capturing():
                 try:
-                    self._eager_split(*args)
+                    self._run_split(self._eager_split, query, q_quant, q_scale, cache, tail)
                     return
                 except RuntimeError as exc:
                     # the driver refused the cooperative grid (fewer programs resident than
@@ -756,6 +770,28 @@ class DecodeLaunch:
                     if "cooperative" not in str(exc):
                         raise
                     self._eager_split = None
-            self._split_kernel(*args)
+            self._run_split(self._split_kernel, query, q_quant, q_scale, cache, tail)
             if self._merge_kernel is not None:
                 self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc)
+
+    def _run_split(self, launch, query, q_quant, q_scale, cache, tail) -> None:
+        """One split-kernel launch: ``launch`` a CachedLaunch reading the query's codes
+        (quantized first, with ``quantize``), or a (plain, migrated) pair that quantizes
+        the float ``query`` itself."""
+        lam = cache.key_channel_scale  # channel migration: Q times lam before its rounding
+        if isinstance(launch, tuple):
+            if lam is None:
+                launch[0](query, self._q_scales, *tail)  # (the second pointer is unused)
+            else:
+                launch[1](query, lam, *tail)
+            return
+        if self.quantize:
+            q_quant, q_scale = self._q_codes, self._q_scales
+            if lam is None:
+                self._quantize_kernel(*quantize_query_args(query, q_quant, q_scale))
+            else:
+                if self._quantize_kernel_lam is None:
+                    self._quantize_kernel_lam = CachedLaunch(_quantize_query_kernel,
+                                                             *_query_launch(*self._query_dims, True))
+                self._quantize_kernel_lam(*quantize_query_args(query, q_quant, q_scale, lam))
+        launch(q_quant, q_scale, *tail)
