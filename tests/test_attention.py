@@ -213,6 +213,9 @@ def bad_input_cases(b, out) -> list:
         ("softmax_scale zero", ValueError, "positive", dict(softmax_scale=0.0)),
         ("softmax_scale nan", ValueError, "positive", dict(softmax_scale=float("nan"))),
         ("softmax_scale bool", TypeError, "float", dict(softmax_scale=True)),
+        ("window zero", ValueError, "window", dict(window=0)),
+        ("window bool", ValueError, "window", dict(window=True)),
+        ("window float", ValueError, "window", dict(window=2.5)),
         ("cache object", TypeError, "PagedKVCache", dict(cache=object())),
         ("block_table dtype", TypeError, "int32", dict(block_table=bt.long())),
         ("block_table rows", ValueError, "shape", dict(block_table=bt[:-1])),
@@ -223,6 +226,30 @@ def bad_input_cases(b, out) -> list:
     if q.device.type == "cpu":
         cases.append(("query device", ValueError, "cache is on", dict(query=q.to("meta"))))
     return cases
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8", "bf16"])
+def test_sliding_window_per_call_planned_and_unplanned(kv, device):
+    """``window`` on a mixed batch (decode steps of 1 / 3 / 8 tokens, prefill chunks over a
+    cached prefix): each query sees only the window's most recent positions. One plan
+    serves calls with different windows (a model's local and global layers) and gives
+    the unplanned call's result bit for bit; a window at least the longest context equals
+    full attention; the float64 reference with the window is met, the one without it is
+    not (the windows change the result)."""
+    b = mixed(kv, seed=21, device=device, seq_lens=[37, 35, 30, 16 + 9, 61, 5], q_lens=[1, 3, 8, 9, 40, 0])
+    q, cache, bt, sl, qsl = args_of(b)
+    plan = plan_attention(cache, bt, sl, qsl, q.shape[1])
+    full = attention(*args_of(b), out=poisoned(b))
+    for window in (1, 7, 20, None, 7):
+        got = attention(*args_of(b), out=poisoned(b), window=window)
+        planned = plan.run(*args_of(b), out=poisoned(b), window=window)
+        assert torch.equal(got, planned), f"window {window}: planned and unplanned runs differ"
+        ref = reference.attention_reference_quantized(q, cache, bt, sl, qsl, window=window)
+        testing.assert_close_verbose(got, ref, rel_l2=TOL[kv], name=f"{kv}, window {window}")
+        if window is not None:
+            off = reference.error_stats(got, reference.attention_reference_quantized(q, cache, bt, sl, qsl))
+            assert off["rel_l2"] > 10 * TOL[kv], f"window {window} made no difference"
+    assert torch.equal(attention(*args_of(b), out=poisoned(b), window=int(sl.max())), full)
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8", "bf16"])

@@ -708,6 +708,49 @@ def test_fused_merge_with_bad_metadata(device, monkeypatch, mode):
         assert torch.equal(decode_attention(*args, num_splits=12), good), f"{case}: the next valid call differs"
 
 
+# --------------------------------------------------------------------------- sliding window
+WINDOW_CASES = [
+    # (kv, q_heads, kv_heads, head_dim, seq_lens, q_lens, window, num_splits)
+    ("int8", 8, 2, 64, [300, 40, 17], [1, 3, 2], 1, None),
+    ("int8", 8, 2, 64, [400, 97, 17], [1, 8, 2], 17, 3),
+    ("int8", 12, 2, 128, [300, 40], [4, 1], 97, 5),
+    ("fp8", 8, 2, 64, [261, 40], [2, 1], 33, 3),
+    ("bf16", 6, 2, 96, [300, 17], [3, 1], 40, 2),
+]
+
+
+@cases("kv,hq,hkv,d,seq_lens,q_lens,window,splits", WINDOW_CASES)
+def test_sliding_window_matches_reference_and_skips_older_tiles(kv, hq, hkv, d, seq_lens, q_lens, window, splits,
+                                                                 device, monkeypatch):
+    """``window``: each query token sees the ``window`` most recent positions up to its
+    own (multi-token steps: each token its own window), through one split and through
+    the merge. The tiles before a sequence's window are never read: their block-table
+    entries are set out of range (value checks off) and no error flag is raised, no row
+    is poisoned."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    b = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, kv_dtype=kv,
+                                 seed=13, device=device)
+    args = (b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    ref = reference.attention_reference_quantized(b.query, *args, window=window)
+    out = decode_attention(b.query, *args, out=testing.poisoned_like(b.query), num_splits=splits, window=window)
+    mode = {"int8": "int8", "fp8": "fp8", "bf16": "bf16"}[kv]
+    testing.assert_close_verbose(out, ref, rel_l2=TOL_QUANTIZED[(kv, mode)], name=f"{kv} window {window}")
+    plan = launches.last("_decode_split_kernel").facts["plan"]
+    block_n = max(plan.config.block_n, b.cache.block_size)
+    bt = b.block_table.clone()
+    hidden = 0
+    for s, (length, q_len) in enumerate(zip(seq_lens, q_lens)):
+        first_key = (max(length - q_len - window + 1, 0) // block_n) * block_n
+        pages = first_key // b.cache.block_size
+        bt[s, :pages] = b.cache.num_blocks + 7  # out of range: reading any of them raises a flag
+        hidden += pages
+    assert hidden > 0, "the case hides no page: it would test nothing"
+    again = decode_attention(b.query, b.cache, bt, b.seq_lens, b.query_start_loc, out=testing.poisoned_like(b.query),
+                             num_splits=splits, window=window)
+    check_errors(device)  # no flag: no hidden page was read
+    assert torch.equal(again, out)
+
+
 # --------------------------------------------------------------------------- non-finite input
 _DEFAULT_PV = {"int8": "int8", "fp8": "fp8", "bf16": "bf16"}
 

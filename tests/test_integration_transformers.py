@@ -185,13 +185,41 @@ def test_refuses_what_it_does_not_support(model):
             model(ids, **{cache_argument_name(model): short, "use_cache": True})
     finally:
         model.set_attn_implementation("sdpa")
-    sliding = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=8, use_sliding_window=True)
-    with pytest.raises(ValueError, match="full-attention"):
-        Int8PagedCache(sliding, max_batch_size=1, max_cache_len=16)
+    from types import SimpleNamespace
+
+    chunked = SimpleNamespace(num_hidden_layers=2, layer_types=["chunked_attention", "full_attention"])
+    with pytest.raises(ValueError, match="chunked_attention"):
+        Int8PagedCache(chunked, max_batch_size=1, max_cache_len=16)
     with pytest.raises(ValueError):
         Int8PagedCache(model.config, max_batch_size=1, max_cache_len=16, kv_dtype="int4")
     with pytest.raises(ValueError):
         Int8PagedCache(model.config, max_batch_size=1, max_cache_len=16, block_size=12)
+
+
+@pytest.mark.slow  # ~30 s under the interpreter
+@torch.inference_mode()
+def test_sliding_window_layers_match_sdpa(model):
+    """A model with a sliding-window layer (window 8 over 17 positions, as Gemma's local
+    layers and Mistral have): teacher-forced logits through the INT8 cache (prefill, then
+    decode steps) match transformers' SDPA with its sliding-window mask, while the same
+    weights with full attention everywhere are far from it (the window matters here)."""
+    sliding_config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                                 use_sliding_window=True)
+    device = device_of(model)
+    sliding = Qwen3ForCausalLM(sliding_config).to(device=device, dtype=torch.bfloat16).eval()
+    sliding.load_state_dict(model.state_dict())
+    ids = prompt(sliding, 2, 13, seed=5)
+    sliding.set_attn_implementation("sdpa")
+    ref = sliding.generate(ids, max_new_tokens=4, do_sample=False)
+    ref_logits = teacher_forced_logits(sliding, DynamicCache(config=sliding.config), ref, ids.shape[1])
+    full_logits = teacher_forced_logits(model, DynamicCache(config=model.config), ref, ids.shape[1])
+    sliding.set_attn_implementation("int8attn")
+    cache = Int8PagedCache(sliding.config, max_batch_size=2, max_cache_len=32)
+    logits = teacher_forced_logits(sliding, cache, ref, ids.shape[1])
+    err, full_err = rel_l2(logits, ref_logits), rel_l2(full_logits, ref_logits)
+    print(f"sliding-window model: INT8 cache {err:.4f}, full attention {full_err:.4f} (rel-L2 of logits)")
+    assert err < 0.05, f"logits rel-L2 {err:.4f} against SDPA with the window"
+    assert full_err > 4 * err, f"full attention is only {full_err:.4f} from the windowed model: the test is blind"
 
 
 # --------------------------------------------------------------------------- CUDA graphs (GPU)

@@ -102,6 +102,17 @@ def test_attention_op_matches_eager_and_reference(kv_dtype, group, device):
     assert_close_verbose(out, ref, rel_l2={"int8": 0.03, "fp8": 0.06, "bf16": 0.01}[kv_dtype], name="attention")
 
 
+def test_attention_op_sliding_window_matches_eager(device):
+    batch = make_paged_batch([97, 40, 3], [1, 4, 3], num_q_heads=4, num_kv_heads=2, head_dim=64, device=device,
+                             seed=9)
+    args = (batch.query, batch.cache, batch.block_table, batch.seq_lens, batch.query_start_loc)
+    out = library.attention(*args, out=poisoned_like(batch.query), window=5)
+    assert torch.equal(out, eager_ops()[2](*args, window=5)), "the op and the eager launcher disagree"
+    assert not torch.equal(out, eager_ops()[2](*args)), "the window was dropped on the way"
+    with pytest.raises(ValueError, match="window"):
+        library.attention(*args, window=0)
+
+
 def test_attention_op_rejects_bad_input(device):
     batch = make_paged_batch([9], [1], num_q_heads=4, num_kv_heads=2, head_dim=64, device=device)
     q, c, bt, sl, qsl = batch.query, batch.cache, batch.block_table, batch.seq_lens, batch.query_start_loc

@@ -226,6 +226,32 @@ def test_stale_slots_never_leak(kv, pv, bs, config, device):
     assert torch.isfinite(out.float()).all()
 
 
+# --------------------------------------------------------------------------- sliding window
+@cases("kv,pv,window", [("int8", "bf16", 7), ("int8", "int8", 17), ("fp8", "fp8", 33), ("bf16", "bf16", 1),
+                         ("int8", "bf16", 40)])
+def test_sliding_window_matches_reference(kv, pv, window, device):
+    """``window`` over chunks with cached prefixes and GQA packing: the query tiles' rows
+    see different windows (the tiles that cut a window are masked, the older ones never
+    visited); the float64 reference with the window is met and differs from full
+    attention, and a window of the whole context is full attention bit for bit."""
+    b = batch([61, 40], [45, 40], hq=4, hkv=2, kv=kv, seed=29, device=device)
+    config = on_device(SMALL, pv, device)
+    out = prefill_attention(*args_of(b), out=testing.poisoned_like(b.query), pv_mode=pv, config=config,
+                            window=window)
+    ref = reference.attention_reference_quantized(*args_of(b), window=window)
+    testing.assert_close_verbose(out, ref, rel_l2=TOL_QUANTIZED[(kv, pv)], name=f"{kv}/{pv} window {window}")
+    full = prefill_attention(*args_of(b), pv_mode=pv, config=config)
+    assert reference.error_stats(full, ref)["rel_l2"] > 2 * TOL_QUANTIZED[(kv, pv)], "the window made no difference"
+    assert torch.equal(prefill_attention(*args_of(b), pv_mode=pv, config=config, window=61), full)
+
+
+def test_sliding_window_refused_when_bad(device):
+    b = batch([20], [12], device=device)
+    for bad in (0, -1, True, 3.0, "8"):
+        with pytest.raises(ValueError, match="window"):
+            prefill_attention(*args_of(b), window=bad)
+
+
 # --------------------------------------------------------------------------- non-finite input
 @pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16"),
                                    ("bf16", "bf16")])

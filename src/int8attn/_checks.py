@@ -114,6 +114,22 @@ def is_int(value, lo: int = 0, hi: int | None = None) -> bool:
             and (hi is None or value <= hi))
 
 
+#: Largest sliding window the kernels take (positions are int32; any window at least the
+#: context is the same as none).
+MAX_WINDOW = 1 << 30
+
+
+def check_window(window) -> int:
+    """A sliding window: None (full causal attention) or a positive int, the number of
+    most recent positions a query sees, its own included (transformers'
+    ``sliding_window``). Returns the kernels' WINDOW constexpr (0 for None)."""
+    if window is None:
+        return 0
+    if not is_int(window, 1, MAX_WINDOW):
+        raise ValueError(f"window must be None or an int in [1, {MAX_WINDOW}], got {window!r}")
+    return int(window)
+
+
 def same_device(a: torch.device, b: torch.device) -> bool:
     """Device equality where "cuda" (no index) means the current CUDA device."""
     if a == b:  # same type and index (or both unindexed): the same device

@@ -197,11 +197,15 @@ def gather_kv(cache, block_table_row: torch.Tensor, length: int, add_key_mean: b
     return k, v
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, softmax_scale: float):
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, softmax_scale: float,
+           window: int | None = None):
     """Exact causal attention in float64.
 
     q: [q_len, num_q_heads, D]; k, v: [kv_len, num_kv_heads, D]; query row j sits at
-    position ``first_pos + j`` and sees keys at positions <= its own.
+    position ``first_pos + j`` and sees keys at positions <= its own -- with a sliding
+    ``window``, only the ``window`` most recent of them (positions ``> own - window``, the
+    query's own included: transformers' ``sliding_window``, FlashAttention's
+    ``window_size=(window - 1, 0)``).
     Returns [q_len, num_q_heads, D] float64.
     """
     q = q.to(torch.float64)
@@ -215,7 +219,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos: int, so
     scores = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
     q_pos = first_pos + torch.arange(q_len, device=q.device)
     k_pos = torch.arange(kv_len, device=q.device)
-    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    hidden = k_pos[None, :] > q_pos[:, None]
+    if window is not None:
+        hidden |= k_pos[None, :] <= q_pos[:, None] - window
+    scores = scores.masked_fill(hidden[None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
@@ -228,8 +235,10 @@ def attention_reference(
     query_start_loc: torch.Tensor,
     softmax_scale: float | None = None,
     query_kv_dtype: str | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """float64 attention of ``query`` over the paged ``cache`` (docs/design.md §6).
+    """float64 attention of ``query`` over the paged ``cache`` (docs/design.md §6);
+    ``window``: a sliding window (see :func:`attend`).
 
     ``query_kv_dtype`` quantizes the query first, as the kernels do for that cache dtype
     (see :func:`attention_reference_quantized`; under channel migration the query is
@@ -257,14 +266,16 @@ def attention_reference(
         if end == start:
             continue
         k, v = gather_kv(cpu_cache, block_table[s], seq_len, add_key_mean=True)
-        out[start:end] = attend(query[start:end], k, v, seq_len - (end - start), softmax_scale)
+        out[start:end] = attend(query[start:end], k, v, seq_len - (end - start), softmax_scale, window)
     return out
 
 
-def attention_reference_quantized(query, cache, block_table, seq_lens, query_start_loc, softmax_scale=None):
+def attention_reference_quantized(query, cache, block_table, seq_lens, query_start_loc, softmax_scale=None,
+                                  window=None):
     """:func:`attention_reference` with the query quantized for ``cache.kv_dtype``."""
     return attention_reference(
-        query, cache, block_table, seq_lens, query_start_loc, softmax_scale, query_kv_dtype=cache.kv_dtype
+        query, cache, block_table, seq_lens, query_start_loc, softmax_scale, query_kv_dtype=cache.kv_dtype,
+        window=window,
     )
 
 

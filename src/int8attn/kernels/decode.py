@@ -92,6 +92,7 @@ import triton
 import triton.language as tl
 
 from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN, _raise_error
+from ._masks import _visible
 from .codes import (KIND_BF16, KIND_FP8, KIND_INT8, MERGE_BARRIER, MERGE_LAST, PV_BF16, PV_FP8, PV_INT8,
                     PV_INT8_SIGNED, QUERY_CODES, QUERY_QUANTIZE_LAM)
 from .quantize import _quantize_rows, _round_to_e4m3_grid
@@ -102,24 +103,39 @@ NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
-def _num_active_splits(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    """Splits that hold at least one tile: ``min(num_splits, cdiv(seq_len, BLOCK_N))``.
-
-    Shared by both kernels so they agree on which splits hold partials.
-    """
-    return tl.minimum(num_splits, tl.cdiv(seq_len, BLOCK_N))
+def _first_tile(seq_len, q_len, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The first KV tile any query token of the sequence sees: 0, or with a sliding
+    ``WINDOW`` the tile of the first token's oldest visible key ``seq_len - q_len - WINDOW
+    + 1``. Shared by both kernels, as the two below."""
+    if WINDOW == 0:
+        first = 0
+    else:
+        first = tl.maximum(seq_len - q_len - WINDOW + 1, 0) // BLOCK_N
+    return first
 
 
 @triton.jit
-def _split_tiles(seq_len, split, num_splits, BLOCK_N: tl.constexpr):
-    """Tiles [lo, lo + count) of split ``split``: runs whose sizes differ by at most one,
-    the non-empty ones first."""
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+def _num_active_splits(seq_len, first_tile, num_splits, BLOCK_N: tl.constexpr):
+    """Splits that hold at least one tile: ``min(num_splits, cdiv(seq_len, BLOCK_N) -
+    first_tile)``.
+
+    Shared by both kernels so they agree on which splits hold partials.
+    """
+    return tl.minimum(num_splits, tl.cdiv(seq_len, BLOCK_N) - first_tile)
+
+
+@triton.jit
+def _split_tiles(seq_len, first_tile, split, num_splits, BLOCK_N: tl.constexpr):
+    """Tiles [lo, lo + count) of split ``split`` among the tiles from ``first_tile`` on:
+    runs whose sizes differ by at most one, the non-empty ones first."""
+    num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
     base = num_tiles // num_splits
     rem = num_tiles % num_splits
-    lo = split * base + tl.minimum(split, rem)
+    lo = first_tile + split * base + tl.minimum(split, rem)
     count = base + (split < rem).to(tl.int32)
     return lo, count
+
+
 
 
 @triton.jit
@@ -172,7 +188,7 @@ def _decode_split_kernel(
     INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr = False, SAFE: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = 0, MERGE_GROUP: tl.constexpr = 8, MERGE_M: tl.constexpr = 16,
     MERGE_CHUNK: tl.constexpr = 1, HEAD_SPLIT: tl.constexpr = 1, MERGE_COLS: tl.constexpr = 16,
-    QUERY_IN: tl.constexpr = 0,
+    QUERY_IN: tl.constexpr = 0, WINDOW: tl.constexpr = 0,
 ):
     split = tl.program_id(0)
     # HEAD_SPLIT programs share a KV head, each with GROUP // HEAD_SPLIT of its query heads
@@ -203,7 +219,8 @@ def _decode_split_kernel(
                      bad & (split == 0) & (kv_prog == 0))
     if (q_len <= 0) | (q_len > MAX_QUERY_LEN) | (seq_len <= 0):
         return
-    n_active = _num_active_splits(seq_len, num_splits, BLOCK_N)
+    first_tile = _first_tile(seq_len, q_len, WINDOW, BLOCK_N)
+    n_active = _num_active_splits(seq_len, first_tile, num_splits, BLOCK_N)
     if split >= n_active:
         return
     # the fused merges' counters of this program's (sequence, grid axis 1) slot
@@ -224,7 +241,7 @@ def _decode_split_kernel(
         # (it cannot change before this program arrives: see _barrier_and_merge)
         gen0 = tl.atomic_add(counters + 1, 0, sem="relaxed", scope="gpu")
 
-    tile_lo, tile_count = _split_tiles(seq_len, split, num_splits, BLOCK_N)
+    tile_lo, tile_count = _split_tiles(seq_len, first_tile, split, num_splits, BLOCK_N)
 
     offs_m = tl.arange(0, BLOCK_M)
     row_tok = offs_m // HEADS
@@ -257,7 +274,7 @@ def _decode_split_kernel(
             m_i, l_i, acc, n_bad = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
                                            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
                                            stride_cb, stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
-                                           BLOCK_M, KV_KIND, PV_KIND, KV_KIND != KIND_FP8, INTERPRET, SWAP_AB, SAFE)
+                                           BLOCK_M, KV_KIND, PV_KIND, KV_KIND != KIND_FP8, INTERPRET, SWAP_AB, SAFE, WINDOW)
             if SAFE:
                 bad_pages += n_bad
         if KV_KIND == KIND_FP8:
@@ -265,7 +282,7 @@ def _decode_split_kernel(
                 m_i, l_i, acc, n_bad = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_end - 1, seq_len,
                                                bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
                                                stride_cb, stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
-                                               BLOCK_M, KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB, SAFE)
+                                               BLOCK_M, KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB, SAFE, WINDOW)
                 if SAFE:
                     bad_pages += n_bad
         if SAFE:
@@ -305,7 +322,7 @@ def _decode_split_kernel(
             m_i, l_i, acc, n_bad = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_lo + tile_idx, seq_len,
                                            bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
                                            stride_cb, stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
-                                           BLOCK_M, KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB, SAFE)
+                                           BLOCK_M, KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB, SAFE, WINDOW)
             # Last tile of the pass: its rows go to out (one active split) or to the partials.
             # (tl.where rather than `row_valid & last`: the interpreter mistypes that mask)
             last = tile_idx == tile_count - 1
@@ -588,19 +605,19 @@ def _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr
             data_head, scale_head, stride_cb, stride_sb, num_blocks, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
             PAGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr,
             PV_KIND: tl.constexpr, TAIL: tl.constexpr, INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr,
-            SAFE: tl.constexpr):
+            SAFE: tl.constexpr, WINDOW: tl.constexpr = 0):
     """One tile in the orientation the launch chose (see _attend_tile_swapped); also
     returns the tile's count of out-of-range block ids (``SAFE``; else 0)."""
     if SWAP_AB:
         m_i, l_i, acc, n_bad = _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
                                                     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
                                                     stride_cb, stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE,
-                                                    BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, TAIL, INTERPRET, SAFE)
+                                                    BLOCK_N, BLOCK_M, KV_KIND, PV_KIND, TAIL, INTERPRET, SAFE, WINDOW)
     else:
         m_i, l_i, acc, n_bad = _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr,
                                             v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb,
                                             stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M,
-                                            KV_KIND, PV_KIND, TAIL, INTERPRET, SAFE)
+                                            KV_KIND, PV_KIND, TAIL, INTERPRET, SAFE, WINDOW)
     return m_i, l_i, acc, n_bad
 
 
@@ -672,7 +689,7 @@ def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
                  k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb, num_blocks,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, TAIL: tl.constexpr,
-                 INTERPRET: tl.constexpr, SAFE: tl.constexpr):
+                 INTERPRET: tl.constexpr, SAFE: tl.constexpr, WINDOW: tl.constexpr = 0):
     """One KV tile (keys ``tile * BLOCK_N ...``) folded into the online-softmax state.
 
     Loads carry as few masks as correctness allows: a key past ``seq_len`` reads block 0
@@ -700,7 +717,7 @@ def _attend_tile(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
         s = qk * row_scale[:, None]
-    s = tl.where(pos[None, :] <= row_limit[:, None], s, float("-inf"))
+    s = tl.where(_visible(pos[None, :], row_limit[:, None], WINDOW), s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -738,7 +755,7 @@ def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, tile, seq_len
                          k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
                          num_blocks, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr,
-                         TAIL: tl.constexpr, INTERPRET: tl.constexpr, SAFE: tl.constexpr):
+                         TAIL: tl.constexpr, INTERPRET: tl.constexpr, SAFE: tl.constexpr, WINDOW: tl.constexpr = 0):
     """:func:`_attend_tile` with the operands swapped, for 8-bit caches: the tile's keys
     fill the MMA's M rows and the packed query rows its N columns.
 
@@ -761,7 +778,7 @@ def _attend_tile_swapped(q, row_scale, row_limit, m_i, l_i, acc_t, tile, seq_len
     else:
         qk = tl.dot(k, tl.trans(q), out_dtype=tl.float32)
     s = qk * k_scale[:, None] * row_scale[None, :]
-    s = tl.where(pos[:, None] <= row_limit[None, :], s, float("-inf"))
+    s = tl.where(_visible(pos[:, None], row_limit[None, :], WINDOW), s, float("-inf"))
 
     v_scale = tl.load(v_scale_ptr + scale_off, mask=in_seq, other=0.0)
     if PV_KIND == PV_BF16:
@@ -937,7 +954,7 @@ def _decode_merge_kernel(
     stride_mt, stride_mh, stride_ms,
     num_tokens, max_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MAX_QUERY_LEN: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    BLOCK_D: tl.constexpr, PAGE: tl.constexpr = 16, SAFE: tl.constexpr = False,
+    BLOCK_D: tl.constexpr, PAGE: tl.constexpr = 16, SAFE: tl.constexpr = False, WINDOW: tl.constexpr = 0,
 ):
     """One program per (query head, sequence, BLOCK_D output columns): combine the split
     partials of each of the sequence's query tokens into ``out`` (log-sum-exp weights in
@@ -954,7 +971,7 @@ def _decode_merge_kernel(
                                                                      max_blocks, PAGE, MAX_QUERY_LEN)
     if (q_len <= 0) | (q_len > MAX_QUERY_LEN) | (seq_len <= 0):
         return
-    n_active = _num_active_splits(seq_len, num_splits, BLOCK_N)
+    n_active = _num_active_splits(seq_len, _first_tile(seq_len, q_len, WINDOW, BLOCK_N), num_splits, BLOCK_N)
     if n_active <= 1:
         return  # written directly by the split kernel
 

@@ -11,7 +11,10 @@ The program walks the keys in tiles of ``BLOCK_N`` (a power of two >= 16, starti
 multiples of ``BLOCK_N``; K rows are gathered per key through the block table, transposed
 V pages per page, so a tile covers whole pages or a part of one): first the tiles every
 row of the tile sees in full (no mask arithmetic), then the diagonal tiles (causal
-mask); tiles past the last row's position are never visited.
+mask); tiles past the last row's position are never visited. With a sliding ``WINDOW``
+(constexpr, 0 for none) a row sees only the ``WINDOW`` most recent keys up to its own
+position: tiles before the first row's window are never visited, and the tiles that cut
+some row's window are masked too.
 
 Per KV tile:
 
@@ -86,6 +89,7 @@ import triton
 import triton.language as tl
 
 from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN, _raise_error
+from ._masks import _visible
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
 from .quantize import _finite_rows, _quantize_rows, _round_to_e4m3_grid
 
@@ -242,9 +246,11 @@ def _attend_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
     PAGE: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
     MASKED: tl.constexpr, V_LATE: tl.constexpr, V_TRANSPOSED: tl.constexpr, V_FLAT: tl.constexpr,
-    CVT_ASM: tl.constexpr, LAZY: tl.constexpr, INTERPRET: tl.constexpr,
+    CVT_ASM: tl.constexpr, LAZY: tl.constexpr, INTERPRET: tl.constexpr, WINDOW: tl.constexpr = 0,
 ):
-    """One KV tile of keys ``[start, start + BLOCK_N)`` folded into the running state.
+    """One KV tile of keys ``[start, start + BLOCK_N)`` folded into the running state
+    (``MASKED``: some key of the tile is hidden from some row -- past its position, past
+    the sequence or, with a sliding ``WINDOW``, before its window).
 
     The head_dim axis is BLOCK_D wide (HEAD_DIM padded to a power of two; padded lanes
     of Q and K load as 0) and the PV product runs in the ``cdiv(HEAD_DIM, DV)`` column
@@ -329,7 +335,7 @@ def _attend_tile(
             k = k.to(tl.float32)
         t = tl.dot(q, tl.trans(k), out_dtype=tl.float32)
     if MASKED:
-        t = tl.where(pos[None, :] <= row_limit[:, None], t, float("-inf"))
+        t = tl.where(_visible(pos[None, :], row_limit[:, None], WINDOW), t, float("-inf"))
 
     # ---- online softmax (base 2)
     # A NaN score (a poisoned key or query, see the module docstring) must not reach the
@@ -454,6 +460,7 @@ def _prefill_kernel(
     KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
     Q_QUANTIZED: tl.constexpr, SEARCH: tl.constexpr, V_LATE: tl.constexpr, V_TRANSPOSED: tl.constexpr,
     V_FLAT: tl.constexpr, CVT_ASM: tl.constexpr, LAZY_RESCALE: tl.constexpr, INTERPRET: tl.constexpr,
+    WINDOW: tl.constexpr = 0,
 ):
     tile = num_tiles - 1 - tl.program_id(0)  # longest tiles first
     kv_head = tl.program_id(1)
@@ -528,6 +535,14 @@ def _prefill_kernel(
     kv_end = tl.where(bad, 0, ctx + last_tok + 1)
     full_end = tl.where(bad, 0, ((ctx + first_tok + 1) // BLOCK_N) * BLOCK_N)
     row_limit = tl.minimum(ctx + tok, kv_end - 1)
+    kv_lo = 0
+    if WINDOW != 0:
+        # Sliding window: keys before kv_lo are seen by no row of the tile (never visited),
+        # keys from mid_lo on by every row's window; [kv_lo, mid_lo) and the diagonal band
+        # from mid_hi are masked tiles, [mid_lo, mid_hi) unmasked ones.
+        kv_lo = tl.where(bad, 0, (tl.maximum(ctx + first_tok - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N)
+        mid_lo = tl.maximum(kv_lo, tl.cdiv(tl.maximum(ctx + last_tok - WINDOW + 1, 0), BLOCK_N) * BLOCK_N)
+        mid_hi = tl.maximum(mid_lo, full_end)
 
     data_head = kv_head.to(tl.int64) * stride_ch
     scale_head = kv_head.to(tl.int64) * stride_sh
@@ -543,7 +558,7 @@ def _prefill_kernel(
             # rescaling) stays below 65504 unless a later key's V scale is 65504 times
             # that; P turns fp16-subnormal (absolute error <= 2**-25) only where
             # p * sV / max(sV of the first tile) < 2**-10.
-            pos0 = offs_n
+            pos0 = kv_lo + offs_n
             blk0 = tl.load(bt_row + pos0 // PAGE, mask=pos0 < kv_end, other=0).to(tl.int64)
             v_first = tl.load(v_scale_ptr + blk0 * stride_sb + scale_head + pos0 % PAGE, mask=pos0 < kv_end,
                               other=0.0)
@@ -557,22 +572,48 @@ def _prefill_kernel(
     acc3 = tl.zeros([BLOCK_M, DV], tl.float32)
     # lazy rescaling needs a fixed accumulator unit: 16-bit PV only
     LAZY: tl.constexpr = LAZY_RESCALE and PV_KIND == PV_BF16
-    for start in range(0, full_end, BLOCK_N):
-        m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
-            start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
-            q, row_scale, row_limit, kv_end, inv_unit,
-            bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
-            offs_n, offs_d, offs_dv,
-            BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, V_TRANSPOSED, V_FLAT,
-            CVT_ASM, LAZY, INTERPRET)
-    for start in range(full_end, kv_end, BLOCK_N):
-        m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
-            start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
-            q, row_scale, row_limit, kv_end, inv_unit,
-            bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
-            offs_n, offs_d, offs_dv,
-            BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED, V_FLAT,
-            CVT_ASM, LAZY, INTERPRET)
+    if WINDOW == 0:
+        for start in range(0, full_end, BLOCK_N):
+            m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
+                start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
+                q, row_scale, row_limit, kv_end, inv_unit,
+                bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+                offs_n, offs_d, offs_dv,
+                BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, V_TRANSPOSED,
+                V_FLAT, CVT_ASM, LAZY, INTERPRET)
+        for start in range(full_end, kv_end, BLOCK_N):
+            m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
+                start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
+                q, row_scale, row_limit, kv_end, inv_unit,
+                bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+                offs_n, offs_d, offs_dv,
+                BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED,
+                V_FLAT, CVT_ASM, LAZY, INTERPRET)
+    else:
+        for start in range(kv_lo, tl.minimum(mid_lo, kv_end), BLOCK_N):
+            m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
+                start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
+                q, row_scale, row_limit, kv_end, inv_unit,
+                bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+                offs_n, offs_d, offs_dv,
+                BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED,
+                V_FLAT, CVT_ASM, LAZY, INTERPRET, WINDOW)
+        for start in range(mid_lo, mid_hi, BLOCK_N):
+            m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
+                start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
+                q, row_scale, row_limit, kv_end, inv_unit,
+                bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+                offs_n, offs_d, offs_dv,
+                BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, V_TRANSPOSED,
+                V_FLAT, CVT_ASM, LAZY, INTERPRET, WINDOW)
+        for start in range(mid_hi, kv_end, BLOCK_N):
+            m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
+                start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
+                q, row_scale, row_limit, kv_end, inv_unit,
+                bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+                offs_n, offs_d, offs_dv,
+                BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED,
+                V_FLAT, CVT_ASM, LAZY, INTERPRET, WINDOW)
 
     # l_i is 0 only for rows that saw no key; NaN (a poisoned key or query) stays NaN
     norm = tl.where(l_i == 0.0, 0.0, r_i / l_i)

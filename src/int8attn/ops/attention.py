@@ -75,16 +75,22 @@ def _checked_default_config(kv_dtype: str, head_dim: int, pv_mode: str, group: i
 
 
 def _prefill_route(cache: PagedKVCache, pv_mode: str, num_q_heads: int, kernel: str | None,
-                   metadata_checked: bool) -> tuple:
-    """(kernel, checked config) of this batch's prefill launch: "hopper" or "portable"."""
-    if _hopper.choose(cache, num_q_heads, pv_mode, kernel, metadata_checked=metadata_checked) == "hopper":
+                   metadata_checked: bool, window: int = 0) -> tuple:
+    """(kernel, checked config) of this batch's prefill launch: "hopper" or "portable"
+    (``window``: a checked sliding window, which only the portable kernel implements)."""
+    if _hopper.choose(cache, num_q_heads, pv_mode, kernel, metadata_checked=metadata_checked,
+                      window=window) == "hopper":
         return "hopper", _hopper.route_config(cache, num_q_heads, pv_mode)
     return "portable", _prefill_config(cache, pv_mode, num_q_heads // cache.num_kv_heads)
 
 
-def _run_prefill(kernel: str, config, *args) -> None:
-    """Launch the chosen prefill kernel (arguments of :func:`int8attn.ops.prefill.run_prefill`)."""
-    (_hopper.run_prefill if kernel == "hopper" else _prefill.run_prefill)(config, *args)
+def _run_prefill(kernel: str, config, *args, window: int = 0) -> None:
+    """Launch the chosen prefill kernel (arguments of :func:`int8attn.ops.prefill.run_prefill`;
+    a sliding ``window`` routes to the portable kernel, see :func:`_prefill_route`)."""
+    if window:
+        _prefill.run_prefill(config, *args, window)
+    else:
+        (_hopper.run_prefill if kernel == "hopper" else _prefill.run_prefill)(config, *args)
 
 
 def _layout(t):
@@ -138,14 +144,15 @@ class AttentionPlan:
     _geometry: tuple | None = field(default=None, repr=False, compare=False)
     _metadata: tuple | None = field(default=None, repr=False, compare=False)  # (block_table, seq_lens, qsl)
     _caches: dict = field(default_factory=dict, repr=False, compare=False)  # id -> (cache, state, scale strides)
-    _launch_by_layout: dict = field(default_factory=dict, repr=False, compare=False)
+    _launch_by_layout: dict = field(default_factory=dict, repr=False, compare=False)  # -> (decode launch, window)
     _scale_memo: tuple | None = field(default=None, repr=False, compare=False)  # (softmax_scale, qk_scale)
 
     def run(self, query, cache, block_table, seq_lens, query_start_loc, softmax_scale=None, out=None, *,
-            q_quant=None, q_scale=None) -> torch.Tensor:
+            q_quant=None, q_scale=None, window=None) -> torch.Tensor:
         """Launch the planned kernels (no host sync; CUDA-graph capturable).
 
-        Arguments as :func:`attention`. Checks: a call with the plan's metadata tensors
+        Arguments as :func:`attention`; ``window`` is per run (a model's sliding-window and
+        full-attention layers share the step's plan). Checks: a call with the plan's metadata tensors
         and an input layout an earlier run validated costs a few attribute comparisons (a
         new cache object: its storage layout and geometry too); anything else is validated
         in full first (metadata values too when the metadata tensors are not the plan's),
@@ -160,12 +167,15 @@ class AttentionPlan:
             if seen is None or seen[0] is not cache or not _checks.cache_state_is(cache, seen[1]):
                 seen = self._admit_cache(cache)  # another layer's cache: its storage and geometry
             try:
-                key = (_layout(query), _layout(out), _layout(q_quant), _layout(q_scale), seen[2])
+                key = (_layout(query), _layout(out), _layout(q_quant), _layout(q_scale), seen[2], type(window),
+                       window)
             except AttributeError:  # not a tensor: the full checks say so
                 key = None
             launch = self._launch_by_layout.get(key, _MISSING)
         if launch is _MISSING:
-            launch = self._validate(query, cache, block_table, seq_lens, query_start_loc, out, q_quant, q_scale)
+            launch = self._validate(query, cache, block_table, seq_lens, query_start_loc, out, q_quant, q_scale,
+                                    window)
+        launch, win = launch
         qk_scale = self._qk_scale(softmax_scale, cache)
         if out is None:
             out = torch.empty((self.num_tokens, self.num_q_heads, self.head_dim), dtype=torch.bfloat16,
@@ -173,18 +183,22 @@ class AttentionPlan:
         if launch is not None:
             launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
         if self.has_prefill:
-            _run_prefill(self.prefill_kernel, self.prefill_config, self.prefill_pv_mode, query, cache, block_table,
+            kernel, config = (self.prefill_kernel, self.prefill_config) if not win else \
+                _prefill_route(cache, self.prefill_pv_mode, self.num_q_heads, "portable", True, win)
+            _run_prefill(kernel, config, self.prefill_pv_mode, query, cache, block_table,
                          seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
-                         MAX_DECODE_QUERY_LEN if self.has_decode else 0, self.max_query_len)
+                         MAX_DECODE_QUERY_LEN if self.has_decode else 0, self.max_query_len, window=win)
         return out
 
     # ------------------------------------------------------------------ slow path
-    def _validate(self, query, cache, block_table, seq_lens, query_start_loc, out, q_quant, q_scale):
+    def _validate(self, query, cache, block_table, seq_lens, query_start_loc, out, q_quant, q_scale, window=None):
         """Full checks of a call the plan has not seen; remembers what passed and returns
-        the decode launch for this layout (None when the plan launches no decode)."""
+        (the decode launch for this layout, None when the plan launches no decode; the
+        checked window)."""
         known_meta = self._is_plan_metadata(block_table, seq_lens, query_start_loc)
         _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                        q_quant=q_quant, q_scale=q_scale, check_values=False)
+        win = _checks.check_window(window)
         self._check_matches(query, cache, block_table)
         if not known_meta:
             if self.num_seqs > 0 and _checks.value_checks_enabled(cache.device):
@@ -198,12 +212,12 @@ class AttentionPlan:
         if self.has_decode and self.num_tokens > 0 and self.num_seqs > 0:
             out_strides = out.stride() if out is not None else (self.num_q_heads * self.head_dim, self.head_dim, 1)
             launch = _decode.DecodeLaunch.for_tensors(self.decode_plan, cache, query, q_quant, q_scale, block_table,
-                                                      out_strides, self.workspace)
+                                                      out_strides, self.workspace, win)
         if len(self._launch_by_layout) >= _MAX_REMEMBERED:
             self._launch_by_layout.clear()
-        key = (_layout(query), _layout(out), _layout(q_quant), _layout(q_scale), scale_strides)
-        self._launch_by_layout[key] = launch
-        return launch
+        key = (_layout(query), _layout(out), _layout(q_quant), _layout(q_scale), scale_strides, type(window), window)
+        self._launch_by_layout[key] = (launch, win)
+        return launch, win
 
     def _is_plan_metadata(self, block_table, seq_lens, query_start_loc) -> bool:
         """Whether these are the metadata tensors whose values the plan (or an earlier run)
@@ -379,7 +393,7 @@ def _read_facts(query_start_loc, num_seqs: int) -> tuple:
 
 def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scale=None, out=None, *,
               plan: AttentionPlan | None = None, q_quant=None, q_scale=None, pv_mode=None,
-              prefill_kernel: str | None = None) -> torch.Tensor:
+              prefill_kernel: str | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of a mixed varlen batch over the paged cache (docs/design.md §6).
 
     Args:
@@ -401,9 +415,14 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
             ("hopper" where it cannot run raises ValueError before any launch; "auto"
             takes the Hopper kernel only for metadata checked on the host, e.g. a plan's).
             With a plan, pass it to :func:`plan_attention`.
+        window: sliding window (None: full causal attention), per call: each query token
+            sees only the ``window`` most recent positions up to its own, its own included
+            (transformers' ``sliding_window``; FlashAttention's ``window_size=(window - 1,
+            0)``); keys before the window are not read. Prefill with a window runs the
+            portable kernel.
 
     Query token j of sequence s sits at position ``seq_lens[s] - q_len_s + j`` and attends
-    to every cached key at a position <= its own. Returns ``out`` [T, Hq, D] bf16; rows of
+    to every cached key at a position <= its own (within ``window``). Returns ``out`` [T, Hq, D] bf16; rows of
     sequences with q_len 0 do not exist, every other row is written.
 
     Checks: types, shapes, strides and devices before any launch, in full on the first
@@ -430,9 +449,9 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
         if prefill_kernel is not None:
             raise ValueError("prefill_kernel applies when planning: pass it to plan_attention")
         return plan.run(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
-                        q_quant=q_quant, q_scale=q_scale)
+                        q_quant=q_quant, q_scale=q_scale, window=window)
     key = _route_key(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
-                     pv_mode, prefill_kernel)
+                     pv_mode, prefill_kernel, window)
     route = _ROUTES.get(key) if key is not None else None
     if route is not None and route.cache() is cache and route.makers == _makers():
         _checks.check_cache(cache)  # remembered: an identity test unless the storage was replaced
@@ -440,6 +459,7 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
             return _launch_route(route, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
                                  q_quant, q_scale)
     _check_common(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale)
+    win = _checks.check_window(window)
     _hopper.requested_kernel(prefill_kernel)  # a bad name fails on every call
     num_tokens = query.shape[0]
     num_seqs = block_table.shape[0]
@@ -450,15 +470,15 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     check_values = _checks.value_checks_enabled(cache.device)
     prefill = None
     if num_tokens > MAX_DECODE_QUERY_LEN:
-        prefill = (*_prefill_route(cache, prefill_pv, query.shape[1], prefill_kernel, check_values), prefill_pv)
+        prefill = (*_prefill_route(cache, prefill_pv, query.shape[1], prefill_kernel, check_values, win), prefill_pv)
     _decode.check_num_seqs(num_seqs)
     out_strides = out.stride() if out is not None else (query.shape[1] * query.shape[2], query.shape[2], 1)
-    launch = _decode.reused_launch(decode_plan, cache, query, q_quant, q_scale, block_table, out_strides)
+    launch = _decode.reused_launch(decode_plan, cache, query, q_quant, q_scale, block_table, out_strides, None, win)
     if launch is None:  # being captured into a CUDA graph: a launch for this capture only
         launch = _decode.DecodeLaunch.for_tensors(decode_plan, cache, query, q_quant, q_scale, block_table,
-                                                  out_strides)
+                                                  out_strides, None, win)
     route = _Route(weakref.ref(cache), _cache_facts(cache), _makers(), launch,
-                   _decode.qk_scale_of(softmax_scale, cache.head_dim), check_values, prefill)
+                   _decode.qk_scale_of(softmax_scale, cache.head_dim), check_values, prefill, win)
     if key is not None:
         if len(_ROUTES) >= _MAX_REMEMBERED:
             _ROUTES.clear()
@@ -486,6 +506,7 @@ class _Route(NamedTuple):
     qk_scale: float
     check_values: bool  # read the metadata back on every call (CPU tensors, INT8ATTN_CHECK_VALUES=1)
     prefill: tuple | None  # (kernel, config, PV mode) when the batch may hold a prefill sequence
+    window: int  # the checked sliding window (0: none)
 
 
 def _cache_facts(cache) -> tuple:
@@ -500,7 +521,7 @@ def _makers() -> tuple:
 
 
 def _route_key(query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
-               pv_mode, prefill_kernel):
+               pv_mode, prefill_kernel, window):
     """The key of an unplanned call in :data:`_ROUTES`, or None for a call that is not
     remembered (one being captured into a CUDA graph, or with arguments that are not
     tensors or not hashable: the full checks then say what is wrong)."""
@@ -510,7 +531,7 @@ def _route_key(query, cache, block_table, seq_lens, query_start_loc, softmax_sca
             return None
         key = (id(cache), _layout(query), _layout(out), _layout(q_quant), _layout(q_scale), _layout(block_table),
                _layout(seq_lens), _layout(query_start_loc), type(softmax_scale), softmax_scale, pv_mode,
-               prefill_kernel, stream, _checks.switches())
+               prefill_kernel, type(window), window, stream, _checks.switches())
         hash(key)
     except (AttributeError, TypeError):
         return None
@@ -527,7 +548,7 @@ def _launch_route(route: _Route, query, cache, block_table, seq_lens, query_star
     if route.prefill is not None:
         kernel, config, pv = route.prefill
         _run_prefill(kernel, config, pv, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
-                     q_quant, q_scale, MAX_DECODE_QUERY_LEN, None)
+                     q_quant, q_scale, MAX_DECODE_QUERY_LEN, None, window=route.window)
     return out
 
 

@@ -397,7 +397,8 @@ def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None
 
 
 def decode_attention(query, cache, block_table, seq_lens, query_start_loc, *, softmax_scale=None, out=None,
-                     q_quant=None, q_scale=None, pv_mode=None, num_splits=None, workspace=None) -> torch.Tensor:
+                     q_quant=None, q_scale=None, pv_mode=None, num_splits=None, workspace=None,
+                     window=None) -> torch.Tensor:
     """Attention of 1..MAX_DECODE_QUERY_LEN new query tokens per sequence over the paged cache.
 
     Args:
@@ -419,6 +420,9 @@ def decode_attention(query, cache, block_table, seq_lens, query_start_loc, *, so
             batch x KV heads x ``max_blocks * block_size`` x SM count (host shapes only).
         workspace: optional :class:`DecodeWorkspace` for the split partials (allocate it
             once, before CUDA-graph capture, and reuse it).
+        window: sliding window (None: full causal attention): each query token sees only
+            the ``window`` most recent positions up to its own (transformers'
+            ``sliding_window``); tiles before the window are not read.
 
     Sequences with ``q_len > MAX_DECODE_QUERY_LEN`` are skipped (their output rows are not
     written; the router runs the prefill kernel for them); ``q_len == 0`` is fine.
@@ -429,9 +433,10 @@ def decode_attention(query, cache, block_table, seq_lens, query_start_loc, *, so
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                    q_quant=q_quant, q_scale=q_scale)
     check_decode_options(cache, softmax_scale, workspace)
+    window = _checks.check_window(window)
     plan = plan_decode(tuple(query.shape), cache, tuple(block_table.shape), pv_mode=pv_mode, num_splits=num_splits)
     return run_decode(plan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
-                workspace)
+                workspace, window)
 
 
 def check_decode_options(cache, softmax_scale, workspace) -> None:
@@ -445,9 +450,10 @@ def check_decode_options(cache, softmax_scale, workspace) -> None:
 
 
 def run_decode(plan: DecodePlan, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out, q_quant,
-               q_scale, workspace) -> torch.Tensor:
+               q_scale, workspace, window: int = 0) -> torch.Tensor:
     """Launch with a fixed plan, no validation: for callers that checked the inputs
-    themselves (``decode_attention``, ``attention``; benchmarks with their own plans)."""
+    themselves (``decode_attention``, ``attention``; benchmarks with their own plans).
+    ``window``: the checked sliding window (0: none, see :func:`int8attn._checks.check_window`)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = block_table.shape[0]
     if out is None:
@@ -455,9 +461,10 @@ def run_decode(plan: DecodePlan, query, cache, block_table, seq_lens, query_star
     if num_tokens == 0 or num_seqs == 0:
         return out
     check_num_seqs(num_seqs)
-    launch = reused_launch(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace)
+    launch = reused_launch(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace, window)
     if launch is None:
-        launch = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace)
+        launch = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table, out.stride(), workspace,
+                                          window)
     qk_scale = qk_scale_of(softmax_scale, head_dim)
     launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
     return out
@@ -474,10 +481,10 @@ _MAX_LAUNCHES = 64
 
 
 def reused_launch(plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table, out_strides,
-                  workspace: "DecodeWorkspace | None" = None) -> "DecodeLaunch | None":
+                  workspace: "DecodeWorkspace | None" = None, window: int = 0) -> "DecodeLaunch | None":
     """The cached launch for an unplanned call shaped like these tensors (made on first
     use; kept on ``workspace`` when given), or None while a graph is being captured.
-    ``out_strides``: of the output the call writes."""
+    ``out_strides``: of the output the call writes; ``window``: the checked sliding window."""
     stream = stream_id(cache.device)
     if stream is None:
         return None
@@ -487,14 +494,14 @@ def reused_launch(plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale
            cache.key.stride(), cache.key_scale.stride() if cache.quantized else None,
            tuple(query.shape), q_in.stride(), None if q_scale is None else q_scale.stride(), q_quant is None,
            tuple(block_table.shape), block_table.stride(0), tuple(out_strides),
-           _checks.decode_clamps_enabled(), interpret_mode())
+           _checks.decode_clamps_enabled(), interpret_mode(), window)
     store = _LAUNCHES if workspace is None else workspace.launches
     launch = store.get(key)
     if launch is None:
         if len(store) >= _MAX_LAUNCHES:
             store.clear()
         launch = store[key] = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table,
-                                                       out_strides, workspace)
+                                                       out_strides, workspace, window)
     return launch
 
 
@@ -597,7 +604,8 @@ class DecodeLaunch:
             ``q_scale`` (8-bit caches with a given ``q_quant``), else None;
         out_strides: (token, head) strides of ``out``; block_table_stride: its row stride;
         max_blocks: the block table's width (read by the in-kernel clamps, on unless
-        ``INT8ATTN_DECODE_SAFE=0``, see :func:`int8attn._checks.decode_clamps_enabled`).
+        ``INT8ATTN_DECODE_SAFE=0``, see :func:`int8attn._checks.decode_clamps_enabled`);
+        window: the sliding window (0: full causal attention; both kernels' ``WINDOW``).
     """
 
     __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_part_acc", "_part_ml",
@@ -607,7 +615,8 @@ class DecodeLaunch:
 
     def __init__(self, plan: DecodePlan, cache: PagedKVCache, num_tokens: int, num_q_heads: int, num_seqs: int, *,
                  device, q_strides, q_scale_strides, out_strides, block_table_stride: int,
-                 workspace: DecodeWorkspace | None = None, quantize: bool = False, max_blocks: int = 0):
+                 workspace: DecodeWorkspace | None = None, quantize: bool = False, max_blocks: int = 0,
+                 window: int = 0):
         head_dim = cache.head_dim
         splits = plan.num_splits
         self.plan, self.quantize, self._device = plan, quantize, device
@@ -681,7 +690,7 @@ class DecodeLaunch:
             BLOCK_N=block_n, BLOCK_M=plan.block_m, TOKENS_PER_PASS=plan.tokens_per_pass,
             MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[plan.pv_mode],
             INTERPRET=interpret, SWAP_AB=cfg.swap_ab, **({"SAFE": True} if safe else {}),
-            HEAD_SPLIT=hs,
+            HEAD_SPLIT=hs, **({"WINDOW": window} if window else {}),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
         )
@@ -727,6 +736,7 @@ class DecodeLaunch:
             self._merge_constexprs = dict(
                 HEAD_DIM=head_dim, BLOCK_N=block_n, MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN,
                 SPLIT_CHUNK=chunk, BLOCK_D=merge_cols, **({"PAGE": cache.block_size, "SAFE": True} if safe else {}),
+                **({"WINDOW": window} if window else {}),
                 num_warps=max(1, min(4, chunk * merge_cols // 256)),
             )
             self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs,
@@ -734,7 +744,7 @@ class DecodeLaunch:
 
     @classmethod
     def for_tensors(cls, plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table, out_strides,
-                    workspace: DecodeWorkspace | None = None) -> "DecodeLaunch":
+                    workspace: DecodeWorkspace | None = None, window: int = 0) -> "DecodeLaunch":
         """The launch for calls shaped like these tensors: shapes and strides read from the
         query (or ``q_quant``, which the kernel then reads instead), ``q_scale`` and the block
         table; the query is quantized in the launch when the cache is 8-bit and no
@@ -744,7 +754,7 @@ class DecodeLaunch:
         return cls(plan, cache, num_tokens, num_q_heads, block_table.shape[0], device=cache.device,
                    q_strides=q_in.stride(), q_scale_strides=None if q_scale is None else q_scale.stride(),
                    out_strides=out_strides, block_table_stride=block_table.stride(0), workspace=workspace,
-                   quantize=cache.quantized and q_quant is None, max_blocks=block_table.shape[1])
+                   quantize=cache.quantized and q_quant is None, max_blocks=block_table.shape[1], window=window)
 
     def __call__(self, query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out,
                  qk_scale: float) -> None:

@@ -16,7 +16,7 @@ object, so they trace under ``torch.compile`` and record into CUDA graphs)::
                        Tensor? value_scale, Tensor block_table, Tensor seq_lens,
                        Tensor query_start_loc, Tensor(a!) out, float? softmax_scale,
                        Tensor? q_quant, Tensor? q_scale, str? pv_mode,
-                       Tensor? key_channel_scale=None) -> ()
+                       Tensor? key_channel_scale=None, int? window=None) -> ()
     int8attn::quantize_query(Tensor query, str kv_dtype, Tensor? channel_scale=None) -> (Tensor, Tensor)
 
 Tensor layouts are those of :class:`int8attn.PagedKVCache` (key ``[num_blocks,
@@ -48,7 +48,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import INDEX_DTYPES, INPUT_DTYPES, check_cache, check_kv, check_query, check_tensor
+from .._checks import INDEX_DTYPES, INPUT_DTYPES, check_cache, check_kv, check_query, check_tensor, check_window
 from ..cache import KV_DTYPE_OF_STORAGE, KV_DTYPES, PagedKVCache, value_storage_shape
 
 NAMESPACE = "int8attn"
@@ -276,9 +276,10 @@ def _attention_op(
     q_scale: Optional[torch.Tensor] = None,
     pv_mode: Optional[str] = None,
     key_channel_scale: Optional[torch.Tensor] = None,
+    window: Optional[int] = None,
 ) -> None:
     view = cache_view(key_cache, value_cache, key_scale, value_scale, key_channel_scale=key_channel_scale)
-    kwargs = {"q_quant": q_quant, "q_scale": q_scale}
+    kwargs = {"q_quant": q_quant, "q_scale": q_scale, "window": window}
     if pv_mode is not None:
         kwargs["pv_mode"] = pv_mode
     result = _eager("attention").attention(
@@ -290,9 +291,11 @@ def _attention_op(
 
 @_attention_op.register_fake
 def _attention_fake(query, key_cache, value_cache, key_scale, value_scale, block_table, seq_lens, query_start_loc,
-                    out, softmax_scale=None, q_quant=None, q_scale=None, pv_mode=None, key_channel_scale=None):
+                    out, softmax_scale=None, q_quant=None, q_scale=None, pv_mode=None, key_channel_scale=None,
+                    window=None):
     view = cache_view(key_cache, value_cache, key_scale, value_scale, key_channel_scale=key_channel_scale)
     check_query(query, view)
+    check_window(window)
     dev = view.device
     check_tensor("block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
     num_seqs = block_table.shape[0]
@@ -314,6 +317,7 @@ def attention(
     q_quant: torch.Tensor | None = None,
     q_scale: torch.Tensor | None = None,
     pv_mode: str | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """:func:`int8attn.attention` (docs/design.md §6) through ``int8attn::attention``.
 
@@ -329,7 +333,7 @@ def attention(
         softmax_scale = float(softmax_scale)
     torch.ops.int8attn.attention(
         query, cache.key, cache.value, cache.key_scale, cache.value_scale, block_table, seq_lens, query_start_loc,
-        out, softmax_scale, q_quant, q_scale, pv_mode, key_channel_scale=cache.key_channel_scale,
+        out, softmax_scale, q_quant, q_scale, pv_mode, key_channel_scale=cache.key_channel_scale, window=window,
     )
     return out
 

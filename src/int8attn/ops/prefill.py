@@ -142,7 +142,7 @@ def check_config(config: PrefillConfig, head_dim: int, group: int, pv_mode: str 
 
 def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, softmax_scale=None, out=None,
                       q_quant=None, q_scale=None, pv_mode=None, min_query_len=0, max_query_len=None,
-                      config: PrefillConfig | None = None) -> torch.Tensor:
+                      config: PrefillConfig | None = None, window=None) -> torch.Tensor:
     """Causal attention of every sequence with ``q_len > min_query_len`` new tokens.
 
     Args:
@@ -169,6 +169,9 @@ def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, s
         max_query_len: an upper bound of q_len the caller knows (host int), used only to
             shrink the grid; a sequence longer than it would be cut short.
         config: tiling override (:class:`PrefillConfig`), for benchmarks and tests.
+        window: sliding window (None: full causal attention): each query token sees only
+            the ``window`` most recent positions up to its own (transformers'
+            ``sliding_window``); tiles no row of a query tile sees are not read.
 
     Returns:
         ``out``: [T, Hq, D] bf16.
@@ -176,6 +179,7 @@ def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, s
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                    q_quant=q_quant, q_scale=q_scale)
     check_prefill_options(cache, softmax_scale, min_query_len, max_query_len)
+    window = _checks.check_window(window)
     pv_mode = resolve_pv_mode(cache.kv_dtype, pv_mode)
     if config is None:
         config = default_config(cache.kv_dtype, cache.head_dim, pv_mode)
@@ -184,7 +188,7 @@ def prefill_attention(query, cache, block_table, seq_lens, query_start_loc, *, s
     group = query.shape[1] // cache.num_kv_heads
     config = check_config(config, cache.head_dim, group, pv_mode)
     return run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_start_loc, softmax_scale, out,
-                q_quant, q_scale, min_query_len, max_query_len)
+                q_quant, q_scale, min_query_len, max_query_len, window)
 
 
 def launch_grid(num_tokens: int, num_seqs: int, block_q: int, max_query_len: int | None) -> tuple[int, int, bool]:
@@ -206,9 +210,10 @@ def _use_cvt_asm(config: PrefillConfig, cache: PagedKVCache) -> bool:
 
 
 def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, seq_lens, query_start_loc,
-                softmax_scale, out, q_quant, q_scale, min_query_len, max_query_len) -> torch.Tensor:
+                softmax_scale, out, q_quant, q_scale, min_query_len, max_query_len, window: int = 0) -> torch.Tensor:
     """Launch with a config from :func:`check_config`, no validation: for callers that
-    checked the inputs themselves (``prefill_attention``, ``attention``)."""
+    checked the inputs themselves (``prefill_attention``, ``attention``). ``window``: the
+    checked sliding window (0: none, see :func:`int8attn._checks.check_window`)."""
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = block_table.shape[0]
     if out is None:
@@ -255,7 +260,7 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
              cache.key.stride(0), cache.key.stride(1), scale_strides[0], scale_strides[1],
              block_table.stride(0))
     key_ = (_prefill_kernel, config, pv_mode, cache.kv_dtype, cache.block_size, cache.value_transposed, group,
-            head_dim, q_quantized, search, fixed, cache.device)
+            head_dim, q_quantized, search, fixed, cache.device, window)
     launch = _LAUNCHES.get(key_)
     if launch is None:
         if len(_LAUNCHES) >= _MAX_LAUNCHES:
@@ -268,6 +273,7 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
             Q_QUANTIZED=q_quantized or not cache.quantized, SEARCH=search, V_LATE=bool(config.v_late),
             V_TRANSPOSED=cache.value_transposed, V_FLAT=bool(config.v_flat), CVT_ASM=_use_cvt_asm(config, cache),
             LAZY_RESCALE=bool(config.lazy_rescale), INTERPRET=interpret_mode(),
+            **({"WINDOW": window} if window else {}),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
         launch = _LAUNCHES[key_] = CachedLaunch(_prefill_kernel, (num_tiles, cache.num_kv_heads), constexprs,

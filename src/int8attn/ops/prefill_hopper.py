@@ -108,14 +108,15 @@ def requested_kernel(kernel: str | None = None) -> tuple[str, bool]:
 
 
 def choose(cache, num_q_heads: int, pv_mode: str, kernel: str | None = None, *,
-           metadata_checked: bool = True) -> str:
+           metadata_checked: bool = True, window: int = 0) -> str:
     """"hopper" or "portable" for a prefill launch of this cache / heads / resolved PV mode
     (see the module docstring; ``metadata_checked``: the metadata values were checked on
-    the host, which "auto" requires); ValueError where ``kernel="hopper"`` cannot run."""
+    the host, which "auto" requires; ``window``: a sliding window, which only the portable
+    kernel implements); ValueError where ``kernel="hopper"`` cannot run."""
     kernel, forced = requested_kernel(kernel)
     if kernel == "portable":
         return "portable"
-    reason = unsupported_reason(cache, num_q_heads, pv_mode)
+    reason = "it has no sliding window" if window else unsupported_reason(cache, num_q_heads, pv_mode)
     if reason is not None:
         if kernel == "hopper" and forced:
             raise ValueError(f"the Hopper prefill kernel does not apply: {reason}")

@@ -23,9 +23,11 @@ call. ``update`` records (returned key tensor -> layer, step metadata); the atte
 checks that the key it receives is that very tensor, so a model run without an
 :class:`Int8PagedCache` fails with a clear error instead of attending to nothing.
 
-Limits (each refused with a clear error): sliding-window layers, logits soft-capping,
+Sliding-window layers (Gemma's local layers, Mistral) attend to their window through the
+kernels' ``window`` argument; the cache keeps every token of every layer (a window layer's
+older pages are not freed). Limits (each refused with a clear error): logits soft-capping,
 attention sinks, padded batches / custom attention masks (prompts of a batch must have equal
-length), beam search (cache reordering). A step may add any number of tokens per sequence
+length), beam search (cache reordering), sliding windows under ``paged|int8attn``. A step may add any number of tokens per sequence
 (prefill, decode, multi-token decode); all sequences of a batch move in lockstep.
 
 CUDA graphs: :class:`CUDAGraphDecoder` captures one decode step of a model and replays it.

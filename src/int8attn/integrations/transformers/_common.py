@@ -87,8 +87,6 @@ def take(key: torch.Tensor) -> "_Binding | None":
 
 
 def _refuse_unsupported(module, attention_mask, dropout, kwargs) -> None:
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("int8attn attention does not implement sliding-window layers")
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("int8attn attention does not implement logits soft-capping")
     if getattr(module, "sinks", None) is not None:

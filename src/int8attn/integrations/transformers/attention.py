@@ -40,7 +40,8 @@ def int8attn_attention_forward(
         raise ValueError(f"query shape {tuple(query.shape)} does not match the cached step "
                          f"(batch {bound.step.batch}, {bound.step.num_new} new tokens)")
     q = query.transpose(1, 2).reshape(batch * num_new, num_q_heads, head_dim)
-    out = bound.layer.owner._attend(bound.layer, q, bound.step, scaling)
+    # a sliding-window layer (Gemma's local layers, Mistral) passes its window
+    out = bound.layer.owner._attend(bound.layer, q, bound.step, scaling, kwargs.get("sliding_window"))
     return out.view(batch, num_new, num_q_heads, head_dim), None
 
 

@@ -12,6 +12,9 @@ from ._common import _ops, _Step, _to_device, bind
 
 #: Int8PagedCache's qk_rotation values.
 QK_ROTATIONS = ("none", "hadamard")
+#: Decoder layer types the cache serves (transformers' ``config.layer_types``): a sliding layer
+#: attends to its window through the kernels' ``window`` argument.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 #: Int8PagedCache's channel_migration="auto" per kv_dtype (benchmarks/notes/real_models.md).
 DEFAULT_CHANNEL_MIGRATION = {"int8": "first_write"}
 
@@ -151,9 +154,9 @@ class Int8PagedCache(Cache):
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         num_layers = int(text_config.num_hidden_layers)
         layer_types = getattr(text_config, "layer_types", None) or ["full_attention"] * num_layers
-        bad = sorted({t for t in layer_types[:num_layers] if t != "full_attention"})
+        bad = sorted({t for t in layer_types[:num_layers] if t not in LAYER_TYPES})
         if bad:
-            raise ValueError(f"Int8PagedCache supports full-attention layers only; the model has {bad} layers")
+            raise ValueError(f"Int8PagedCache supports {LAYER_TYPES} layers only; the model has {bad} layers")
         for name, value in (("max_batch_size", max_batch_size), ("max_cache_len", max_cache_len),
                             ("max_decode_tokens", max_decode_tokens)):
             if not isinstance(value, int) or value < 1:
@@ -341,8 +344,10 @@ class Int8PagedCache(Cache):
         bind(key_states, layer, step)
         return key_states, value_states
 
-    def _attend(self, layer: Int8PagedLayer, query: torch.Tensor, step: _Step, scaling) -> torch.Tensor:
-        """query [B*T, Hq, D] -> out [B*T, Hq, D] (query's dtype)."""
+    def _attend(self, layer: Int8PagedLayer, query: torch.Tensor, step: _Step, scaling,
+                window: int | None = None) -> torch.Tensor:
+        """query [B*T, Hq, D] -> out [B*T, Hq, D] (query's dtype); ``window``: the layer's
+        sliding window (None: full attention)."""
         query = self._rotate(query)
         if layer.pending_write is not None:
             from ...ops.migration import calibrate_channel_migration
@@ -369,7 +374,7 @@ class Int8PagedCache(Cache):
                 )
             kwargs = {"plan": step.plan}
         return self._attention(query, layer.paged, step.block_table, step.seq_lens, step.query_start_loc,
-                               scaling, out, **kwargs)
+                               scaling, out, window=window, **kwargs)
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, H, D] times the Q/K rotation (x itself without one)."""

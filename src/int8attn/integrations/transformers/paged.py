@@ -30,7 +30,9 @@ def _paged_attention_forward(module, query, key, value, attention_mask, scaling=
     hf_cache = kwargs["cache"]
     _refuse_unsupported(module, None, dropout, kwargs)
     layer_idx = module.layer_idx
-    if getattr(hf_cache, "sliding_windows", {}).get(layer_idx, 1) != 1:
+    if getattr(hf_cache, "sliding_windows", {}).get(layer_idx, 1) != 1 or kwargs.get("sliding_window") is not None:
+        # transformers' paged cache keeps only a window's pages for such layers, in groups
+        # the mirror does not follow (generate() with an Int8PagedCache supports them)
         raise NotImplementedError("paged|int8attn does not implement sliding-window layers")
     group_idx, _ = hf_cache.layer_index_to_group_indices[layer_idx]
     paged = _paged_mirror(hf_cache, layer_idx, key)
