@@ -22,8 +22,8 @@ Paths (``--path``): ``kernels`` runs the transformers integration (``Int8PagedCa
 slow: ~8 min for 512 tokens x 30 layers); ``emulation`` runs the plain-PyTorch float64
 emulation of the same roundings (``int8attn.emulation``) through the ``"int8attn_emulated"``
 attention -- fast on a CPU; rows say which path produced them. ``auto``: kernels on a GPU,
-emulation on a CPU. Models whose layers the integration refuses (Gemma's sliding-window
-layers) run emulated.
+emulation on a CPU. Gemma's sliding-window layers run through the kernels' ``window``
+argument like every other layer.
 
     python benchmarks/real_models.py --model smollm2 --text pydoc --tokens 2048 --decode 64
     python benchmarks/real_models.py --model /tmp/w/SmolLM2-135M-Instruct.Q4_1.gguf ...   # split parts .partNN ok
@@ -236,8 +236,6 @@ def main(argv=None) -> int:
           f"chunks of {args.chunk}, {args.decode} decode), {device} {dtype}: loaded + reference in "
           f"{time.time() - t0:.0f} s", flush=True)
     rec = Recorder("real_models")
-    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or []
-    sliding = any(t != "full_attention" for t in layer_types)
     common = dict(bench="real_models", model=args.model, weights=Path(weights).name, text=args.text,
                   tokens=args.tokens, chunk=args.chunk, decode=args.decode, num_layers=args.num_layers,
                   model_dtype=str(dtype).replace("torch.", ""))
@@ -251,7 +249,7 @@ def main(argv=None) -> int:
         path = args.path
         if path == "auto":
             path = "kernels" if device == "cuda" else "emulation"
-        if name not in KERNEL_VARIANTS or sliding:
+        if name not in KERNEL_VARIANTS:
             path = "emulation"
         t1 = time.time()
         logits = run_variant(model, ids, name, path, args.chunk, args.decode)
