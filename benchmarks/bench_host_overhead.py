@@ -8,7 +8,9 @@ caches:
   as a careful eager caller does);
 * ``attention`` -- the public router without a plan;
 * ``plan.run`` -- :meth:`int8attn.AttentionPlan.run`, the per-layer call of a planned step
-  (the plan made once, outside the loop); ``attention(plan=)`` the same through the public
+  (the plan made once, outside the loop), with the same tensors every call; ``plan.run new
+  tensors`` the same with another query, output and cache (a pool of 8 cycled) on every
+  call, as a model's layers call it; ``attention(plan=)`` the same through the public
   function; ``plan.run triton runner`` the same plan's launches through Triton's own
   ``compiled[grid]`` runner instead of int8attn's direct one (``ops._launch``);
 * ``plan_attention`` -- making the plan (once per batch, one host sync);
@@ -198,6 +200,22 @@ def _variant_plans(cache, bt, sl, qsl, q, scale, out) -> dict:
     return fns
 
 
+def _with_new_tensors(plan, q, cache, bt, sl, qsl, scale, out, pool: int = 8):
+    """``plan.run`` as a model's layers call it: another query, output and cache (same
+    layout) on every call -- a pool of ``pool`` of each, cycled -- so the launch sees new
+    tensor objects each time and checks their signature."""
+    qs = [q.clone() for _ in range(pool)]
+    outs = [torch.empty_like(out) for _ in range(pool)]
+    caches = [cache] + [PagedKVCache(cache.num_blocks, PAGE, HKV, D, kv_dtype=cache.kv_dtype, device=cache.device,
+                                     key_smoothing="none") for _ in range(pool - 1)]
+    step = iter(range(1 << 62))
+
+    def call():
+        i = next(step) % pool
+        plan.run(qs[i], caches[i], bt, sl, qsl, scale, outs[i])
+    return call
+
+
 def _first_run_without_direct_launch(plan, q, cache, bt, sl, qsl, scale, out):
     """``plan`` after a first run that built its launches on Triton's own runner
     (``ops._launch.DIRECT_LAUNCH`` off): what the direct launch path saves, side by side."""
@@ -293,6 +311,7 @@ def _measure_batch(mode, device, kv_dtype, batch, length, n, repeats, rec, graph
     variants = _variant_plans(cache, bt, sl, qsl, q, scale, out)
     fns = {
         "plan.run": lambda: plan.run(q, cache, bt, sl, qsl, scale, out),
+        "plan.run new tensors": _with_new_tensors(plan, q, cache, bt, sl, qsl, scale, out),
         **variants,
         "attention(plan=)": lambda: attention(q, cache, bt, sl, qsl, scale, out, plan=plan),
         "decode_attention": lambda: dec.decode_attention(q, cache, bt, sl, qsl, softmax_scale=scale, out=out,

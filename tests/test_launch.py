@@ -63,9 +63,10 @@ def test_rebinds_when_specialization_could_differ():
     assert [e[0] for e in k.log] == ["bound"] * 4
 
 
-def test_equal_scalars_take_the_identity_path_and_types_still_count(monkeypatch):
-    """Strides arrive as new int objects on every call: an equal int of the same type is the
-    same argument (no signature rebuilt); True in place of 1 is not."""
+def test_same_objects_skip_the_signature_equal_scalars_are_checked_and_types_still_count(monkeypatch):
+    """The same argument objects as the previous call launch without any check; an equal
+    int in another object is checked against its own signature entry (type and value) and
+    launched directly; True in place of 1 is not the same argument."""
     import int8attn.ops._launch as launch_mod
 
     k = _Kernel()
@@ -76,11 +77,52 @@ def test_equal_scalars_take_the_identity_path_and_types_still_count(monkeypatch)
     rebuilt = []
     real = launch_mod._signature
     monkeypatch.setattr(launch_mod, "_signature", lambda args: (rebuilt.append(1), real(args))[1])
-    launch(x, int(str(big)))  # equal value, another object
+    launch(x, big)
     assert rebuilt == [] and [e[0] for e in k.log] == ["bound", "direct"]
+    launch(x, int(str(big)))  # equal value, another object: its own signature entry is checked
+    assert rebuilt == [] and [e[0] for e in k.log] == ["bound", "direct", "direct"]
     launch(x, 1)
     launch(x, True)
+    assert [e[0] for e in k.log] == ["bound", "direct", "direct", "bound", "bound"]
+
+
+def test_only_changed_arguments_are_checked_and_a_changed_one_can_still_rebind():
+    """A call that changes some tensors (a model's next layer: new query, output, cache)
+    launches directly when each new one has the dtype and alignment of the compiled
+    kernel's; one that does not rebinds, and a 16-byte misaligned view among unchanged
+    arguments is caught."""
+    k = _Kernel()
+    k.arg_names = ["a", "b", "c", "BLOCK", "FLAG"]
+    launch = CachedLaunch(k, (1,), dict(BLOCK=64, FLAG=False))
+    a, b, c = torch.zeros(64), torch.zeros(64), torch.zeros(80)
+    launch(a, b, c)
+    launch(a, torch.zeros(64), c)  # b changed, same signature
+    launch(a, torch.zeros(64), c[1:65])  # c misaligned
+    launch(a, b.double(), c)  # b's dtype
     assert [e[0] for e in k.log] == ["bound", "direct", "bound", "bound"]
+
+
+def test_remembered_tensors_are_held_weakly_and_forgotten_when_they_die():
+    """The identity test compares ids: a tensor of the previous call that died (whose id a
+    new tensor may take) clears them, and the launch never keeps a tensor alive."""
+    import gc
+    import weakref
+
+    k = _Kernel()
+    launch = CachedLaunch(k, (1,), dict(BLOCK=64, FLAG=False))
+    x = torch.zeros(64)
+    launch(x, 7)
+    launch(x, 7)
+    assert launch._last_ids is not None
+    kinds = [e[0] for e in k.log]
+    k.log.clear()  # (the stand-in kernel's log holds the arguments)
+    alive = weakref.ref(x)
+    del x
+    gc.collect()
+    assert alive() is None, "the launch kept a tensor alive"
+    assert launch._last_ids is None, "a dead tensor's id is still remembered"
+    launch(torch.zeros(64), 7)  # checked by signature, then direct
+    assert kinds + [e[0] for e in k.log] == ["bound", "direct", "direct"]
 
 
 def test_interpreter_and_default_constexprs_take_the_bound_path():

@@ -36,11 +36,6 @@ def _signature(args) -> tuple:
     return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else (type(a), a) for a in args)
 
 
-def _identities(args) -> tuple:
-    """What identifies these arguments for the next call without keeping them alive:
-    a weak reference to each tensor (a cache's storage must be freed when its cache is),
-    the value of everything else."""
-    return tuple(weakref.ref(a) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def _defaults(kernel) -> dict:
@@ -80,12 +75,14 @@ def _direct_runner(compiled, grid, fallback):
     return runner
 
 
-def _is_same(ident, arg) -> bool:
-    """The same tensor object as last time, or an equal scalar of the same type (strides and
-    sizes are new int objects on every call; True and 1 specialize differently)."""
-    if isinstance(ident, weakref.ref):
-        return ident() is arg
-    return ident is arg or (type(ident) is type(arg) and ident == arg)
+def _forgetter(launch_ref):
+    """A weakref callback that forgets ``launch_ref()``'s remembered ids (one of the
+    tensors they name has died); holds the launch weakly, so it never keeps it alive."""
+    def forget(_):
+        launch = launch_ref()
+        if launch is not None:
+            launch._last_ids = None
+    return forget
 
 
 class CachedLaunch:
@@ -95,13 +92,17 @@ class CachedLaunch:
     must precede every constexpr parameter. Every launch is recorded in
     :mod:`int8attn.launches` with ``facts`` (``grid`` added).
 
-    Per call, on the cached path: an identity comparison of the per-call arguments with
-    the previous call's (held weakly; the same tensor objects as last time: nothing else
-    to check; new ones: their dtype / alignment signature), the compiled kernel's launcher bound to the
-    grid once, and the launch record (one tuple). Nothing grows with the batch."""
+    Per call, on the cached path: the ``id()`` of every per-call argument compared with
+    the previous call's as one tuple (the same objects as last time: nothing else to check;
+    new ones: their dtype / alignment signature), the compiled kernel's launcher bound to
+    the grid once, and the launch record (one tuple). Nothing grows with the batch. The ids
+    are exact: the previous call's tensors are held weakly, and the death of any of them
+    forgets the ids (a cache's storage must be freed when its cache is, and a new tensor
+    may reuse a dead one's id); its other arguments (a float score scale) are held, so
+    their ids cannot be reused meanwhile."""
 
     __slots__ = ("kernel", "grid", "constexprs", "fixed_args", "_tail", "_compiled", "_signature", "_runner",
-                 "_last", "_name", "_facts")
+                 "_last_ids", "_held", "_forget", "_name", "_facts", "__weakref__")
 
     def __init__(self, kernel, grid, constexprs: dict, facts: dict | None = None, fixed_args: tuple = ()):
         self._name = launches.kernel_name(kernel)
@@ -113,19 +114,49 @@ class CachedLaunch:
         self._compiled = None
         self._signature = None
         self._runner = None
-        self._last = None
+        self._last_ids = None
+        self._held = ()
+        self._forget = _forgetter(weakref.ref(self))
+
+    def _remember(self, args) -> None:
+        """Keep the ids of this call's arguments for the next call's identity test."""
+        forget = self._forget
+        self._held = tuple(weakref.ref(a, forget) if isinstance(a, torch.Tensor) else a for a in args)
+        self._last_ids = tuple(map(id, args))
+
+    def _same_signature(self, args, ids) -> bool:
+        """Whether ``args`` match the compiled kernel's specialization, checking only the
+        arguments that are not the previous call's objects (a model's layers pass a new
+        query, output and cache each call, the same metadata and workspace); remembers
+        them when they match."""
+        sig, last = self._signature, self._last_ids
+        if last is None or len(args) != len(last):
+            if _signature(args) != sig:
+                return False
+            self._remember(args)
+            return True
+        held = list(self._held)
+        forget = self._forget
+        for i, (new, old) in enumerate(zip(ids, last)):
+            if new != old:
+                a = args[i]
+                if isinstance(a, torch.Tensor):
+                    if (a.dtype, a.data_ptr() % 16 == 0) != sig[i]:
+                        return False
+                    held[i] = weakref.ref(a, forget)
+                else:
+                    if (type(a), a) != sig[i]:
+                        return False
+                    held[i] = a
+        self._held, self._last_ids = tuple(held), ids
+        return True
 
     def __call__(self, *args):
         """Launch; returns the compiled kernel (None under the interpreter)."""
         compiled = self._compiled
         if compiled is not None:
-            last = self._last
-            if last is not None and len(last) == len(args) and all(map(_is_same, last, args)):
-                self._runner(*args, *self._tail)
-                launches.record(self._name, compiled, self._facts)
-                return compiled
-            if _signature(args) == self._signature:
-                self._last = _identities(args)
+            ids = tuple(map(id, args))
+            if ids == self._last_ids or self._same_signature(args, ids):
                 self._runner(*args, *self._tail)
                 launches.record(self._name, compiled, self._facts)
                 return compiled
@@ -141,7 +172,8 @@ class CachedLaunch:
             given = {**_defaults(self.kernel), **self.constexprs}
             if all(n in given for n in names):
                 self._tail = self.fixed_args + tuple(given[n] for n in names)
-                self._compiled, self._signature, self._last = compiled, _signature(args), _identities(args)
+                self._compiled, self._signature = compiled, _signature(args)
+                self._remember(args)
                 self._runner = compiled[self.grid]
                 if DIRECT_LAUNCH:
                     self._runner = _direct_runner(compiled, self.grid, self._runner) or self._runner
