@@ -334,6 +334,25 @@ def test_clear_errors_drops_raised_flags_without_raising(device):
         errors.check_errors(device)
 
 
+def test_error_flags_first_made_under_fake_tensor_tracing_are_real(device, monkeypatch):
+    """A device whose first int8attn call is traced by torch.compile (a fake-tensor mode is
+    active) still gets a real flag buffer, which later eager calls reset and read (found on
+    the GPU: a fake buffer made during a compile test broke every later test of the worker)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from int8attn import errors
+
+    monkeypatch.setattr(errors, "_FLAGS", {})
+    with FakeTensorMode():
+        flags = errors.error_flags(device)
+    assert not isinstance(flags, FakeTensor)
+    flags[0] = 1
+    with pytest.raises(errors.DeviceMetadataError):
+        errors.check_errors(device)
+    errors.clear_errors(device)
+    errors.check_errors(device)
+
+
 def test_error_flags_first_made_under_inference_mode_reset_outside_it(device, monkeypatch):
     """The flag buffer of a device first used inside torch.inference_mode (a generate()
     loop) is a normal tensor: it is reset and read outside inference mode afterwards."""

@@ -26,6 +26,7 @@ The kernels raise flags through ``kernels._errors._raise_error``; the bit values
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -63,6 +64,16 @@ def _key(device: torch.device) -> tuple:
     return (device.type, device.index)
 
 
+def _real_tensors():
+    """A context in which new tensors are real even inside a fake-tensor mode (torch.compile
+    tracing); a no-op where PyTorch has no such mode."""
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # pragma: no cover - older PyTorch
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()
+
+
 def error_flags(device) -> torch.Tensor:
     """The int32 flag buffer of ``device`` (allocated on first use, outside any capture)."""
     key = _key(device)
@@ -78,8 +89,9 @@ def error_flags(device) -> torch.Tensor:
                         "int8attn's device error flags are allocated when the first cache of a "
                         "device is created; create the PagedKVCache before capturing a CUDA graph")
                 # a normal tensor even when the first use is under torch.inference_mode (a
-                # generate() loop): an inference tensor could not be reset outside it
-                with torch.inference_mode(False):
+                # generate() loop: an inference tensor could not be reset outside it) or
+                # under torch.compile's fake-tensor tracing (a fake buffer would be kept)
+                with torch.inference_mode(False), _real_tensors():
                     flags = torch.tensor([0, NO_INDEX, 0], dtype=torch.int32, device=torch.device(*key)
                                          if key[1] is not None else torch.device(key[0]))
                 _FLAGS[key] = flags
