@@ -163,6 +163,18 @@ def test_auto_routes_by_measured_routes(device, pv, monkeypatch):
         assert torch.equal(out, prefill_attention(*_args(b), pv_mode=pv))
 
 
+def test_a_sliding_window_routes_to_the_portable_kernel(monkeypatch):
+    """The Hopper kernel has no sliding window: with one, "auto" takes the portable kernel
+    even where Hopper applies, and a forced "hopper" is refused naming the window."""
+    b = _batch([20], [20], hq=4, hkv=2, d=64, kv="fp8")
+    monkeypatch.setattr(hop, "unsupported_reason", lambda *a: None)  # as if on an sm_90 GPU
+    monkeypatch.setattr(hop, "AUTO_ROUTES", frozenset({("fp8", "fp8")}))
+    assert hop.choose(b.cache, 4, "fp8") == "hopper"
+    assert hop.choose(b.cache, 4, "fp8", window=8) == "portable"
+    with pytest.raises(ValueError, match="sliding window"):
+        hop.choose(b.cache, 4, "fp8", "hopper", window=8)
+
+
 def test_environment_variable_picks_the_kernel(monkeypatch):
     b = _batch([20], [20], hq=4, hkv=2, d=64, kv="bf16")
     monkeypatch.setenv(hop.KERNEL_ENV, "hopper")  # prefers Hopper where it applies: not a bf16 cache
