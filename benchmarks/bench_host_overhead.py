@@ -12,8 +12,7 @@ caches:
   tensors`` the same with another query, output and cache (a pool of 8 cycled) on every
   call, as a model's layers call it; ``attention(plan=)`` the same through the public
   function; ``plan.run triton runner`` the same plan's launches through Triton's own
-  ``compiled[grid]`` runner instead of int8attn's direct one (``ops._launch``); ``plan.run
-  no prefetch`` without the L2 prefetch of the in-launch query quantization;
+  ``compiled[grid]`` runner instead of int8attn's direct one (``ops._launch``);
 * ``plan_attention`` -- making the plan (once per batch, one host sync);
 * ``step of 16 layers`` (stub mode) -- a fresh plan plus one run per layer, each layer with
   its own cache, divided by 16: the per-layer host cost of a planned eager step.
@@ -184,10 +183,7 @@ def _variant_plans(cache, bt, sl, qsl, q, scale, out) -> dict:
     plan_kernel = _plan_with(lambda c: dataclasses.replace(c, fused_merge=False), cache, bt, sl, qsl)
     plan_triton = _first_run_without_direct_launch(plan_attention(cache, bt, sl, qsl, HQ), q, cache, bt, sl, qsl,
                                                    scale, out)
-    plan_no_prefetch = _first_run_without_prefetch(plan_attention(cache, bt, sl, qsl, HQ), q, cache, bt, sl, qsl,
-                                                   scale, out)
     fns = {"plan.run triton runner": lambda: plan_triton.run(q, cache, bt, sl, qsl, scale, out),
-           "plan.run no prefetch": lambda: plan_no_prefetch.run(q, cache, bt, sl, qsl, scale, out),
            "plan.run fused": lambda: plan_fused.run(q, cache, bt, sl, qsl, scale, out),
            "plan.run barrier": lambda: plan_barrier.run(q, cache, bt, sl, qsl, scale, out),
            "plan.run merge kernel": lambda: plan_kernel.run(q, cache, bt, sl, qsl, scale, out)}
@@ -228,17 +224,6 @@ def _first_run_without_direct_launch(plan, q, cache, bt, sl, qsl, scale, out):
         plan.run(q, cache, bt, sl, qsl, scale, out)
     finally:
         launch_mod.DIRECT_LAUNCH = True
-    return plan
-
-
-def _first_run_without_prefetch(plan, q, cache, bt, sl, qsl, scale, out):
-    """``plan`` after a first run that built its launches without the L2 prefetch of the
-    in-launch query quantization (``ops.decode.QUERY_PREFETCH`` off): what it saves."""
-    dec.QUERY_PREFETCH = False
-    try:
-        plan.run(q, cache, bt, sl, qsl, scale, out)
-    finally:
-        dec.QUERY_PREFETCH = True
     return plan
 
 

@@ -188,7 +188,7 @@ def _decode_split_kernel(
     INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr = False, SAFE: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = 0, MERGE_GROUP: tl.constexpr = 8, MERGE_M: tl.constexpr = 16,
     MERGE_CHUNK: tl.constexpr = 1, HEAD_SPLIT: tl.constexpr = 1, MERGE_COLS: tl.constexpr = 16,
-    QUERY_IN: tl.constexpr = 0, WINDOW: tl.constexpr = 0, PREFETCH: tl.constexpr = True,
+    QUERY_IN: tl.constexpr = 0, WINDOW: tl.constexpr = 0,
 ):
     split = tl.program_id(0)
     # HEAD_SPLIT programs share a KV head, each with GROUP // HEAD_SPLIT of its query heads
@@ -226,15 +226,8 @@ def _decode_split_kernel(
     # the fused merges' counters of this program's (sequence, grid axis 1) slot
     counters = counter_ptr + seq.to(tl.int64) * stride_cs + kv_prog * stride_ck
     if QUERY_IN != QUERY_CODES:
-        # split 0 quantizes the slot's query rows into qc / qcs; the others wait for them
-        # (their first tile prefetched into L2 meanwhile). From here on the kernel reads
-        # those codes, as if they had been passed in.
-        if split != 0:
-            if PREFETCH and not INTERPRET:
-                first, _ = _split_tiles(seq_len, first_tile, split, num_splits, BLOCK_N)
-                _prefetch_tile_l2(k_ptr, v_ptr, block_table_ptr + seq.to(tl.int64) * stride_bt, first, seq_len,
-                                  kv_head.to(tl.int64) * stride_ch, stride_cb, num_blocks, HEAD_DIM, BLOCK_D, PAGE,
-                                  BLOCK_N)
+        # split 0 quantizes the slot's query rows into qc / qcs; the others wait for them.
+        # From here on the kernel reads those codes, as if they had been passed in.
         _quantize_slot_query(q_ptr, q_scale_ptr, qc_ptr, qcs_ptr, counters, q_start, q_len, kv_head, head0, split,
                              n_active, stride_qt, stride_qh, stride_qct, stride_qch, stride_qcst, stride_qcsh, HEADS,
                              HEAD_DIM, BLOCK_D, BLOCK_M, TOKENS_PER_PASS, KV_KIND, QUERY_IN == QUERY_QUANTIZE_LAM,
@@ -351,28 +344,6 @@ def _decode_split_kernel(
             _arrive_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, q_start, q_len, head0, split, n_active,
                               num_splits, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh,
                               stride_ms, HEADS, HEAD_DIM, BLOCK_D, TOKENS_PER_PASS, MERGE_GROUP, MERGE_M, MERGE_CHUNK)
-
-
-@triton.jit
-def _prefetch_tile_l2(k_ptr, v_ptr, bt_row, tile, seq_len, data_head, stride_cb, num_blocks, HEAD_DIM: tl.constexpr,
-                      BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Ask L2 for the K and V pages of tile ``tile`` (8-bit caches: a page of a head is
-    PAGE * HEAD_DIM contiguous bytes in each), one ``prefetch.global.L2`` per 128-byte
-    line: a split waiting for its query's codes has its first tile on chip when it starts.
-    Block ids are clamped into the cache (a hint must not name an address outside it)."""
-    NUM_PAGES: tl.constexpr = BLOCK_N // PAGE
-    # lines of a page (a multiple of 128 bytes: PAGE >= 8, HEAD_DIM a multiple of 16), as a
-    # power-of-two range over the padded head_dim, the extra lanes repeating the last line
-    LINES: tl.constexpr = PAGE * HEAD_DIM // 128
-    page = tile * NUM_PAGES + tl.arange(0, NUM_PAGES)
-    blk = tl.load(bt_row + page, mask=page * PAGE < seq_len, other=0)
-    blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
-    line = tl.minimum(tl.arange(0, PAGE * BLOCK_D // 128), LINES - 1) * 128
-    off = (blk * stride_cb + data_head)[:, None] + line[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [k_ptr + off], dtype=tl.int32,
-                              is_pure=False, pack=1)
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [v_ptr + off], dtype=tl.int32,
-                              is_pure=False, pack=1)
 
 
 @triton.jit

@@ -49,9 +49,6 @@ FUSED_MERGE_TILE = 8192
 #: graph capture (None), always the merge kernel (False), the last split merges ("last",
 #: also True), every split merges its columns after a barrier ("barrier").
 FUSED_MERGES = (None, False, True, "last", "barrier")
-#: Launches that quantize the query in the kernel (``QUERY_IN``) prefetch the waiting
-#: splits' first tile into L2 (False: no prefetch; for measuring what it saves).
-QUERY_PREFETCH = True
 #: Upper bound of ``num_splits`` (split-K segments per sequence and KV head).
 MAX_NUM_SPLITS = 256
 #: Most sequences one launch serves: the split kernel's grid has a row per sequence in
@@ -714,7 +711,6 @@ class DecodeLaunch:
                 return CachedLaunch(_decode_split_kernel, self._split_grid, constexprs,
                                     {"plan": plan, "safe": safe, "merge": mode, "query_in": "codes"},
                                     fixed_args=self._split_args)
-            constexprs.update({} if QUERY_PREFETCH else {"PREFETCH": False})
             return tuple(CachedLaunch(_decode_split_kernel, self._split_grid, {**constexprs, "QUERY_IN": QUERY_IN[q]},
                                       {"plan": plan, "safe": safe, "merge": mode, "query_in": q}, fixed_args=fused_args)
                          for q in ("quantize", "quantize_lam"))
