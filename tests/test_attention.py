@@ -216,6 +216,7 @@ def bad_input_cases(b, out) -> list:
         ("window zero", ValueError, "window", dict(window=0)),
         ("window bool", ValueError, "window", dict(window=True)),
         ("window float", ValueError, "window", dict(window=2.5)),
+        ("window list", ValueError, "window", dict(window=[8])),
         ("cache object", TypeError, "PagedKVCache", dict(cache=object())),
         ("block_table dtype", TypeError, "int32", dict(block_table=bt.long())),
         ("block_table rows", ValueError, "shape", dict(block_table=bt[:-1])),

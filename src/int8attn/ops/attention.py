@@ -169,9 +169,9 @@ class AttentionPlan:
             try:
                 key = (_layout(query), _layout(out), _layout(q_quant), _layout(q_scale), seen[2], type(window),
                        window)
-            except AttributeError:  # not a tensor: the full checks say so
-                key = None
-            launch = self._launch_by_layout.get(key, _MISSING)
+                launch = self._launch_by_layout.get(key, _MISSING)
+            except (AttributeError, TypeError):  # not a tensor, an unhashable window: the full checks say so
+                launch = _MISSING
         if launch is _MISSING:
             launch = self._validate(query, cache, block_table, seq_lens, query_start_loc, out, q_quant, q_scale,
                                     window)
