@@ -435,6 +435,29 @@ def _attend_tile(
 
 
 @triton.jit
+def _attend_tiles(
+    lo, hi, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
+    q, row_scale, row_limit, kv_end, inv_unit,
+    bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+    offs_n, offs_d, offs_dv,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
+    PAGE: tl.constexpr, KV_KIND: tl.constexpr, PV_KIND: tl.constexpr, P_SHIFT: tl.constexpr,
+    MASKED: tl.constexpr, V_LATE: tl.constexpr, V_TRANSPOSED: tl.constexpr, V_FLAT: tl.constexpr,
+    CVT_ASM: tl.constexpr, LAZY: tl.constexpr, INTERPRET: tl.constexpr, WINDOW: tl.constexpr,
+):
+    """The KV tiles starting at ``lo, lo + BLOCK_N, ... < hi``, each by :func:`_attend_tile`."""
+    for start in range(lo, hi, BLOCK_N):
+        m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
+            start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
+            q, row_scale, row_limit, kv_end, inv_unit,
+            bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+            offs_n, offs_d, offs_dv,
+            BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, MASKED, V_LATE, V_TRANSPOSED,
+            V_FLAT, CVT_ASM, LAZY, INTERPRET, WINDOW)
+    return m_i, l_i, r_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _store_chunk(out_ptr, out_rows, col0, offs_dv, acc, norm, row_valid, HEAD_DIM: tl.constexpr,
                  DV: tl.constexpr):
     o = acc * norm[:, None]
@@ -535,11 +558,14 @@ def _prefill_kernel(
     kv_end = tl.where(bad, 0, ctx + last_tok + 1)
     full_end = tl.where(bad, 0, ((ctx + first_tok + 1) // BLOCK_N) * BLOCK_N)
     row_limit = tl.minimum(ctx + tok, kv_end - 1)
+    # Tiles [mid_lo, mid_hi) are seen in full by every row (no mask), the band from mid_hi
+    # on is the diagonal. With a sliding window, keys before kv_lo are seen by no row of the
+    # tile (never visited), keys from mid_lo on by every row's window, and [kv_lo, mid_lo)
+    # are masked tiles too.
     kv_lo = 0
+    mid_lo = 0
+    mid_hi = full_end
     if WINDOW != 0:
-        # Sliding window: keys before kv_lo are seen by no row of the tile (never visited),
-        # keys from mid_lo on by every row's window; [kv_lo, mid_lo) and the diagonal band
-        # from mid_hi are masked tiles, [mid_lo, mid_hi) unmasked ones.
         kv_lo = tl.where(bad, 0, (tl.maximum(ctx + first_tok - WINDOW + 1, 0) // BLOCK_N) * BLOCK_N)
         mid_lo = tl.maximum(kv_lo, tl.cdiv(tl.maximum(ctx + last_tok - WINDOW + 1, 0), BLOCK_N) * BLOCK_N)
         mid_hi = tl.maximum(mid_lo, full_end)
@@ -572,48 +598,28 @@ def _prefill_kernel(
     acc3 = tl.zeros([BLOCK_M, DV], tl.float32)
     # lazy rescaling needs a fixed accumulator unit: 16-bit PV only
     LAZY: tl.constexpr = LAZY_RESCALE and PV_KIND == PV_BF16
-    if WINDOW == 0:
-        for start in range(0, full_end, BLOCK_N):
-            m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
-                q, row_scale, row_limit, kv_end, inv_unit,
-                bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
-                offs_n, offs_d, offs_dv,
-                BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, V_TRANSPOSED,
-                V_FLAT, CVT_ASM, LAZY, INTERPRET)
-        for start in range(full_end, kv_end, BLOCK_N):
-            m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
-                q, row_scale, row_limit, kv_end, inv_unit,
-                bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
-                offs_n, offs_d, offs_dv,
-                BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED,
-                V_FLAT, CVT_ASM, LAZY, INTERPRET)
-    else:
-        for start in range(kv_lo, tl.minimum(mid_lo, kv_end), BLOCK_N):
-            m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
-                q, row_scale, row_limit, kv_end, inv_unit,
-                bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
-                offs_n, offs_d, offs_dv,
-                BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED,
-                V_FLAT, CVT_ASM, LAZY, INTERPRET, WINDOW)
-        for start in range(mid_lo, mid_hi, BLOCK_N):
-            m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
-                q, row_scale, row_limit, kv_end, inv_unit,
-                bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
-                offs_n, offs_d, offs_dv,
-                BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, V_TRANSPOSED,
-                V_FLAT, CVT_ASM, LAZY, INTERPRET, WINDOW)
-        for start in range(mid_hi, kv_end, BLOCK_N):
-            m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tile(
-                start, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
-                q, row_scale, row_limit, kv_end, inv_unit,
-                bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
-                offs_n, offs_d, offs_dv,
-                BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED,
-                V_FLAT, CVT_ASM, LAZY, INTERPRET, WINDOW)
+    if WINDOW != 0:
+        m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tiles(
+            kv_lo, tl.minimum(mid_lo, kv_end), m_i, l_i, r_i, acc0, acc1, acc2, acc3,
+            q, row_scale, row_limit, kv_end, inv_unit,
+            bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+            offs_n, offs_d, offs_dv,
+            BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED,
+            V_FLAT, CVT_ASM, LAZY, INTERPRET, WINDOW)
+    m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tiles(
+        mid_lo, mid_hi, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
+        q, row_scale, row_limit, kv_end, inv_unit,
+        bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+        offs_n, offs_d, offs_dv,
+        BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, False, V_LATE, V_TRANSPOSED,
+        V_FLAT, CVT_ASM, LAZY, INTERPRET, WINDOW)
+    m_i, l_i, r_i, acc0, acc1, acc2, acc3 = _attend_tiles(
+        mid_hi, kv_end, m_i, l_i, r_i, acc0, acc1, acc2, acc3,
+        q, row_scale, row_limit, kv_end, inv_unit,
+        bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb, stride_sb,
+        offs_n, offs_d, offs_dv,
+        BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, DV, PAGE, KV_KIND, PV_KIND, P_SHIFT, True, V_LATE, V_TRANSPOSED,
+        V_FLAT, CVT_ASM, LAZY, INTERPRET, WINDOW)
 
     # l_i is 0 only for rows that saw no key; NaN (a poisoned key or query) stays NaN
     norm = tl.where(l_i == 0.0, 0.0, r_i / l_i)

@@ -85,12 +85,12 @@ def _prefill_route(cache: PagedKVCache, pv_mode: str, num_q_heads: int, kernel: 
 
 
 def _run_prefill(kernel: str, config, *args, window: int = 0) -> None:
-    """Launch the chosen prefill kernel (arguments of :func:`int8attn.ops.prefill.run_prefill`;
-    a sliding ``window`` routes to the portable kernel, see :func:`_prefill_route`)."""
-    if window:
-        _prefill.run_prefill(config, *args, window)
+    """Launch the kernel :func:`_prefill_route` chose (arguments of
+    :func:`int8attn.ops.prefill.run_prefill`; a ``window`` is the portable kernel's only)."""
+    if kernel == "hopper":
+        _hopper.run_prefill(config, *args)
     else:
-        (_hopper.run_prefill if kernel == "hopper" else _prefill.run_prefill)(config, *args)
+        _prefill.run_prefill(config, *args, window)
 
 
 def _layout(t):
@@ -144,7 +144,8 @@ class AttentionPlan:
     _geometry: tuple | None = field(default=None, repr=False, compare=False)
     _metadata: tuple | None = field(default=None, repr=False, compare=False)  # (block_table, seq_lens, qsl)
     _caches: dict = field(default_factory=dict, repr=False, compare=False)  # id -> (cache, state, scale strides)
-    _launch_by_layout: dict = field(default_factory=dict, repr=False, compare=False)  # -> (decode launch, window)
+    # -> (decode launch, checked window, prefill (kernel, config))
+    _launch_by_layout: dict = field(default_factory=dict, repr=False, compare=False)
     _scale_memo: tuple | None = field(default=None, repr=False, compare=False)  # (softmax_scale, qk_scale)
 
     def run(self, query, cache, block_table, seq_lens, query_start_loc, softmax_scale=None, out=None, *,
@@ -175,7 +176,7 @@ class AttentionPlan:
         if launch is _MISSING:
             launch = self._validate(query, cache, block_table, seq_lens, query_start_loc, out, q_quant, q_scale,
                                     window)
-        launch, win = launch
+        launch, win, (kernel, config) = launch
         qk_scale = self._qk_scale(softmax_scale, cache)
         if out is None:
             out = torch.empty((self.num_tokens, self.num_q_heads, self.head_dim), dtype=torch.bfloat16,
@@ -183,8 +184,6 @@ class AttentionPlan:
         if launch is not None:
             launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
         if self.has_prefill:
-            kernel, config = (self.prefill_kernel, self.prefill_config) if not win else \
-                _prefill_route(cache, self.prefill_pv_mode, self.num_q_heads, "portable", True, win)
             _run_prefill(kernel, config, self.prefill_pv_mode, query, cache, block_table,
                          seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
                          MAX_DECODE_QUERY_LEN if self.has_decode else 0, self.max_query_len, window=win)
@@ -194,7 +193,8 @@ class AttentionPlan:
     def _validate(self, query, cache, block_table, seq_lens, query_start_loc, out, q_quant, q_scale, window=None):
         """Full checks of a call the plan has not seen; remembers what passed and returns
         (the decode launch for this layout, None when the plan launches no decode; the
-        checked window)."""
+        checked window; the prefill (kernel, config): the plan's, or the portable kernel for
+        a window)."""
         known_meta = self._is_plan_metadata(block_table, seq_lens, query_start_loc)
         _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
                                        q_quant=q_quant, q_scale=q_scale, check_values=False)
@@ -215,9 +215,12 @@ class AttentionPlan:
                                                       out_strides, self.workspace, win)
         if len(self._launch_by_layout) >= _MAX_REMEMBERED:
             self._launch_by_layout.clear()
+        prefill = (self.prefill_kernel, self.prefill_config)
+        if win and self.has_prefill:
+            prefill = _prefill_route(cache, self.prefill_pv_mode, self.num_q_heads, "portable", True, win)
         key = (_layout(query), _layout(out), _layout(q_quant), _layout(q_scale), scale_strides, type(window), window)
-        self._launch_by_layout[key] = (launch, win)
-        return launch, win
+        self._launch_by_layout[key] = entry = (launch, win, prefill)
+        return entry
 
     def _is_plan_metadata(self, block_table, seq_lens, query_start_loc) -> bool:
         """Whether these are the metadata tensors whose values the plan (or an earlier run)

@@ -665,23 +665,31 @@ class DecodeLaunch:
         part_strides = (*part_acc.stride()[:3], *part_ml.stride()[:3])
         key_strides = cache.key.stride()
         self._split_grid = (splits, cache.num_kv_heads * hs, num_seqs)
-        # the split kernel's arguments after qk_scale, in its signature's order
-        self._split_args = (
-            splits,
-            q_strides[0], q_strides[1], q_scale_strides[0], q_scale_strides[1],
-            key_strides[0], key_strides[1],
-            scale_strides[0], scale_strides[1],
-            block_table_stride,
-            out_strides[0], out_strides[1],
-            *part_strides,
-            error_flags(device), num_tokens, cache.num_blocks, max_blocks,
-            counters, counters.stride(0), counters.stride(1),
-            counters, counters, 0, 0, 0, 0,  # the query codes a fused quantization writes: unused here
-        )
+
+        def split_args(query_strides, query_scale_strides, codes) -> tuple:
+            """The split kernel's arguments after qk_scale, in its signature's order: the
+            (token, head) strides of what it reads as the query and of its scales (of the
+            migration scale's place with QUERY_IN: unused), then the query-code buffers a
+            fused quantization writes and reads (with their strides)."""
+            return (
+                splits,
+                query_strides[0], query_strides[1], query_scale_strides[0], query_scale_strides[1],
+                key_strides[0], key_strides[1],
+                scale_strides[0], scale_strides[1],
+                block_table_stride,
+                out_strides[0], out_strides[1],
+                *part_strides,
+                error_flags(device), num_tokens, cache.num_blocks, max_blocks,
+                counters, counters.stride(0), counters.stride(1),
+                *codes,
+            )
+
+        # launches reading given (or separately quantized) codes: no code buffers of their own
+        self._split_args = split_args(q_strides, q_scale_strides, (counters, counters, 0, 0, 0, 0))
         if fuse_split or fuse_eager:
             # reads the float query (its strides), writes and then reads the owned codes
-            codes = (self._q_codes, self._q_scales, *self._q_codes.stride()[:2], *self._q_scales.stride())
-            fused_args = (splits, *raw_q_strides[:2], 0, 0, *self._split_args[5:-6], *codes)
+            fused_args = split_args(raw_q_strides, (0, 0), (self._q_codes, self._q_scales,
+                                                            *self._q_codes.stride()[:2], *self._q_scales.stride()))
         safe = _checks.decode_clamps_enabled()
         group = num_q_heads // cache.num_kv_heads // hs
         base = dict(
@@ -702,7 +710,7 @@ class DecodeLaunch:
             if mode != "kernel":
                 constexprs.update(_fused_merge_constexprs(mode, group, plan.tokens_per_pass, padded_head_dim(head_dim),
                                                           splits))
-            if mode == "barrier" and not interpret:
+            if mode == "barrier":
                 # the barrier waits for every split: the driver must co-schedule the grid
                 constexprs["launch_cooperative_grid"] = True
             # launched through CachedLaunch: Triton binds the arguments on the first call only;
