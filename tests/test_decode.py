@@ -768,12 +768,7 @@ def test_non_finite_query_gives_nan_rows_for_that_query_only(kv, pre, bad, split
     merge; every other row matches the reference."""
     b = testing.make_paged_batch([97, 40, 17], [1, 2, 1], num_q_heads=8, num_kv_heads=2, head_dim=64, kv_dtype=kv,
                                  seed=3, device=device)
-    b.query[0, 1, 3] = bad
-    b.query[2, 6, 0] = bad  # sequence 1's second token
-    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
-    want[0, 1] = want[2, 6] = True
-    clean = b.query.clone()
-    clean[0, 1] = clean[2, 6] = 0
+    want, clean = testing.poison_query_rows(b.query, [(0, 1, 3), (2, 6, 0)], bad)  # token 2: sequence 1's second
     kw = {}
     if pre:
         q, s = quantize_query(b.query, kv)

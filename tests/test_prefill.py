@@ -281,12 +281,7 @@ def test_non_finite_kv_poisons_exactly_the_rows_that_read_it(kv, pv, tensor, bad
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")], ids=["inf", "-inf", "nan"])
 def test_non_finite_query_gives_nan_rows_for_that_query_only(kv, pre, bad, device):
     b = batch([40, 23], [30, 23], kv=kv, seed=3, device=device)
-    b.query[7, 1, 3] = bad
-    b.query[35, 2, 0] = bad
-    want = torch.zeros(b.query.shape[:2], dtype=torch.bool)
-    want[7, 1] = want[35, 2] = True
-    clean = b.query.clone()
-    clean[7, 1] = clean[35, 2] = 0
+    want, clean = testing.poison_query_rows(b.query, [(7, 1, 3), (35, 2, 0)], bad)
     kw = {}
     if pre:
         q, s = quantize_query(b.query, kv)

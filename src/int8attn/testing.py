@@ -194,6 +194,19 @@ def assert_nan_exactly(out: torch.Tensor, ref: torch.Tensor, want_nan: torch.Ten
     assert_close_verbose(out.cpu()[keep], ref.cpu()[keep], rel_l2=rel_l2, name=name)
 
 
+def poison_query_rows(query: torch.Tensor, where, bad: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Put ``bad`` at each (token, head, channel) of ``where`` in ``query`` (in place).
+    Returns (the [T, H] bool mask of the poisoned (token, head) rows, on the CPU; a copy
+    of the query with those rows zeroed, for the reference of the others)."""
+    want = torch.zeros(query.shape[:2], dtype=torch.bool)
+    clean = query.clone()
+    for tok, head, ch in where:
+        query[tok, head, ch] = bad
+        want[tok, head] = True
+        clean[tok, head] = 0
+    return want, clean
+
+
 def poisoning_writer(where, bad: float):
     """A ``make_paged_batch`` writer: :func:`int8attn.reference.write_kv_reference` after
     putting ``bad`` at each (token, head, channel, "k" | "v") of ``where`` (indices into the
