@@ -65,6 +65,9 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         out += [("hopper-pipe", pipe), ("hopper-pipe-m64", replace(pipe, block_m=64))]
     elif pv != "bf16":  # 8-bit PV without a pipelined config (int8 at D256)
         out.append(("hopper-m64", replace(sync, block_m=64)))
+    ws = hop.warp_specialized_config(kv_dtype, d) if pv != "bf16" else None
+    if ws is not None:
+        out.append(("hopper-ws", ws))
     return out
 
 

@@ -23,7 +23,7 @@ except Exception as e:
     print('flash_attn.cute not importable:', repr(e)[:200])" > "$OUT/env.log" 2>&1
 cat "$OUT/env.log"
 # new paths first (pipelined kernel, dispatch), then the rest: a timeout loses the tail only
-NEW="pipelined or routes or auto_takes"
+NEW="pipelined or warp_specialized or routes or auto_takes"
 timeout 95 $PY -m pytest -q -p no:cacheprovider tests/test_prefill_hopper.py -m gpu -k "$NEW" -rfE --tb=short \
     > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests (pipelined, dispatch) rc=$?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15

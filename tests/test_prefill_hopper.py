@@ -42,6 +42,13 @@ VARIANTS = [
                  id="pipe-int8-pv8-d64-bs64-m64-s3"),
     pytest.param("fp8", "fp8", 256, 16, 6, {"pipeline": True, "stages": 4, "block_n": 32, "block_m": 64},
                  id="pipe-fp8-pv8-d256-n32-m64-s4"),
+    # warp-specialized (kernels/prefill_hopper_ws.py): two consumer warpgroups and a loader
+    pytest.param("fp8", "fp8", 128, 16, 4, {"warp_specialized": True, "stages": 4},
+                 id="ws-fp8-pv8-d128-s4"),
+    pytest.param("fp8", "fp8", 256, 16, 6, {"warp_specialized": True, "stages": 4, "block_n": 32},
+                 id="ws-fp8-pv8-d256-n32-s4"),
+    pytest.param("int8", "int8", 128, 16, 4, {"warp_specialized": True, "stages": 4}, id="ws-int8-pv8-d128-s4"),
+    pytest.param("int8", "int8", 64, 64, 8, {"warp_specialized": True, "stages": 3}, id="ws-int8-pv8-d64-bs64-s3"),
 ]
 #: PTX type suffix of the QK and PV warpgroup MMAs, and the SASS class each must show.
 PTX_TYPES = {"int8": "s32.s8.s8", "fp8": "f32.e4m3.e4m3", "bf16": "f32.f16.f16"}
@@ -54,10 +61,14 @@ SPILL_BUDGET = {"int8-pv8-d256": 16,
                 # accumulator (22 with Triton 3.6, 39 with 3.9; ~280 with 64-key tiles)
                 "pipe-int8-pv8-d128-n32-s4": 48,
                 # 0 with Triton 3.6, 2 with 3.9
-                "pipe-fp8-pv8-d256-n32-m64-s4": 4}
+                "pipe-fp8-pv8-d256-n32-m64-s4": 4,
+                # consumers at 232 registers (Triton 3.6: 20, 24 and 6)
+                "ws-fp8-pv8-d128-s4": 28, "ws-fp8-pv8-d256-n32-s4": 32, "ws-int8-pv8-d128-s4": 12}
 #: Triton 3.8 (the default CUDA torch 2.14 wheel's) spills more at head_dim 256: measured 41
 #: (int8 PV) and 48 (fp16 PV of an fp8 cache) local-memory instructions.
-SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56}}
+SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56},
+                          # the warp-specialized consumers (232 registers) with Triton 3.9: 58, 63, 137
+                          "3.9": {"ws-fp8-pv8-d128-s4": 64, "ws-fp8-pv8-d256-n32-s4": 72, "ws-int8-pv8-d128-s4": 150}}
 
 _COMPILE_ALL = r"""
 import json, re, sys
@@ -81,6 +92,8 @@ for key, (kv, pv, d, bs, group, over) in json.loads(sys.argv[1]).items():
                                      ptx),
         "sass_classes": sass.summarize(text)["classes"],
         "local_memory": len(re.findall(r"\b(?:LDL|STL)\b", text)),
+        "setmaxnreg": len(re.findall(r"setmaxnreg\.", ptx)),
+        "cp_async_mbarrier_arrives": len(re.findall(r"cp\.async\.mbarrier\.arrive", ptx)),
         "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
         "sass_wgmma_waits": [int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", text)],
     }
@@ -117,6 +130,8 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
         assert got["sass_classes"].get(SASS_CLASS[prec], 0) > 0, got
     sizes = got.pop("cp_async_sizes")
     assert len(sizes) >= 2 and set(sizes) <= {"0x10", "16"}, (sizes, got)
+    if over.get("warp_specialized"):  # partitions with their own register budgets, mbarrier hand-offs
+        assert got["setmaxnreg"] >= 2 and got["cp_async_mbarrier_arrives"] >= 1, got
     if over.get("pipeline"):  # QK waited alone while PV stays in flight, in PTX and after ptxas
         # (ptxas serialises every wgmma of a kernel whose in-flight registers it cannot keep)
         assert got["wgmma_waits"] and max(got["wgmma_waits"]) >= 1, got
@@ -137,7 +152,8 @@ def _args(b):
 
 def _ran(fn) -> str:
     """Which prefill kernel ``fn()`` launched, from the launch record (a new record per launch)."""
-    names = {"_prefill_hopper_kernel": "hopper", "_prefill_hopper_pipe_kernel": "hopper", "_prefill_kernel": "portable"}
+    names = {"_prefill_hopper_kernel": "hopper", "_prefill_hopper_pipe_kernel": "hopper",
+             "_prefill_hopper_ws_kernel": "hopper", "_prefill_kernel": "portable"}
     before = {k: launches.last(k) for k in names}
     fn()
     ran = {names[k] for k in names if launches.last(k) is not before[k]}
@@ -370,10 +386,28 @@ PIPE_CASES = [pytest.param(case, kv, pv, id=f"{case}-{kv}-{pv}",
               for kv, pv in (("int8", "int8"), ("fp8", "fp8"))]
 
 
+#: The same cases on the warp-specialized kernel (ops.prefill_hopper.warp_specialized_config).
+WS_CASES = [pytest.param(case, kv, pv, id=f"{case}-{kv}-{pv}")
+            for case in ("odd-g6-d256-97", "odd-g4-d64-bs64-123", "varlen-d128", "stale-d128",
+                         "chunk-28672-24q4kv-d256", "chunk-28672-32q8kv-d128")
+            for kv, pv in (("int8", "int8"), ("fp8", "fp8"))]
+
+
 @pytest.mark.parametrize("case,kv,pv", PIPE_CASES)
 @pytest.mark.gpu
 @needs_sm90
 def test_gpu_pipelined(case, kv, pv):
+    _check_schedule(case, kv, pv, hop.pipelined_config, "_prefill_hopper_pipe_kernel")
+
+
+@pytest.mark.parametrize("case,kv,pv", WS_CASES)
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_warp_specialized(case, kv, pv):
+    _check_schedule(case, kv, pv, hop.warp_specialized_config, "_prefill_hopper_ws_kernel")
+
+
+def _check_schedule(case, kv, pv, config_of, kernel_name):
     if case.startswith("odd"):
         hq, hkv, d, bs = {"odd-g6-d256-97": (24, 4, 256, 16), "odd-g4-d64-bs64-123": (8, 2, 64, 64)}[case]
         q_len = int(case.split("-")[-1])
@@ -390,12 +424,12 @@ def test_gpu_pipelined(case, kv, pv):
         hq, hkv, d = (24, 4, 256) if "d256" in case else (32, 8, 128)
         b = _batch([28672 + 4096], [4096], hq=hq, hkv=hkv, d=d, kv=kv, seed=28672 + d, device="cuda")
         rows = 48
-    config = hop.pipelined_config(kv, b.cache.head_dim)
+    config = config_of(kv, b.cache.head_dim)
     if config is None:
-        pytest.skip(f"no pipelined config for {kv} at head_dim {b.cache.head_dim}")
-    before = launches.last("_prefill_hopper_pipe_kernel")
+        pytest.skip(f"no {config_of.__name__} for {kv} at head_dim {b.cache.head_dim}")
+    before = launches.last(kernel_name)
     _check(b, pv, rows_per_seq=rows, config=config)
-    assert launches.last("_prefill_hopper_pipe_kernel") is not before, "the pipelined kernel did not run"
+    assert launches.last(kernel_name) is not before, f"{kernel_name} did not run"
 
 
 # --------------------------------------------------------------------------- attention() routing

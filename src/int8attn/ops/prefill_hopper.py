@@ -22,7 +22,9 @@ whose values were checked on the host (a plan, or value checks on): the Hopper k
 trust ``block_table`` / ``seq_lens`` / ``query_start_loc``, where the portable kernel
 clamps bad values, writes NaN rows and raises a device error flag. The launch record
 (:mod:`int8attn.launches`) names the kernel that ran: ``_prefill_hopper_kernel``,
-``_prefill_hopper_pipe_kernel`` or the portable ``_prefill_kernel``.
+``_prefill_hopper_pipe_kernel``, ``_prefill_hopper_ws_kernel`` (warp-specialized: a
+``HopperPrefillConfig(warp_specialized=True)``, e.g. :func:`warp_specialized_config`; no
+route takes it yet) or the portable ``_prefill_kernel``.
 """
 
 from __future__ import annotations
@@ -62,13 +64,16 @@ class HopperPrefillConfig:
     the PV precision), stages of the shared-memory K/V ring (>= 2); pipeline: the
     asynchronous-MMA schedule of :mod:`int8attn.kernels.prefill_hopper_pipe` (8-bit PV,
     stages >= 3: PV of one tile overlaps the next tile's softmax) instead of one MMA waited
-    at a time."""
+    at a time; warp_specialized: that schedule in two consumer warpgroups fed by a loader
+    partition (:mod:`int8attn.kernels.prefill_hopper_ws`; block_m 128, 8-bit PV, stages >= 3;
+    ``pipeline`` is then implied)."""
 
     block_m: int = 128
     block_n: int = 64
     dv: int | None = None
     stages: int = 2
     pipeline: bool = False
+    warp_specialized: bool = False
 
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillConfig:
@@ -94,6 +99,21 @@ def pipelined_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None
             return None
         return HopperPrefillConfig(block_n=32, dv=head_dim, stages=4, pipeline=True)
     return HopperPrefillConfig(block_n=64 if head_dim <= 128 else 32, dv=head_dim, stages=4, pipeline=True)
+
+
+def warp_specialized_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None:
+    """The warp-specialized config of an 8-bit PV route (PV of the cache's precision), or
+    None where it spills. Consumers hold 232 registers (two warpgroups and the loader share
+    one SM's register file). fp8: PV in flight across the next softmax (sm_90 AOT compile,
+    Triton 3.6: 14 LDL/STL at head_dim 128 with 64-key tiles, 10 at 256 with 32-key tiles);
+    int8: the int8 PV result may not stay in flight beside the accumulator (116-424 LDL/STL),
+    so each PV is waited in its own tile while the next QK runs across the softmax (6 at
+    head_dim 128); int8 at head_dim 256 spills either way (~900): None."""
+    if kv_dtype == "int8":
+        if head_dim > 128:
+            return None
+        return HopperPrefillConfig(block_n=64, dv=head_dim, stages=4, warp_specialized=True)
+    return HopperPrefillConfig(block_n=64 if head_dim <= 128 else 32, dv=head_dim, stages=4, warp_specialized=True)
 
 
 def requested_kernel(kernel: str | None = None) -> tuple[str, bool]:
@@ -186,9 +206,14 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise ValueError(f"stages={config.stages!r} must be 2, 3 or 4")
     if not isinstance(config.pipeline, bool):
         raise TypeError(f"config.pipeline must be a bool, got {config.pipeline!r}")
-    if config.pipeline and (pv_mode == "bf16" or config.stages < 3):
-        raise ValueError(f"pipeline=True needs 8-bit PV and stages >= 3 (pv_mode={pv_mode!r}, "
+    if not isinstance(config.warp_specialized, bool):
+        raise TypeError(f"config.warp_specialized must be a bool, got {config.warp_specialized!r}")
+    if (config.pipeline or config.warp_specialized) and (pv_mode == "bf16" or config.stages < 3):
+        raise ValueError(f"pipeline / warp_specialized need 8-bit PV and stages >= 3 (pv_mode={pv_mode!r}, "
                          f"stages={config.stages})")
+    if config.warp_specialized and config.block_m != 128:
+        raise ValueError(f"warp_specialized runs two 64-row consumer warpgroups: block_m must be 128, "
+                         f"got {config.block_m}")
     _checks.check_pv_tile_keys(config.block_n, pv_mode)
     return replace(config, dv=dv)
 
@@ -198,10 +223,25 @@ def constexprs(config: HopperPrefillConfig, cache, group: int, pv_mode: str) -> 
     from ..kernels.prefill_hopper import kernel_layouts
 
     kv, pv = KV_KIND[cache.kv_dtype], PV_KIND[pv_mode]
-    return dict(GROUP=group, HEAD_DIM=cache.head_dim, PAGE=cache.block_size, BLOCK_M=config.block_m,
-                BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n, DV=config.dv, KV_KIND=kv, PV_KIND=pv,
-                STAGES=config.stages,
-                **kernel_layouts(config.block_m, config.block_n, cache.head_dim, config.dv, kv, pv))
+    const = dict(GROUP=group, HEAD_DIM=cache.head_dim, PAGE=cache.block_size, BLOCK_M=config.block_m,
+                 BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n, DV=config.dv, KV_KIND=kv, PV_KIND=pv,
+                 STAGES=config.stages)
+    if config.warp_specialized:
+        from ..kernels.prefill_hopper_ws import partition_constexprs
+        # every partition is one warpgroup: layouts of 64 rows and 4 warps
+        const.update(kernel_layouts(64, config.block_n, cache.head_dim, config.dv, kv, pv),
+                     **partition_constexprs(config.pipeline))
+    else:
+        const.update(kernel_layouts(config.block_m, config.block_n, cache.head_dim, config.dv, kv, pv))
+    return const
+
+
+def launch_options(config: HopperPrefillConfig) -> dict:
+    """num_warps (and the register cap of a warp-specialized kernel) of a config's launch."""
+    if config.warp_specialized:
+        from ..kernels.prefill_hopper_ws import KERNEL_MAXNREG
+        return dict(num_warps=4, maxnreg=KERNEL_MAXNREG)
+    return dict(num_warps=config.block_m // 16)
 
 
 def prefill_attention_hopper(query, cache, block_table, seq_lens, query_start_loc, *, softmax_scale=None, out=None,
@@ -228,6 +268,9 @@ def prefill_attention_hopper(query, cache, block_table, seq_lens, query_start_lo
 
 def kernel_fn(config: HopperPrefillConfig):
     """The Gluon kernel of a config (both take the same arguments and constexprs)."""
+    if config.warp_specialized:
+        from ..kernels.prefill_hopper_ws import _prefill_hopper_ws_kernel
+        return _prefill_hopper_ws_kernel
     if config.pipeline:
         from ..kernels.prefill_hopper_pipe import _prefill_hopper_pipe_kernel
         return _prefill_hopper_pipe_kernel
@@ -267,9 +310,9 @@ def run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_star
             out.stride(0), out.stride(1),
             key.stride(0), key.stride(1), cache.key_scale.stride(0), cache.key_scale.stride(1),
             block_table.stride(0),
-            **constexprs(config, cache, group, pv_mode), num_warps=config.block_m // 16,
+            **constexprs(config, cache, group, pv_mode), **launch_options(config),
         )
-    launches.record("_prefill_hopper_pipe_kernel" if config.pipeline else "_prefill_hopper_kernel", compiled)
+    launches.record(kern.__name__, compiled)
     return out
 
 
@@ -331,4 +374,4 @@ def compile_for_sm90(kv_dtype: str, pv_mode: str, head_dim: int, block_size: int
         "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_ch", "stride_sb", "stride_sh")]
     src = GluonASTSource(fn=_prefill_hopper_kernel, signature=sig, constexprs=const,
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": config.block_m // 16})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options(config))

@@ -1,0 +1,325 @@
+"""The Hopper prefill kernel of :mod:`int8attn.kernels.prefill_hopper_pipe`, warp-specialized
+(FlashAttention-3's structure): the same function, rows, scales, masking, P quantization and
+tensor layouts; only who does what differs.
+
+One program owns 128 query rows of one KV head (the packing of
+:mod:`int8attn.kernels.prefill_hopper`) and runs three partitions of four warps each:
+
+* two consumer warpgroups (the default partition and worker 0), each owning 64 of the rows
+  with its own Q tile in shared memory and its own online softmax, running the pipelined
+  schedule of :mod:`int8attn.kernels.prefill_hopper_pipe` (``QK(j + 1)`` and ``PV(j)``
+  issued together, ``PV(j)`` in flight across the next softmax). Nothing synchronises the
+  two: the warp schedulers interleave one warpgroup's softmax with the other's MMAs.
+* a loader (worker 1) that gathers K, V^T and both scale rows of each KV tile through the
+  block table into a ``STAGES``-deep shared-memory ring with cp.async, ahead of the
+  consumers. No consumer computes an address, loads a block id or waits on a copy group.
+
+Hand-off per ring stage, two mbarriers: ``ready`` (count: the loader's 128 threads; each
+arrives through ``cp.async.mbarrier.arrive.noinc``, triggered when its copies of the stage
+landed) and ``empty`` (count 2: thread 0 of each consumer warpgroup once its ``PV`` of that
+stage completed, which implies every thread of the warpgroup issued it, after its last read
+of the stage's scales). A consumer fences the async proxy after its ``ready`` wait (the
+copies are generic-proxy writes, the MMAs read through the async proxy).
+
+e4m3 V bytes past the sequence end may be NaN (stale slots) and ``NaN * 0`` is NaN in the
+MMA: the loader zeroes them in the one tile that crosses the end (after waiting for its
+copies) and signals that stage with one counted arrive after a partition barrier. Keys
+past the end read valid memory (the sequence's last page) and meet P = 0 and scale 0.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, warpgroup_mma, \
+    warpgroup_mma_init, warpgroup_mma_wait
+
+from . import _gluon_compat as _gc
+from .codes import KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
+from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _issue_tile, _program_tile, _pv_8bit, \
+    _store_output, _zero_tail_keys
+from .prefill_hopper_pipe import _issue_pv, _wait_and_fold
+
+#: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).
+LOADER_WARPS = gl.constexpr(4)
+#: Rows per consumer warpgroup.
+WG_ROWS = gl.constexpr(64)
+#: Registers per thread: each consumer warpgroup and the loader (setmaxnreg), and the cap
+#: of the launch that splits them (12 warps: 2 x 128 x 232 + 128 x 40 = 384 x 168 = the
+#: 64K-register file of one SM, one program per SM).
+CONSUMER_REGS = 232
+LOADER_REGS = 40
+KERNEL_MAXNREG = 168
+
+
+def partition_constexprs(pv_in_flight: bool) -> dict:
+    """The constexprs of :func:`_prefill_hopper_ws_kernel` beside those of
+    :func:`int8attn.kernels.prefill_hopper.kernel_layouts` (built for 64 rows, 4 warps)."""
+    return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight,
+                CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
+
+
+@gluon.jit
+def _copy_scales(j, ks_buf, vs_buf, k_scale_ptr, v_scale_ptr, bt_row, scale_head, stride_sb, last_page,
+                 PAGE: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_S: gl.constexpr):
+    """cp.async of tile ``j``'s K and V scales (16-byte runs of one page) into the ring."""
+    n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=LOAD_S)
+    blk = gl.load(bt_row + gl.minimum(n // PAGE, last_page)).to(gl.int64)
+    off = gl.max_contiguous(gl.multiple_of(blk * stride_sb + scale_head + n % PAGE, 4), 4)
+    _gc.cp_async(ks_buf, k_scale_ptr + off)
+    _gc.cp_async(vs_buf, v_scale_ptr + off)
+
+
+@gluon.jit
+def _loader(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
+            kv_end, last_page, num_kv_tiles, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+            HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+            KV_KIND: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr):
+    for j in range(0, num_kv_tiles):
+        s = j % STAGES
+        # mbarriers start in phase 0: the first pass over the ring waits on phase 1 (done)
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        _issue_tile(j, k_ring.index(s), v_ring.index(s), k_ptr, v_ptr, bt_row, data_head, stride_cb, last_page,
+                    HEAD_DIM, PAGE, BLOCK_N, LOAD_K, LOAD_V)
+        _copy_scales(j, ks_ring.index(s), vs_ring.index(s), k_scale_ptr, v_scale_ptr, bt_row, scale_head, stride_sb,
+                     last_page, PAGE, BLOCK_N, LOAD_S)
+        tail = (j + 1) * BLOCK_N > kv_end
+        if KV_KIND == KIND_FP8:
+            if tail:
+                async_copy.commit_group()
+                async_copy.wait_group(0)
+                _zero_tail_keys(v_ring.index(s), j * BLOCK_N, kv_end, HEAD_DIM, BLOCK_N, LOAD_V)
+                fence_async_shared()
+                _gc.cta_barrier()  # the loader's warps only (a named barrier inside a partition)
+                mbarrier.arrive(ready.index(s), count=LOADER_WARPS * 32)
+            else:
+                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        else:
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+
+
+@gluon.jit
+def _qk(q_smem, k_buf, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr,
+        QK_LAYOUT: gl.constexpr):
+    """Issue QK of one tile (asynchronous); int8 starts at ``MAGIC_I`` (see prefill_hopper)."""
+    if KV_KIND == KIND_INT8:
+        return warpgroup_mma(q_smem, k_buf.permute((1, 0)), gl.full([BLOCK_M, BLOCK_N], MAGIC_I, gl.int32, QK_LAYOUT),
+                             is_async=True)
+    else:
+        return warpgroup_mma(q_smem, k_buf.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, QK_LAYOUT),
+                             use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _stage_scales(ks_buf, vs_buf, start, kv_end, BLOCK_N: gl.constexpr, COL: gl.constexpr):
+    """A tile's K and V scales from its ring stage, in the score columns' layout; 0 past the
+    sequence end (stale slots never reach arithmetic)."""
+    in_seq = start + gl.arange(0, BLOCK_N, layout=COL) < kv_end
+    return gl.where(in_seq, ks_buf.load(COL), 0.0), gl.where(in_seq, vs_buf.load(COL), 0.0)
+
+
+@gluon.jit
+def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+              kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
+              stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
+              WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
+              BLOCK_N: gl.constexpr, DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr,
+              STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr,
+              P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr):
+    ROW: gl.constexpr = gl.SliceLayout(1, QK_LAYOUT)
+    COL: gl.constexpr = gl.SliceLayout(0, QK_LAYOUT)
+    PV_ROW: gl.constexpr = gl.SliceLayout(1, PV_LAYOUT)
+    NUM_DV: gl.constexpr = HEAD_DIM // DV
+    BLOCK_M: gl.constexpr = WG_ROWS
+    ROW0: gl.constexpr = WG * WG_ROWS
+
+    # ---- this warpgroup's Q codes into its own tile (row r of the program: token r // GROUP)
+    qm = ROW0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD_Q))
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD_Q))
+    q_tok = q_tile * BLOCK_Q + qm // GROUP
+    q_valid = (qm // GROUP < BLOCK_Q) & (q_tok < q_len)
+    q_rows = (q_start + q_tok).to(gl.int64) * stride_qt + (kv_head * GROUP + qm % GROUP) * stride_qh
+    q = gl.load(q_ptr + q_rows[:, None] + qd[None, :], mask=q_valid[:, None], other=0)
+    if KV_KIND == KIND_FP8:
+        q = q.to(gl.float8e4nv, bitcast=True)  # e4m3 codes travel as uint8
+    q_smem = q_bufs.index(WG)
+    q_smem.store(q)
+    fence_async_shared()
+    _gc.cta_barrier()  # this warpgroup's threads (a named barrier inside a partition)
+
+    offs_m = ROW0 + gl.arange(0, BLOCK_M, layout=ROW)
+    tok = q_tile * BLOCK_Q + offs_m // GROUP
+    row_valid = (offs_m // GROUP < BLOCK_Q) & (tok < q_len)
+    row_scale = gl.load(q_scale_ptr + (q_start + tok).to(gl.int64) * stride_qst
+                        + (kv_head * GROUP + offs_m % GROUP) * stride_qsh, mask=row_valid, other=1.0) * qk_scale
+    full_end = ((ctx + q_tile * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N  # keys every row of the program sees
+    row_limit = gl.minimum(ctx + tok, kv_end - 1)
+
+    m_i = gl.full([BLOCK_M], NEG_BIG, gl.float32, ROW)
+    l_i = gl.zeros([BLOCK_M], gl.float32, ROW)
+    r_i = gl.full([BLOCK_M], 1.0, gl.float32, ROW)
+    acc0 = gl.zeros([BLOCK_M, DV], gl.float32, PV_LAYOUT)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    if PV_KIND == PV_INT8:
+        levels: gl.constexpr = 127.0
+        pend = gl.full([BLOCK_M, DV], MAGIC_I, gl.int32, PV_LAYOUT)  # "PV(-1)": o - M = 0
+    else:
+        levels: gl.constexpr = 448.0
+        pend = acc0
+    o0 = pend
+    o1 = pend
+    o2 = pend
+    o3 = pend
+    f_prev = gl.full([BLOCK_M], 1.0, gl.float32, PV_ROW)
+
+    # ---- QK(0)
+    mbarrier.wait(ready.index(0), 0)
+    fence_async_shared()
+    s = warpgroup_mma_wait(0, deps=[_qk(q_smem, k_ring.index(0), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)])
+    k_scale, v_scale = _stage_scales(ks_ring.index(0), vs_ring.index(0), 0, kv_end, BLOCK_N, COL)
+
+    for j in range(0, num_kv_tiles):
+        start = j * BLOCK_N
+        has_next = j + 1 < num_kv_tiles
+        nxt = (j + 1) % STAGES
+        if not PV_IN_FLIGHT:
+            # QK(j + 1) runs across this tile's softmax (past the last tile: S_j stands in)
+            s_tok = warpgroup_mma_init(s)
+            if has_next:
+                mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+                fence_async_shared()
+                s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
+        # ---- softmax of S_j
+        if KV_KIND == KIND_INT8:
+            t = s.to(gl.float32, bitcast=True) * k_scale[None, :] + (k_scale * -MAGIC_F)[None, :]
+        else:
+            t = s * k_scale[None, :]
+        if start + BLOCK_N > full_end:
+            offs_n = start + gl.arange(0, BLOCK_N, layout=COL)
+            t = gl.where(offs_n[None, :] <= row_limit[:, None], t, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(t, 1) * row_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(t * row_scale[:, None] - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        pv = p * v_scale[None, :]
+        floor = gl.max(v_scale, 0) * MIN_REL_STEP
+        r_new = gl.maximum(gl.max(pv, 1), floor) * (1.0 / levels)
+        inv_r = 1.0 / r_new
+        factor = gl.convert_layout(alpha * (r_i / r_new), PV_ROW)
+        r_i = r_new
+        if PV_KIND == PV_FP8:
+            # pv * inv_r <= 448 up to rounding; the e4m3 conversion saturates (satfinite)
+            p_op = gl.convert_layout((pv * inv_r[:, None]).to(gl.float8e4nv), P_LAYOUT)
+        else:
+            u = pv * inv_r[:, None] + MAGIC_F
+            p_op = gl.convert_layout(u.to(gl.int32, bitcast=True).to(gl.int8), P_LAYOUT)
+        v_buf = v_ring.index(j % STAGES)
+
+        if PV_IN_FLIGHT:
+            # ---- PV(j - 1) done: fold it in, give its stage back to the loader
+            acc0, acc1, acc2, acc3 = _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, f_prev, NUM_DV,
+                                                    PV_KIND)
+            if j >= 1:
+                mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+            # ---- QK(j + 1) and PV(j), asynchronous; wait for QK(j + 1) only: PV(j) runs across
+            # the next softmax
+            if has_next:
+                mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+                fence_async_shared()
+                s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
+                t0, t1, t2, t3 = _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M, DV, NUM_DV,
+                                           PV_KIND, PV_LAYOUT)
+                k_scale, v_scale = _stage_scales(ks_ring.index(nxt), vs_ring.index(nxt), start + BLOCK_N, kv_end,
+                                                 BLOCK_N, COL)
+                s, o0, o1, o2, o3 = warpgroup_mma_wait(NUM_DV, deps=[s_tok, t0, t1, t2, t3])
+            else:
+                t0, t1, t2, t3 = _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M, DV, NUM_DV,
+                                           PV_KIND, PV_LAYOUT)
+                o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3])
+            f_prev = factor
+        else:
+            # ---- PV(j) one column chunk at a time, each waited (which also retires QK(j + 1)):
+            # no PV result lives across a softmax, at most one int32 chunk beside the accumulator
+            acc0 = _pv_8bit(acc0, p_op, factor, v_buf.slice(0, DV, dim=0).permute((1, 0)), BLOCK_M, DV, PV_KIND,
+                            PV_LAYOUT)
+            if NUM_DV > 1:
+                acc1 = _pv_8bit(acc1, p_op, factor, v_buf.slice(DV, DV, dim=0).permute((1, 0)), BLOCK_M, DV,
+                                PV_KIND, PV_LAYOUT)
+            if NUM_DV > 2:
+                acc2 = _pv_8bit(acc2, p_op, factor, v_buf.slice(2 * DV, DV, dim=0).permute((1, 0)), BLOCK_M, DV,
+                                PV_KIND, PV_LAYOUT)
+                acc3 = _pv_8bit(acc3, p_op, factor, v_buf.slice(3 * DV, DV, dim=0).permute((1, 0)), BLOCK_M, DV,
+                                PV_KIND, PV_LAYOUT)
+            mbarrier.arrive(empty.index(j % STAGES), count=1)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            if has_next:
+                k_scale, v_scale = _stage_scales(ks_ring.index(nxt), vs_ring.index(nxt), start + BLOCK_N, kv_end,
+                                                 BLOCK_N, COL)
+
+    if PV_IN_FLIGHT:
+        acc0, acc1, acc2, acc3 = _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, f_prev, NUM_DV, PV_KIND)
+    _store_output(out_ptr, acc0, acc1, acc2, acc3, l_i, r_i, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+                  GROUP, BLOCK_M, BLOCK_Q, DV, NUM_DV, PV_LAYOUT, ROW0)
+
+
+@gluon.jit
+def _prefill_hopper_ws_kernel(
+    q_ptr, q_scale_ptr, out_ptr,
+    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, num_seqs, min_query_len, num_tiles,
+    stride_qt, stride_qh, stride_qst, stride_qsh,
+    stride_ot, stride_oh,
+    stride_cb, stride_ch, stride_sb, stride_sh,
+    stride_bt,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
+    KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, STAGES: gl.constexpr,
+    QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
+    Q_SMEM: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, V16_SMEM: gl.constexpr,
+    LOAD_Q: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
+    LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):
+    gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
+    gl.static_assert(STAGES >= 3, "tiles j - 1 (PV in flight), j and j + 1 are live")
+    gl.static_assert(PV_KIND != PV_BF16, "the warp-specialized kernel runs 8-bit PV only")
+
+    kv_head, seq, q_start, q_tile, q_len = _program_tile(query_start_loc_ptr, num_seqs, num_tiles, BLOCK_Q)
+    if (q_len <= min_query_len) | (q_tile * BLOCK_Q >= q_len):
+        return
+    ctx = gl.load(seq_lens_ptr + seq) - q_len
+    kv_end = ctx + gl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q)  # one past the last row's key
+    last_page = (kv_end - 1) // PAGE
+    num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+
+    elem = k_ptr.dtype.element_ty
+    S_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_bufs = gl.allocate_shared_memory(elem, [2, WG_ROWS, HEAD_DIM], Q_SMEM)
+    k_ring = gl.allocate_shared_memory(elem, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
+    v_ring = gl.allocate_shared_memory(elem, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
+    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
+    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=LOADER_WARPS * 32)
+        mbarrier.init(empty.index(i), count=2)
+
+    gl.warp_specialize([
+        (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+                     kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
+                     stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
+                     0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_LAYOUT,
+                     PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+        (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+                     kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
+                     stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
+                     1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_LAYOUT,
+                     PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+        (_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
+                   kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,
+                   k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+                   HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, LOAD_K, LOAD_V, LOAD_S)),
+    ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
