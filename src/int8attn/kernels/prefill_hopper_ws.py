@@ -6,10 +6,13 @@ One program owns 128 query rows of one KV head (the packing of
 :mod:`int8attn.kernels.prefill_hopper`) and runs three partitions of four warps each:
 
 * two consumer warpgroups (the default partition and worker 0), each owning 64 of the rows
-  with its own Q tile in shared memory and its own online softmax, running the pipelined
-  schedule of :mod:`int8attn.kernels.prefill_hopper_pipe` (``QK(j + 1)`` and ``PV(j)``
-  issued together, ``PV(j)`` in flight across the next softmax). Nothing synchronises the
-  two: the warp schedulers interleave one warpgroup's softmax with the other's MMAs.
+  with its own Q tile in shared memory and its own online softmax. ``PV_IN_FLIGHT=False``
+  (the configs offered): ``QK(j + 1)`` runs across the softmax of tile ``j`` and ``PV(j)``
+  is waited in its own tile (no PV result lives across a softmax: it fits 232 registers).
+  ``PV_IN_FLIGHT=True``: the schedule of :mod:`int8attn.kernels.prefill_hopper_pipe`
+  (``PV(j)`` in flight across the next softmax; faulted on the H200 in single-tile fp8
+  programs, see benchmarks/notes/prefill_hopper.md). Nothing synchronises the two
+  warpgroups: the warp schedulers interleave one's softmax with the other's MMAs.
 * a loader (worker 1) that gathers K, V^T and both scale rows of each KV tile through the
   block table into a ``STAGES``-deep shared-memory ring with cp.async, ahead of the
   consumers. No consumer computes an address, loads a block id or waits on a copy group.

@@ -104,11 +104,13 @@ def pipelined_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None
 def warp_specialized_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None:
     """The warp-specialized config of an 8-bit PV route (PV of the cache's precision), or
     None where it spills. Consumers hold 232 registers (two warpgroups and the loader share
-    one SM's register file). fp8: PV in flight across the next softmax (sm_90 AOT compile,
-    Triton 3.6: 14 LDL/STL at head_dim 128 with 64-key tiles, 10 at 256 with 32-key tiles);
-    int8: the int8 PV result may not stay in flight beside the accumulator (116-424 LDL/STL),
-    so each PV is waited in its own tile while the next QK runs across the softmax (6 at
-    head_dim 128); int8 at head_dim 256 spills either way (~900): None."""
+    one SM's register file), so each PV is waited in its own tile while the next tile's QK
+    runs across the softmax (``pipeline=False``; the two warpgroups overlap each other).
+    PV in flight across the next softmax (``pipeline=True``) faulted on the H200 for fp8
+    single-tile programs and ptxas serialised its MMAs anyway (notes/prefill_hopper.md).
+    sm_90 AOT compile, Triton 3.6: 6 LDL/STL for int8 at head_dim 128, 20 for fp8, 24 for fp8
+    at 256 with 32-key tiles (64-key tiles spill ~330 there); int8 at head_dim 256 spills
+    ~900 in every schedule: None."""
     if kv_dtype == "int8":
         if head_dim > 128:
             return None
