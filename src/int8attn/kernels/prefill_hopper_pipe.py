@@ -103,6 +103,39 @@ def _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, factor, NUM_DV: gl.co
 
 
 @gluon.jit
+def _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit, start, full_end, levels: gl.constexpr,
+                  BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, COL: gl.constexpr,
+                  PV_ROW: gl.constexpr, P_LAYOUT: gl.constexpr):
+    """Online softmax of one tile's scores ``s`` (the QK MMA result) to the 8-bit P operand:
+    returns (P, the accumulator's rescale factor, m, l, r) -- see prefill_hopper for the rule."""
+    if KV_KIND == KIND_INT8:
+        t = s.to(gl.float32, bitcast=True) * k_scale[None, :] + (k_scale * -MAGIC_F)[None, :]
+    else:
+        t = s * k_scale[None, :]
+    if start + BLOCK_N > full_end:
+        offs_n = start + gl.arange(0, BLOCK_N, layout=COL)
+        t = gl.where(offs_n[None, :] <= row_limit[:, None], t, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(t, 1) * row_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(t * row_scale[:, None] - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    m_i = m_new
+    pv = p * v_scale[None, :]
+    floor = gl.max(v_scale, 0) * MIN_REL_STEP
+    r_new = gl.maximum(gl.max(pv, 1), floor) * (1.0 / levels)
+    inv_r = 1.0 / r_new
+    factor = gl.convert_layout(alpha * (r_i / r_new), PV_ROW)
+    r_i = r_new
+    if PV_KIND == PV_FP8:
+        # pv * inv_r <= 448 up to rounding; the e4m3 conversion saturates (satfinite)
+        p_op = gl.convert_layout((pv * inv_r[:, None]).to(gl.float8e4nv), P_LAYOUT)
+    else:
+        u = pv * inv_r[:, None] + MAGIC_F
+        p_op = gl.convert_layout(u.to(gl.int32, bitcast=True).to(gl.int8), P_LAYOUT)
+    return p_op, factor, m_i, l_i, r_i
+
+
+@gluon.jit
 def _prefill_hopper_pipe_kernel(
     q_ptr, q_scale_ptr, out_ptr,
     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
@@ -181,30 +214,9 @@ def _prefill_hopper_pipe_kernel(
         start = j * BLOCK_N
         has_next = j + 1 < num_kv_tiles
         # ---- 1. softmax of S_j (PV(j - 1) still running)
-        if KV_KIND == KIND_INT8:
-            t = s.to(gl.float32, bitcast=True) * k_scale[None, :] + (k_scale * -MAGIC_F)[None, :]
-        else:
-            t = s * k_scale[None, :]
-        if start + BLOCK_N > full_end:
-            offs_n = start + gl.arange(0, BLOCK_N, layout=COL)
-            t = gl.where(offs_n[None, :] <= row_limit[:, None], t, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(t, 1) * row_scale)
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(t * row_scale[:, None] - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        pv = p * v_scale[None, :]
-        floor = gl.max(v_scale, 0) * MIN_REL_STEP
-        r_new = gl.maximum(gl.max(pv, 1), floor) * (1.0 / levels)
-        inv_r = 1.0 / r_new
-        factor = gl.convert_layout(alpha * (r_i / r_new), PV_ROW)
-        r_i = r_new
-        if PV_KIND == PV_FP8:
-            # pv * inv_r <= 448 up to rounding; the e4m3 conversion saturates (satfinite)
-            p_op = gl.convert_layout((pv * inv_r[:, None]).to(gl.float8e4nv), P_LAYOUT)
-        else:
-            u = pv * inv_r[:, None] + MAGIC_F
-            p_op = gl.convert_layout(u.to(gl.int32, bitcast=True).to(gl.int8), P_LAYOUT)
+        p_op, factor, m_i, l_i, r_i = _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit, start,
+                                                     full_end, levels, BLOCK_N, KV_KIND, PV_KIND, COL, PV_ROW,
+                                                     P_LAYOUT)
 
         # next tile's scales (their latency hides behind steps 2-4; loaded after this
         # tile's scales died: fewer live registers while PV(j - 1) is in flight)

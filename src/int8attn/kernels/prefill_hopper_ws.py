@@ -39,7 +39,7 @@ from . import _gluon_compat as _gc
 from .codes import KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
 from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _issue_tile, _program_tile, _pv_8bit, \
     _store_output, _zero_tail_keys
-from .prefill_hopper_pipe import _issue_pv, _wait_and_fold
+from .prefill_hopper_pipe import _issue_pv, _softmax_tile, _wait_and_fold
 
 #: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).
 LOADER_WARPS = gl.constexpr(4)
@@ -193,30 +193,9 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
                 fence_async_shared()
                 s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
         # ---- softmax of S_j
-        if KV_KIND == KIND_INT8:
-            t = s.to(gl.float32, bitcast=True) * k_scale[None, :] + (k_scale * -MAGIC_F)[None, :]
-        else:
-            t = s * k_scale[None, :]
-        if start + BLOCK_N > full_end:
-            offs_n = start + gl.arange(0, BLOCK_N, layout=COL)
-            t = gl.where(offs_n[None, :] <= row_limit[:, None], t, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(t, 1) * row_scale)
-        alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(t * row_scale[:, None] - m_new[:, None])
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        pv = p * v_scale[None, :]
-        floor = gl.max(v_scale, 0) * MIN_REL_STEP
-        r_new = gl.maximum(gl.max(pv, 1), floor) * (1.0 / levels)
-        inv_r = 1.0 / r_new
-        factor = gl.convert_layout(alpha * (r_i / r_new), PV_ROW)
-        r_i = r_new
-        if PV_KIND == PV_FP8:
-            # pv * inv_r <= 448 up to rounding; the e4m3 conversion saturates (satfinite)
-            p_op = gl.convert_layout((pv * inv_r[:, None]).to(gl.float8e4nv), P_LAYOUT)
-        else:
-            u = pv * inv_r[:, None] + MAGIC_F
-            p_op = gl.convert_layout(u.to(gl.int32, bitcast=True).to(gl.int8), P_LAYOUT)
+        p_op, factor, m_i, l_i, r_i = _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit, start,
+                                                     full_end, levels, BLOCK_N, KV_KIND, PV_KIND, COL, PV_ROW,
+                                                     P_LAYOUT)
         v_buf = v_ring.index(j % STAGES)
 
         if PV_IN_FLIGHT:
