@@ -67,7 +67,12 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         out.append(("hopper-m64", replace(sync, block_m=64)))
     ws = hop.warp_specialized_config(kv_dtype, d) if pv != "bf16" else None
     if ws is not None:
-        out.append(("hopper-ws", ws))
+        # the other QK schedule too (next QK across the softmax, or after PV): registers
+        # against overlap inside a warpgroup
+        out += [("hopper-ws", ws), ("hopper-ws-qk-" + ("after" if ws.qk_ahead else "ahead"),
+                                    replace(ws, qk_ahead=not ws.qk_ahead))]
+        if kv_dtype == "fp8" and ws.block_n < 64:  # 64-key P tiles: the accuracy of the other kernels
+            out.append(("hopper-ws-n64", replace(ws, block_n=64)))
     return out
 
 

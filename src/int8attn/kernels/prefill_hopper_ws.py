@@ -53,10 +53,10 @@ LOADER_REGS = 40
 KERNEL_MAXNREG = 168
 
 
-def partition_constexprs(pv_in_flight: bool) -> dict:
+def partition_constexprs(pv_in_flight: bool, qk_ahead: bool = True) -> dict:
     """The constexprs of :func:`_prefill_hopper_ws_kernel` beside those of
     :func:`int8attn.kernels.prefill_hopper.kernel_layouts` (built for 64 rows, 4 warps)."""
-    return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight,
+    return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight, QK_AHEAD=qk_ahead,
                 CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
 
 
@@ -120,12 +120,37 @@ def _stage_scales(ks_buf, vs_buf, start, kv_end, BLOCK_N: gl.constexpr, COL: gl.
 
 
 @gluon.jit
+def _fold_i32(acc, o, f):
+    """``acc * f + o`` for an int32 MMA result ``o`` that started at ``MAGIC_I``, pinned: the
+    fold is a dependency of a (no-op) MMA wait, so it completes before the next MMA is issued."""
+    return warpgroup_mma_wait(0, deps=[acc * f + (o.to(gl.float32, bitcast=True) - MAGIC_F)])
+
+
+@gluon.jit
+def _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, BLOCK_M: gl.constexpr, DV: gl.constexpr,
+                    NUM_DV: gl.constexpr, PV_LAYOUT: gl.constexpr):
+    """int8 PV of one tile over ``NUM_DV`` column chunks of ``DV``: ``acc_c * factor + P . V_c``,
+    one int32 chunk live at a time. Without the pin in :func:`_fold_i32` the compiler sinks
+    every fold past the last MMA, so all chunks' int32 results live beside the accumulators at
+    once (at head_dim 256 that spilled the accumulators to local memory)."""
+    start = gl.full([BLOCK_M, DV], MAGIC_I, gl.int32, PV_LAYOUT)
+    f = factor[:, None]
+    acc0 = _fold_i32(acc0, warpgroup_mma(p_op, v_buf.slice(0, DV, dim=0).permute((1, 0)), start), f)
+    if NUM_DV > 1:
+        acc1 = _fold_i32(acc1, warpgroup_mma(p_op, v_buf.slice(DV, DV, dim=0).permute((1, 0)), start), f)
+    if NUM_DV > 2:
+        acc2 = _fold_i32(acc2, warpgroup_mma(p_op, v_buf.slice(2 * DV, DV, dim=0).permute((1, 0)), start), f)
+        acc3 = _fold_i32(acc3, warpgroup_mma(p_op, v_buf.slice(3 * DV, DV, dim=0).permute((1, 0)), start), f)
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
 def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
               kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
               stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
               WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
               BLOCK_N: gl.constexpr, DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr,
-              STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr,
+              STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr,
               P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr):
     ROW: gl.constexpr = gl.SliceLayout(1, QK_LAYOUT)
     COL: gl.constexpr = gl.SliceLayout(0, QK_LAYOUT)
@@ -188,10 +213,14 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
         if not PV_IN_FLIGHT:
             # QK(j + 1) runs across this tile's softmax (past the last tile: S_j stands in)
             s_tok = warpgroup_mma_init(s)
-            if has_next:
+            if has_next and QK_AHEAD:
                 mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
                 fence_async_shared()
                 s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
+        if not PV_IN_FLIGHT:
+            # read from the ring stage here, not carried from the last tile: not live during PV
+            k_scale, v_scale = _stage_scales(ks_ring.index(j % STAGES), vs_ring.index(j % STAGES), start, kv_end,
+                                             BLOCK_N, COL)
         # ---- softmax of S_j
         p_op, factor, m_i, l_i, r_i = _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit, start,
                                                      full_end, levels, BLOCK_N, KV_KIND, PV_KIND, COL, PV_ROW,
@@ -221,23 +250,28 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
                 o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3])
             f_prev = factor
         else:
-            # ---- PV(j) one column chunk at a time, each waited (which also retires QK(j + 1)):
-            # no PV result lives across a softmax, at most one int32 chunk beside the accumulator
-            acc0 = _pv_8bit(acc0, p_op, factor, v_buf.slice(0, DV, dim=0).permute((1, 0)), BLOCK_M, DV, PV_KIND,
-                            PV_LAYOUT)
-            if NUM_DV > 1:
-                acc1 = _pv_8bit(acc1, p_op, factor, v_buf.slice(DV, DV, dim=0).permute((1, 0)), BLOCK_M, DV,
+            # ---- PV(j) one column chunk at a time (no PV result lives across a softmax);
+            # the waits also retire QK(j + 1)
+            if PV_KIND == PV_INT8:
+                acc0, acc1, acc2, acc3 = _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, BLOCK_M, DV,
+                                                         NUM_DV, PV_LAYOUT)
+            else:
+                acc0 = _pv_8bit(acc0, p_op, factor, v_buf.slice(0, DV, dim=0).permute((1, 0)), BLOCK_M, DV,
                                 PV_KIND, PV_LAYOUT)
-            if NUM_DV > 2:
-                acc2 = _pv_8bit(acc2, p_op, factor, v_buf.slice(2 * DV, DV, dim=0).permute((1, 0)), BLOCK_M, DV,
-                                PV_KIND, PV_LAYOUT)
-                acc3 = _pv_8bit(acc3, p_op, factor, v_buf.slice(3 * DV, DV, dim=0).permute((1, 0)), BLOCK_M, DV,
-                                PV_KIND, PV_LAYOUT)
+                if NUM_DV > 1:
+                    acc1 = _pv_8bit(acc1, p_op, factor, v_buf.slice(DV, DV, dim=0).permute((1, 0)), BLOCK_M, DV,
+                                    PV_KIND, PV_LAYOUT)
+                if NUM_DV > 2:
+                    acc2 = _pv_8bit(acc2, p_op, factor, v_buf.slice(2 * DV, DV, dim=0).permute((1, 0)), BLOCK_M,
+                                    DV, PV_KIND, PV_LAYOUT)
+                    acc3 = _pv_8bit(acc3, p_op, factor, v_buf.slice(3 * DV, DV, dim=0).permute((1, 0)), BLOCK_M,
+                                    DV, PV_KIND, PV_LAYOUT)
             mbarrier.arrive(empty.index(j % STAGES), count=1)
+            if has_next and not QK_AHEAD:
+                mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+                fence_async_shared()
+                s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
             s = warpgroup_mma_wait(0, deps=[s_tok])
-            if has_next:
-                k_scale, v_scale = _stage_scales(ks_ring.index(nxt), vs_ring.index(nxt), start + BLOCK_N, kv_end,
-                                                 BLOCK_N, COL)
 
     if PV_IN_FLIGHT:
         acc0, acc1, acc2, acc3 = _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, f_prev, NUM_DV, PV_KIND)
@@ -261,7 +295,7 @@ def _prefill_hopper_ws_kernel(
     QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
     Q_SMEM: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, V16_SMEM: gl.constexpr,
     LOAD_Q: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
-    LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(STAGES >= 3, "tiles j - 1 (PV in flight), j and j + 1 are live")
@@ -293,12 +327,12 @@ def _prefill_hopper_ws_kernel(
         (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
                      kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
                      stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
-                     0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_LAYOUT,
+                     0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD, QK_LAYOUT,
                      PV_LAYOUT, P_LAYOUT, LOAD_Q)),
         (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
                      kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
                      stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
-                     1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_LAYOUT,
+                     1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD, QK_LAYOUT,
                      PV_LAYOUT, P_LAYOUT, LOAD_Q)),
         (_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
                    kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,

@@ -17,14 +17,14 @@ variable (same values; default "auto"). "portable" always runs the Triton kernel
 "hopper" runs the Hopper kernel wherever :func:`unsupported_reason` allows (forced by
 argument: a clear ValueError where it does not apply; by the environment: the portable
 kernel there); "auto" runs it only on the routes of :data:`AUTO_ROUTES`, those measured
-correct and at least as fast as the portable kernel on the H200, and only for metadata
+correct and faster than the portable kernel on the H200 (each with its config), and only for metadata
 whose values were checked on the host (a plan, or value checks on): the Hopper kernels
 trust ``block_table`` / ``seq_lens`` / ``query_start_loc``, where the portable kernel
 clamps bad values, writes NaN rows and raises a device error flag. The launch record
 (:mod:`int8attn.launches`) names the kernel that ran: ``_prefill_hopper_kernel``,
 ``_prefill_hopper_pipe_kernel``, ``_prefill_hopper_ws_kernel`` (warp-specialized: a
-``HopperPrefillConfig(warp_specialized=True)``, e.g. :func:`warp_specialized_config`; no
-route takes it yet) or the portable ``_prefill_kernel``.
+``HopperPrefillConfig(warp_specialized=True)``, e.g. :func:`warp_specialized_config`) or
+the portable ``_prefill_kernel``.
 """
 
 from __future__ import annotations
@@ -46,15 +46,16 @@ KERNELS = ("auto", "hopper", "portable")
 KERNEL_ENV = "INT8ATTN_PREFILL_KERNEL"
 _KV_KIND = {k: KV_KIND[k] for k in ("int8", "fp8")}  # the cache dtypes the Hopper kernel takes
 
-#: (kv_dtype, pv_mode) routes "auto" runs on the Hopper kernel (sm_90, wherever it
-#: applies): correct in the GPU tests and at least as fast as the portable kernel in every
-#: H200 case measured (benchmarks/notes/prefill_hopper.md). e4m3 PV: 1.06-1.28x at
-#: 24q/4kv D256 and 32q/8kv D128, chunk 4096 over prefix 0 and 28672. Not listed
-#: (slower than portable there): int8 PV (0.79-0.95x), 16-bit PV (0.65-0.97x).
-AUTO_ROUTES = frozenset({("fp8", "fp8")})
-#: Routes whose Hopper config is the pipelined one (:func:`pipelined_config`) rather than
-#: :func:`default_config`: none until an H200 run measures it correct and faster.
-PIPELINED_ROUTES: frozenset = frozenset()
+#: The routes "auto" runs on a Hopper kernel (sm_90, wherever it applies), each measured
+#: correct in the GPU tests and faster than the portable kernel on the same route in every
+#: H200 case timed (benchmarks/notes/prefill_hopper.md): (kv_dtype, pv_mode, head_dim) ->
+#: the config it launches: "ws" (:func:`warp_specialized_config`; chunk 4096 over prefix 0 /
+#: 28672: fp8 1.98-2.00x the portable kernel at 32q/8kv D128, 1.56-1.62x at 24q/4kv D256;
+#: int8 1.40-1.45x at D128, 1.06-1.09x at D256), "pipe" (:func:`pipelined_config`) or "sync"
+#: (:func:`default_config`; fp8 at D64, as measured before the warp-specialized kernel).
+#: Elsewhere "auto" runs the portable kernel, int8 caches with 16-bit PV (their default) too.
+AUTO_ROUTES = {("fp8", "fp8", 64): "sync", ("fp8", "fp8", 128): "ws", ("fp8", "fp8", 256): "ws",
+               ("int8", "int8", 128): "ws", ("int8", "int8", 256): "ws"}
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,9 @@ class HopperPrefillConfig:
     stages >= 3: PV of one tile overlaps the next tile's softmax) instead of one MMA waited
     at a time; warp_specialized: that schedule in two consumer warpgroups fed by a loader
     partition (:mod:`int8attn.kernels.prefill_hopper_ws`; block_m 128, 8-bit PV, stages >= 3;
-    ``pipeline`` is then implied)."""
+    ``pipeline`` is then implied); qk_ahead (warp-specialized only): the next tile's QK runs
+    across this tile's softmax (16-32 more live registers per consumer thread) rather than
+    being issued after this tile's PV."""
 
     block_m: int = 128
     block_n: int = 64
@@ -74,6 +77,7 @@ class HopperPrefillConfig:
     stages: int = 2
     pipeline: bool = False
     warp_specialized: bool = False
+    qk_ahead: bool = True
 
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillConfig:
@@ -108,14 +112,18 @@ def warp_specialized_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig
     runs across the softmax (``pipeline=False``; the two warpgroups overlap each other).
     PV in flight across the next softmax (``pipeline=True``) faulted on the H200 for fp8
     single-tile programs and ptxas serialised its MMAs anyway (notes/prefill_hopper.md).
-    sm_90 AOT compile, Triton 3.6: 6 LDL/STL for int8 at head_dim 128, 20 for fp8, 24 for fp8
-    at 256 with 32-key tiles (64-key tiles spill ~330 there); int8 at head_dim 256 spills
-    ~900 in every schedule: None."""
+    sm_90 AOT compile, Triton 3.6, local-memory instructions: int8 at head_dim 128: 0; fp8:
+    11 at 128; ~180 at 256, where 64-key tiles are kept anyway: P rounded per 32-key tile
+    failed the fp8 accuracy bound on the H200 (rel-L2 0.031 against 0.03) and the 64-key
+    config timed as fast. int8 at head_dim 256 (a 128-register accumulator beside each int32
+    PV chunk) spills ~200 with the next QK in flight, so it issues QK after PV
+    (``qk_ahead=False``: 80, and ptxas serialises the warpgroup MMAs for want of registers;
+    still 1.12x the other schedule on the H200)."""
     if kv_dtype == "int8":
         if head_dim > 128:
-            return None
+            return HopperPrefillConfig(block_n=32, dv=64, stages=4, warp_specialized=True, qk_ahead=False)
         return HopperPrefillConfig(block_n=64, dv=head_dim, stages=4, warp_specialized=True)
-    return HopperPrefillConfig(block_n=64 if head_dim <= 128 else 32, dv=head_dim, stages=4, warp_specialized=True)
+    return HopperPrefillConfig(block_n=64, dv=head_dim, stages=4, warp_specialized=True)
 
 
 def requested_kernel(kernel: str | None = None) -> tuple[str, bool]:
@@ -143,16 +151,18 @@ def choose(cache, num_q_heads: int, pv_mode: str, kernel: str | None = None, *,
         if kernel == "hopper" and forced:
             raise ValueError(f"the Hopper prefill kernel does not apply: {reason}")
         return "portable"
-    if kernel == "hopper" or (metadata_checked and (cache.kv_dtype, pv_mode) in AUTO_ROUTES):
+    if kernel == "hopper" or (metadata_checked and (cache.kv_dtype, pv_mode, cache.head_dim) in AUTO_ROUTES):
         return "hopper"
     return "portable"
 
 
 def route_config(cache, num_q_heads: int, pv_mode: str) -> HopperPrefillConfig:
-    """The checked Hopper config :func:`choose`'s callers launch with."""
-    pipe = pipelined_config(cache.kv_dtype, cache.head_dim) if (cache.kv_dtype, pv_mode) in PIPELINED_ROUTES \
-        else None
-    config = pipe or default_config(cache.kv_dtype, cache.head_dim, pv_mode)
+    """The checked Hopper config :func:`choose`'s callers launch with: the one
+    :data:`AUTO_ROUTES` names for this route (a forced "hopper" too), else :func:`default_config`."""
+    kind = AUTO_ROUTES.get((cache.kv_dtype, pv_mode, cache.head_dim))
+    config = {"ws": warp_specialized_config, "pipe": pipelined_config}.get(kind, lambda *_: None)(
+        cache.kv_dtype, cache.head_dim)
+    config = config or default_config(cache.kv_dtype, cache.head_dim, pv_mode)
     return _check_config(config, cache, num_q_heads // cache.num_kv_heads, pv_mode)
 
 
@@ -213,6 +223,10 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
     if (config.pipeline or config.warp_specialized) and (pv_mode == "bf16" or config.stages < 3):
         raise ValueError(f"pipeline / warp_specialized need 8-bit PV and stages >= 3 (pv_mode={pv_mode!r}, "
                          f"stages={config.stages})")
+    if not isinstance(config.qk_ahead, bool):
+        raise TypeError(f"config.qk_ahead must be a bool, got {config.qk_ahead!r}")
+    if not config.qk_ahead and not config.warp_specialized:
+        raise ValueError("qk_ahead=False applies to the warp-specialized kernel only")
     if config.warp_specialized and config.block_m != 128:
         raise ValueError(f"warp_specialized runs two 64-row consumer warpgroups: block_m must be 128, "
                          f"got {config.block_m}")
@@ -232,7 +246,7 @@ def constexprs(config: HopperPrefillConfig, cache, group: int, pv_mode: str) -> 
         from ..kernels.prefill_hopper_ws import partition_constexprs
         # every partition is one warpgroup: layouts of 64 rows and 4 warps
         const.update(kernel_layouts(64, config.block_n, cache.head_dim, config.dv, kv, pv),
-                     **partition_constexprs(config.pipeline))
+                     **partition_constexprs(config.pipeline, config.qk_ahead))
     else:
         const.update(kernel_layouts(config.block_m, config.block_n, cache.head_dim, config.dv, kv, pv))
     return const

@@ -1,0 +1,55 @@
+"""The warp-specialized Hopper prefill kernel under compute-sanitizer (sm_90 only): odd
+lengths, a varlen batch with single-tile programs (the case of the illegal shared-memory
+read found in the in-flight PV schedule) and a stale-slot batch, for every config
+``warp_specialized_config`` offers and the other QK schedule of each.
+
+    compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/memcheck_hopper.py
+
+Each case is also compared with the portable kernel (rel-L2 printed; NaN or an unwritten
+row fails the script), so a run that reports no memory error also shows the kernel ran.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+
+import torch
+
+from int8attn import reference, testing
+from int8attn.ops import prefill_hopper as hop
+from int8attn.ops.prefill import prefill_attention
+
+CASES = {  # name: (hq, hkv, head_dim, block_size, seq_lens, q_lens)
+    "single-tile-d128": (32, 8, 128, 16, [64, 65, 90, 200], [64, 65, 90, 100]),
+    "odd-d256": (24, 4, 256, 16, [17 * 3, 123 * 3], [17, 123]),
+    "odd-d64-bs64": (8, 2, 64, 64, [97 * 3 + 5], [97]),
+}
+
+
+def main() -> int:
+    bad = 0
+    for name, (hq, hkv, d, bs, lens, qlens) in CASES.items():
+        for kv in ("int8", "fp8"):
+            ws = hop.warp_specialized_config(kv, d)
+            if ws is None:
+                continue
+            b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                                         kv_dtype=kv, seed=len(name), device="cuda")
+            args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+            want = prefill_attention(*args, pv_mode=kv)
+            for cfg in (ws, replace(ws, qk_ahead=not ws.qk_ahead)):
+                out = testing.poisoned_like(want)
+                hop.prefill(*args, kernel="hopper", pv_mode=kv, out=out, config=cfg)
+                torch.cuda.synchronize()
+                finite = bool(torch.isfinite(out.float()).all())
+                err = reference.error_stats(out, want)["rel_l2"]
+                ok = finite and err < 0.05
+                bad += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} {name} {kv} qk_ahead={cfg.qk_ahead}: rel-L2 vs portable {err:.4f}"
+                      f"{'' if finite else ' (non-finite or unwritten rows)'}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
