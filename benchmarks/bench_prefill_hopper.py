@@ -14,7 +14,9 @@ Every section is guarded (an error is printed and recorded, the run goes on). Ro
 ``benchmarks/results/prefill_hopper.jsonl`` (or ``--out DIR/prefill_hopper.jsonl``).
 Timings are medians (CUDA events, L2 flushed); nothing is asserted.
 
-Usage: ``PYTHONPATH=src python benchmarks/bench_prefill_hopper.py [--out DIR] [--quick]``
+Usage: ``PYTHONPATH=src python benchmarks/bench_prefill_hopper.py [--out DIR] [--quick] [--only-ws] [--batches]``
+(``--batches``: also the per-token cost of a plan over one 4096-token chunk, a 4 x 4096 batch
+and a mixed batch of 16 decode sequences beside one chunk.)
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ PREFIXES = (28672, 0)
 CHUNK = 4096
 #: (cache, PV) routes timed: the 8-bit PV routes (the pipelined kernel's) and int8 with 16-bit PV
 ROUTES = (("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"))
+#: --only-ws: of the Hopper kernels, time the warp-specialized configs only
+ONLY_WS = False
 
 
 def unmasked_ops(hq: int, d: int, q: int, prefix: int) -> float:
@@ -71,8 +75,8 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         # against overlap inside a warpgroup
         out += [("hopper-ws", ws), ("hopper-ws-qk-" + ("after" if ws.qk_ahead else "ahead"),
                                     replace(ws, qk_ahead=not ws.qk_ahead))]
-        if kv_dtype == "fp8" and ws.block_n < 64:  # 64-key P tiles: the accuracy of the other kernels
-            out.append(("hopper-ws-n64", replace(ws, block_n=64)))
+        if kv_dtype == "int8" and ws.dv < 64:  # the 64-column PV chunks of the earlier config
+            out.append(("hopper-ws-dv64-qk-after", replace(ws, dv=64, qk_ahead=False)))
     return out
 
 
@@ -96,6 +100,8 @@ def bench_case(rec, shape, prefix, kv_dtype, pvs):
             _record(rec, **base, pv_mode=pv, kernel="portable", error=repr(e)[:400])
             continue
         for label, cfg in hopper_configs(kv_dtype, d, pv):
+            if ONLY_WS and not label.startswith("hopper-ws"):
+                continue
             try:
                 out = testing.poisoned_like(portable)
                 run = lambda: hop.prefill(*args, kernel="hopper", pv_mode=pv, q_quant=qq, q_scale=qs,  # noqa: E731
@@ -154,6 +160,32 @@ def bench_bf16_peers(rec, shape, prefix):
         _record(rec, **base, kernel="fa4_bf16", error=repr(e)[:400])
 
 
+def bench_batches(rec, shape, kv_dtype):
+    """Per-token cost of what "auto" runs (a plan: checked metadata, the query quantized in
+    the call) for the single 4096-token chunk, a 4 x 4096 causal batch and a mixed batch
+    (16 decode sequences at context 8192 beside one 4096-token chunk), one run."""
+    import int8attn
+
+    hq, hkv, d = SHAPES[shape]
+    cases = {"1x4096": ([CHUNK], [CHUNK]), "4x4096": ([CHUNK] * 4, [CHUNK] * 4),
+             "16dec+4096": ([8192] * 16 + [CHUNK], [1] * 16 + [CHUNK])}
+    for name, (lens, qlens) in cases.items():
+        b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, kv_dtype=kv_dtype,
+                                     seed=11, device="cuda")
+        args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+        ops = sum(unmasked_ops(hq, d, q, n - q) for n, q in zip(lens, qlens))
+        plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, hq, pv_mode=kv_dtype)
+        out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+        plan.run(*args, out=out)
+        torch.cuda.synchronize()
+        us = bench.time_eager(lambda: plan.run(*args, out=out))
+        _record(rec, bench="prefill_hopper", shape=shape, kv_dtype=kv_dtype, pv_mode=kv_dtype, batch=name,
+                kernel=f"plan:{plan.prefill_kernel}", us=us, tokens=int(sum(qlens)), us_per_token=us / sum(qlens),
+                tops=ops / us * 1e-6, all_written=bool(torch.isfinite(out.float()).all()))
+        del b, plan, out
+        torch.cuda.empty_cache()
+
+
 def bench_gemm_floor(rec, size: int = 8192):
     from gemm_floor_hopper import gemm_s8
 
@@ -178,7 +210,7 @@ def print_table(rows) -> None:
            f"{'x FA4':>7} {'relL2':>7}"
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
-        if "shape" not in r or "us" not in r or r.get("kernel") == "quantize_query":
+        if "shape" not in r or "us" not in r or "batch" in r or r.get("kernel") == "quantize_query":
             continue
         case = f"{r['shape']} p{r['prefix']}"
         route = "bf16" if r["kv_dtype"] == "bf16 dense" else f"{r['kv_dtype']}/{r['pv_mode']}"
@@ -200,7 +232,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="directory of prefill_hopper.jsonl (default benchmarks/results)")
     ap.add_argument("--quick", action="store_true", help="prefix 28672 only, no fp8 cache")
+    ap.add_argument("--batches", action="store_true", help="the batch cases (bench_batches) too")
+    ap.add_argument("--only-ws", action="store_true", help="of the Hopper kernels, the warp-specialized ones only")
     opts = ap.parse_args()
+    global ONLY_WS
+    ONLY_WS = opts.only_ws
     path = os.path.join(opts.out, "prefill_hopper.jsonl") if opts.out else None
     rec = bench.Recorder("prefill_hopper", path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -230,6 +266,13 @@ def run_all(rec, opts) -> None:
                 torch.cuda.empty_cache()
             bench_bf16_peers(rec, shape, prefix)
             torch.cuda.empty_cache()
+    for shape in SHAPES if opts.batches else ():
+        for kv in ("int8", "fp8"):
+            try:
+                bench_batches(rec, shape, kv)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                _record(rec, bench="prefill_hopper", shape=shape, kv_dtype=kv, batch="?", error=repr(e)[:400])
 
 
 if __name__ == "__main__":

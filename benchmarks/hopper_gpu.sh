@@ -39,5 +39,5 @@ timeout ${MEMCHECK_LIMIT:-120} compute-sanitizer --tool memcheck --error-exitcod
     > "$OUT/memcheck.log" 2>&1
 echo "memcheck rc=$?"; grep -E "^(ok|FAIL)|ERROR SUMMARY|Invalid" "$OUT/memcheck.log" | head -20
 [ "${SKIP_BENCH:-0}" = 1 ] && exit 0
-timeout ${BENCH_LIMIT:-150} $PY benchmarks/bench_prefill_hopper.py --out "$OUT" > "$OUT/bench.log" 2>&1
+timeout ${BENCH_LIMIT:-150} $PY benchmarks/bench_prefill_hopper.py --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"; sed -n '/^case /,$p' "$OUT/bench.log"

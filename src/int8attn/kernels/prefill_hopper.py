@@ -244,20 +244,20 @@ def _store_rows(out_ptr, acc, col0, norm, q_start, q_tile, q_len, kv_head, strid
 @gluon.jit
 def _store_output(out_ptr, acc0, acc1, acc2, acc3, l_i, r_i, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
                   GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, DV: gl.constexpr,
-                  NUM_DV: gl.constexpr, PV_LAYOUT: gl.constexpr, ROW0: gl.constexpr = 0):
-    """The normalized output rows (``acc * r / l``; 0 for a row that saw no key) of the
-    ``NUM_DV`` column chunks (acc1..acc3 are ignored past NUM_DV); the accumulators hold the
-    program's rows ``ROW0 .. ROW0 + BLOCK_M - 1``."""
+                  NUM_DV: gl.constexpr, PV_LAYOUT: gl.constexpr, ROW0: gl.constexpr = 0, COL0: gl.constexpr = 0):
+    """The normalized output rows (``acc * r / l``; 0 for a row that saw no key) of up to four
+    column chunks from column ``COL0`` (acc1..acc3 are ignored past NUM_DV); the accumulators
+    hold the program's rows ``ROW0 .. ROW0 + BLOCK_M - 1``."""
     norm = gl.convert_layout(gl.where(l_i > 0.0, r_i / l_i, 0.0), gl.SliceLayout(1, PV_LAYOUT))
-    _store_rows(out_ptr, acc0, 0, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+    _store_rows(out_ptr, acc0, COL0, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
                 GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT, ROW0)
     if NUM_DV > 1:
-        _store_rows(out_ptr, acc1, DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+        _store_rows(out_ptr, acc1, COL0 + DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
                     GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT, ROW0)
     if NUM_DV > 2:
-        _store_rows(out_ptr, acc2, 2 * DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+        _store_rows(out_ptr, acc2, COL0 + 2 * DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
                     GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT, ROW0)
-        _store_rows(out_ptr, acc3, 3 * DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+        _store_rows(out_ptr, acc3, COL0 + 3 * DV, norm, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
                     GROUP, BLOCK_M, BLOCK_Q, DV, PV_LAYOUT, ROW0)
 
 

@@ -127,20 +127,24 @@ def _fold_i32(acc, o, f):
 
 
 @gluon.jit
-def _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, BLOCK_M: gl.constexpr, DV: gl.constexpr,
-                    NUM_DV: gl.constexpr, PV_LAYOUT: gl.constexpr):
-    """int8 PV of one tile over ``NUM_DV`` column chunks of ``DV``: ``acc_c * factor + P . V_c``,
+def _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, CHUNK0: gl.constexpr, BLOCK_M: gl.constexpr,
+                    DV: gl.constexpr, NUM_DV: gl.constexpr, PV_LAYOUT: gl.constexpr):
+    """int8 PV of one tile over column chunks ``CHUNK0 ..`` (up to four, fewer where ``NUM_DV``
+    ends) of ``DV`` columns: ``acc_c * factor + P . V_c``,
     one int32 chunk live at a time. Without the pin in :func:`_fold_i32` the compiler sinks
     every fold past the last MMA, so all chunks' int32 results live beside the accumulators at
     once (at head_dim 256 that spilled the accumulators to local memory)."""
     start = gl.full([BLOCK_M, DV], MAGIC_I, gl.int32, PV_LAYOUT)
     f = factor[:, None]
-    acc0 = _fold_i32(acc0, warpgroup_mma(p_op, v_buf.slice(0, DV, dim=0).permute((1, 0)), start), f)
+    acc0 = _fold_i32(acc0, warpgroup_mma(p_op, v_buf.slice(CHUNK0 * DV, DV, dim=0).permute((1, 0)), start), f)
     if NUM_DV > 1:
-        acc1 = _fold_i32(acc1, warpgroup_mma(p_op, v_buf.slice(DV, DV, dim=0).permute((1, 0)), start), f)
+        acc1 = _fold_i32(acc1, warpgroup_mma(p_op, v_buf.slice((CHUNK0 + 1) * DV, DV, dim=0).permute((1, 0)), start),
+                         f)
     if NUM_DV > 2:
-        acc2 = _fold_i32(acc2, warpgroup_mma(p_op, v_buf.slice(2 * DV, DV, dim=0).permute((1, 0)), start), f)
-        acc3 = _fold_i32(acc3, warpgroup_mma(p_op, v_buf.slice(3 * DV, DV, dim=0).permute((1, 0)), start), f)
+        acc2 = _fold_i32(acc2, warpgroup_mma(p_op, v_buf.slice((CHUNK0 + 2) * DV, DV, dim=0).permute((1, 0)), start),
+                         f)
+        acc3 = _fold_i32(acc3, warpgroup_mma(p_op, v_buf.slice((CHUNK0 + 3) * DV, DV, dim=0).permute((1, 0)), start),
+                         f)
     return acc0, acc1, acc2, acc3
 
 
@@ -188,6 +192,11 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
+    # chunks 4-7: int8 PV in 32-column chunks at head_dim 256 (an int32 chunk of 16 registers)
+    acc4 = acc0
+    acc5 = acc0
+    acc6 = acc0
+    acc7 = acc0
     if PV_KIND == PV_INT8:
         levels: gl.constexpr = 127.0
         pend = gl.full([BLOCK_M, DV], MAGIC_I, gl.int32, PV_LAYOUT)  # "PV(-1)": o - M = 0
@@ -253,8 +262,11 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
             # ---- PV(j) one column chunk at a time (no PV result lives across a softmax);
             # the waits also retire QK(j + 1)
             if PV_KIND == PV_INT8:
-                acc0, acc1, acc2, acc3 = _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, BLOCK_M, DV,
+                acc0, acc1, acc2, acc3 = _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, 0, BLOCK_M, DV,
                                                          NUM_DV, PV_LAYOUT)
+                if NUM_DV > 4:
+                    acc4, acc5, acc6, acc7 = _pv_int8_chunks(acc4, acc5, acc6, acc7, p_op, factor, v_buf, 4, BLOCK_M,
+                                                             DV, NUM_DV, PV_LAYOUT)
             else:
                 acc0 = _pv_8bit(acc0, p_op, factor, v_buf.slice(0, DV, dim=0).permute((1, 0)), BLOCK_M, DV,
                                 PV_KIND, PV_LAYOUT)
@@ -277,6 +289,9 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
         acc0, acc1, acc2, acc3 = _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, f_prev, NUM_DV, PV_KIND)
     _store_output(out_ptr, acc0, acc1, acc2, acc3, l_i, r_i, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
                   GROUP, BLOCK_M, BLOCK_Q, DV, NUM_DV, PV_LAYOUT, ROW0)
+    if NUM_DV > 4:
+        _store_output(out_ptr, acc4, acc5, acc6, acc7, l_i, r_i, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
+                      GROUP, BLOCK_M, BLOCK_Q, DV, NUM_DV, PV_LAYOUT, ROW0, 4 * DV)
 
 
 @gluon.jit

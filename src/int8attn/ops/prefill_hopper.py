@@ -115,13 +115,13 @@ def warp_specialized_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig
     sm_90 AOT compile, Triton 3.6, local-memory instructions: int8 at head_dim 128: 0; fp8:
     11 at 128; ~180 at 256, where 64-key tiles are kept anyway: P rounded per 32-key tile
     failed the fp8 accuracy bound on the H200 (rel-L2 0.031 against 0.03) and the 64-key
-    config timed as fast. int8 at head_dim 256 (a 128-register accumulator beside each int32
-    PV chunk) spills ~200 with the next QK in flight, so it issues QK after PV
-    (``qk_ahead=False``: 80, and ptxas serialises the warpgroup MMAs for want of registers;
-    still 1.12x the other schedule on the H200)."""
+    config timed as fast. int8 at head_dim 256 runs its PV in eight 32-column chunks: the
+    128-register accumulator beside a 64-column int32 chunk spilled ~200 with the next QK in
+    flight (and QK after PV, 80, made ptxas serialise every warpgroup MMA for want of
+    registers); with 32-column chunks 35, one reload per tile in the loop."""
     if kv_dtype == "int8":
         if head_dim > 128:
-            return HopperPrefillConfig(block_n=32, dv=64, stages=4, warp_specialized=True, qk_ahead=False)
+            return HopperPrefillConfig(block_n=32, dv=32, stages=4, warp_specialized=True)
         return HopperPrefillConfig(block_n=64, dv=head_dim, stages=4, warp_specialized=True)
     return HopperPrefillConfig(block_n=64, dv=head_dim, stages=4, warp_specialized=True)
 
@@ -210,8 +210,9 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise ValueError(f"block_n={config.block_n} must be 32, 64 or 128")
     if group > config.block_m:
         raise ValueError(f"GQA group {group} > block_m={config.block_m}")
-    if d % dv or d // dv not in (1, 2, 4) or dv < 16:
-        raise ValueError(f"dv={dv} must split head_dim={d} into 1, 2 or 4 chunks")
+    chunks = (1, 2, 4, 8) if config.warp_specialized and pv_mode == "int8" else (1, 2, 4)
+    if d % dv or d // dv not in chunks or dv < 16:
+        raise ValueError(f"dv={dv} must split head_dim={d} into {', '.join(map(str, chunks))} chunks")
     if pv_mode == "int8" and dv > 224:
         raise ValueError(f"dv={dv}: s8 warpgroup MMAs take at most 224 columns")
     if not isinstance(config.stages, int) or not 2 <= config.stages <= 4:
