@@ -121,31 +121,37 @@ def _stage_scales(ks_buf, vs_buf, start, kv_end, BLOCK_N: gl.constexpr, COL: gl.
 
 @gluon.jit
 def _fold_i32(acc, o, f):
-    """``acc * f + o`` for an int32 MMA result ``o`` that started at ``MAGIC_I``, pinned: the
-    fold is a dependency of a (no-op) MMA wait, so it completes before the next MMA is issued."""
-    return warpgroup_mma_wait(0, deps=[acc * f + (o.to(gl.float32, bitcast=True) - MAGIC_F)])
+    """``acc * f + o`` for an int32 MMA result ``o`` (exact in fp32: |o| <= 64 * 127 * 127),
+    pinned: the fold is a dependency of a (no-op) MMA wait, so it completes before the next
+    MMA is issued. The MMA starts from zero (``use_acc=False``: no register initialisation)
+    and ``o`` converts with one I2FP, where the other kernels' ``MAGIC_I`` start costs a move
+    and a subtraction per element."""
+    return warpgroup_mma_wait(0, deps=[acc * f + o.to(gl.float32)])
 
 
 @gluon.jit
 def _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, CHUNK0: gl.constexpr, BLOCK_M: gl.constexpr,
                     DV: gl.constexpr, NUM_DV: gl.constexpr, PV_LAYOUT: gl.constexpr):
     """int8 PV of one tile over column chunks ``CHUNK0 ..`` (up to four, fewer where ``NUM_DV``
-    ends) of ``DV`` columns: ``acc_c * factor + P . V_c``,
-    one int32 chunk live at a time. Without the pin in :func:`_fold_i32` the compiler sinks
-    every fold past the last MMA, so all chunks' int32 results live beside the accumulators at
-    once (at head_dim 256 that spilled the accumulators to local memory)."""
-    start = gl.full([BLOCK_M, DV], MAGIC_I, gl.int32, PV_LAYOUT)
+    ends) of ``DV`` columns: ``acc_c * factor + P . V_c``, one int32 chunk live at a time.
+    Without the pin in :func:`_fold_i32` the compiler sinks every fold past the last MMA, so
+    all chunks' int32 results live beside the accumulators at once (at head_dim 256 that
+    spilled the accumulators to local memory)."""
+    start = gl.zeros([BLOCK_M, DV], gl.int32, PV_LAYOUT)
     f = factor[:, None]
-    acc0 = _fold_i32(acc0, warpgroup_mma(p_op, v_buf.slice(CHUNK0 * DV, DV, dim=0).permute((1, 0)), start), f)
+    acc0 = _fold_i32(acc0, _pv_chunk(p_op, v_buf, CHUNK0, start, DV), f)
     if NUM_DV > 1:
-        acc1 = _fold_i32(acc1, warpgroup_mma(p_op, v_buf.slice((CHUNK0 + 1) * DV, DV, dim=0).permute((1, 0)), start),
-                         f)
+        acc1 = _fold_i32(acc1, _pv_chunk(p_op, v_buf, CHUNK0 + 1, start, DV), f)
     if NUM_DV > 2:
-        acc2 = _fold_i32(acc2, warpgroup_mma(p_op, v_buf.slice((CHUNK0 + 2) * DV, DV, dim=0).permute((1, 0)), start),
-                         f)
-        acc3 = _fold_i32(acc3, warpgroup_mma(p_op, v_buf.slice((CHUNK0 + 3) * DV, DV, dim=0).permute((1, 0)), start),
-                         f)
+        acc2 = _fold_i32(acc2, _pv_chunk(p_op, v_buf, CHUNK0 + 2, start, DV), f)
+        acc3 = _fold_i32(acc3, _pv_chunk(p_op, v_buf, CHUNK0 + 3, start, DV), f)
     return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _pv_chunk(p_op, v_buf, c: gl.constexpr, start, DV: gl.constexpr):
+    """P . V for the ``c``-th chunk of ``DV`` output columns (int32, from zero)."""
+    return warpgroup_mma(p_op, v_buf.slice(c * DV, DV, dim=0).permute((1, 0)), start, use_acc=False)
 
 
 @gluon.jit

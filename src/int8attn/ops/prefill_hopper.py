@@ -118,7 +118,7 @@ def warp_specialized_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig
     config timed as fast. int8 at head_dim 256 runs its PV in eight 32-column chunks: the
     128-register accumulator beside a 64-column int32 chunk spilled ~200 with the next QK in
     flight (and QK after PV, 80, made ptxas serialise every warpgroup MMA for want of
-    registers); with 32-column chunks 35, one reload per tile in the loop."""
+    registers); with 32-column chunks and zero-started int8 PV MMAs 3."""
     if kv_dtype == "int8":
         if head_dim > 128:
             return HopperPrefillConfig(block_n=32, dv=32, stages=4, warp_specialized=True)
