@@ -114,9 +114,14 @@ def _qk(q_smem, k_buf, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_KIND: gl
 @gluon.jit
 def _stage_scales(ks_buf, vs_buf, start, kv_end, BLOCK_N: gl.constexpr, COL: gl.constexpr):
     """A tile's K and V scales from its ring stage, in the score columns' layout; 0 past the
-    sequence end (stale slots never reach arithmetic)."""
-    in_seq = start + gl.arange(0, BLOCK_N, layout=COL) < kv_end
-    return gl.where(in_seq, ks_buf.load(COL), 0.0), gl.where(in_seq, vs_buf.load(COL), 0.0)
+    sequence end (stale slots never reach arithmetic), masked only in the tile that crosses it."""
+    ks = ks_buf.load(COL)
+    vs = vs_buf.load(COL)
+    if start + BLOCK_N > kv_end:
+        in_seq = start + gl.arange(0, BLOCK_N, layout=COL) < kv_end
+        ks = gl.where(in_seq, ks, 0.0)
+        vs = gl.where(in_seq, vs, 0.0)
+    return ks, vs
 
 
 @gluon.jit
