@@ -7,8 +7,10 @@ One program owns 128 query rows of one KV head (the packing of
 
 * two consumer warpgroups (the default partition and worker 0), each owning 64 of the rows
   with its own Q tile in shared memory and its own online softmax. ``PV_IN_FLIGHT=False``
-  (the configs offered): ``QK(j + 1)`` runs across the softmax of tile ``j`` and ``PV(j)``
-  is waited in its own tile (no PV result lives across a softmax: it fits 232 registers).
+  (the configs offered): ``PV(j)`` is waited in its own tile, one column chunk at a time;
+  ``QK_AHEAD=False`` (the configs offered) issues ``QK(j + 1)`` after it, so nothing is in
+  flight across a softmax, ``QK_AHEAD=True`` issues it before the softmax of tile ``j`` (a
+  second score tile's registers; slower on the H200 in every case measured).
   ``PV_IN_FLIGHT=True``: the schedule of :mod:`int8attn.kernels.prefill_hopper_pipe`
   (``PV(j)`` in flight across the next softmax; faulted on the H200 in single-tile fp8
   programs, see benchmarks/notes/prefill_hopper.md). Nothing synchronises the two

@@ -50,8 +50,8 @@ _KV_KIND = {k: KV_KIND[k] for k in ("int8", "fp8")}  # the cache dtypes the Hopp
 #: correct in the GPU tests and faster than the portable kernel on the same route in every
 #: H200 case timed (benchmarks/notes/prefill_hopper.md): (kv_dtype, pv_mode, head_dim) ->
 #: the config it launches: "ws" (:func:`warp_specialized_config`; chunk 4096 over prefix 0 /
-#: 28672: fp8 1.98-2.00x the portable kernel at 32q/8kv D128, 1.56-1.62x at 24q/4kv D256;
-#: int8 1.40-1.45x at D128, 1.06-1.09x at D256), "pipe" (:func:`pipelined_config`) or "sync"
+#: 28672: fp8 2.03-2.07x the portable kernel at 32q/8kv D128, 1.78-1.85x at 24q/4kv D256;
+#: int8 1.41-1.51x at D128, 1.43-1.44x at D256), "pipe" (:func:`pipelined_config`) or "sync"
 #: (:func:`default_config`; fp8 at D64, as measured before the warp-specialized kernel).
 #: Elsewhere "auto" runs the portable kernel, int8 caches with 16-bit PV (their default) too.
 AUTO_ROUTES = {("fp8", "fp8", 64): "sync", ("fp8", "fp8", 128): "ws", ("fp8", "fp8", 256): "ws",
@@ -106,24 +106,21 @@ def pipelined_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None
 
 
 def warp_specialized_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None:
-    """The warp-specialized config of an 8-bit PV route (PV of the cache's precision), or
-    None where it spills. Consumers hold 232 registers (two warpgroups and the loader share
-    one SM's register file), so each PV is waited in its own tile while the next tile's QK
-    runs across the softmax (``pipeline=False``; the two warpgroups overlap each other).
-    PV in flight across the next softmax (``pipeline=True``) faulted on the H200 for fp8
-    single-tile programs and ptxas serialised its MMAs anyway (notes/prefill_hopper.md).
-    sm_90 AOT compile, Triton 3.6, local-memory instructions: int8 at head_dim 128: 0; fp8:
-    11 at 128; ~180 at 256, where 64-key tiles are kept anyway: P rounded per 32-key tile
-    failed the fp8 accuracy bound on the H200 (rel-L2 0.031 against 0.03) and the 64-key
-    config timed as fast. int8 at head_dim 256 runs its PV in eight 32-column chunks: the
-    128-register accumulator beside a 64-column int32 chunk spilled ~200 with the next QK in
-    flight (and QK after PV, 80, made ptxas serialise every warpgroup MMA for want of
-    registers); with 32-column chunks and zero-started int8 PV MMAs 3."""
-    if kv_dtype == "int8":
-        if head_dim > 128:
-            return HopperPrefillConfig(block_n=32, dv=32, stages=4, warp_specialized=True)
-        return HopperPrefillConfig(block_n=64, dv=head_dim, stages=4, warp_specialized=True)
-    return HopperPrefillConfig(block_n=64, dv=head_dim, stages=4, warp_specialized=True)
+    """The warp-specialized config of an 8-bit PV route (PV of the cache's precision). Each
+    consumer warpgroup holds 232 registers (two of them and the loader share one SM's
+    register file) and runs its tile in order -- QK, softmax, PV -- with nothing in flight
+    across the softmax: the two warpgroups overlap each other's MMAs. Measured on the H200
+    (notes/prefill_hopper.md) against the next tile's QK in flight (``qk_ahead=True``):
+    1.02-1.22x faster in all eight cases, since that schedule needs a second score tile's
+    registers (spills at head_dim 256, ptxas serialised MMAs where it ran short). PV in flight
+    across the next softmax (``pipeline=True``) faulted on the H200 in single-tile fp8
+    programs. sm_90 AOT compile, Triton 3.6, local-memory instructions: 0 for int8 at 64 and
+    128, 3 at 256 (PV in eight 32-column chunks beside the 128-register accumulator); fp8 10
+    at 128, 109 at 256, whose 64-key P tiles the fp8 accuracy bound needs (32-key tiles: rel-L2
+    0.031 against 0.03)."""
+    if kv_dtype == "int8" and head_dim > 128:
+        return HopperPrefillConfig(block_n=32, dv=32, stages=4, warp_specialized=True, qk_ahead=False)
+    return HopperPrefillConfig(block_n=64, dv=head_dim, stages=4, warp_specialized=True, qk_ahead=False)
 
 
 def requested_kernel(kernel: str | None = None) -> tuple[str, bool]:
