@@ -58,8 +58,8 @@ KERNEL_MAXNREG = 168
 def partition_constexprs(pv_in_flight: bool, qk_ahead: bool = True) -> dict:
     """The constexprs of :func:`_prefill_hopper_ws_kernel` beside those of
     :func:`int8attn.kernels.prefill_hopper.kernel_layouts` (built for 64 rows, 4 warps)."""
-    return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight, QK_AHEAD=qk_ahead,
-                CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
+    return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight,
+                QK_AHEAD=qk_ahead, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
 
 
 @gluon.jit
@@ -167,8 +167,8 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
               stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
               WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
               BLOCK_N: gl.constexpr, DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr,
-              STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr,
-              P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr):
+              STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, QK_LAYOUT: gl.constexpr,
+              PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr):
     ROW: gl.constexpr = gl.SliceLayout(1, QK_LAYOUT)
     COL: gl.constexpr = gl.SliceLayout(0, QK_LAYOUT)
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV_LAYOUT)
@@ -233,7 +233,8 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
         has_next = j + 1 < num_kv_tiles
         nxt = (j + 1) % STAGES
         if not PV_IN_FLIGHT:
-            # QK(j + 1) runs across this tile's softmax (past the last tile: S_j stands in)
+            # QK(j + 1): with QK_AHEAD across this tile's softmax, else after its PV (below);
+            # past the last tile S_j stands in
             s_tok = warpgroup_mma_init(s)
             if has_next and QK_AHEAD:
                 mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
@@ -272,8 +273,8 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
                 o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3])
             f_prev = factor
         else:
-            # ---- PV(j) one column chunk at a time (no PV result lives across a softmax);
-            # the waits also retire QK(j + 1)
+            # ---- PV(j) one column chunk at a time (no PV result lives across a softmax); with
+            # QK_AHEAD the waits also retire QK(j + 1)
             if PV_KIND == PV_INT8:
                 acc0, acc1, acc2, acc3 = _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, 0, BLOCK_M, DV,
                                                          NUM_DV, PV_LAYOUT)
@@ -323,7 +324,8 @@ def _prefill_hopper_ws_kernel(
     QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
     Q_SMEM: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, V16_SMEM: gl.constexpr,
     LOAD_Q: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
-    LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(STAGES >= 3, "tiles j - 1 (PV in flight), j and j + 1 are live")
@@ -355,13 +357,13 @@ def _prefill_hopper_ws_kernel(
         (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
                      kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
                      stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
-                     0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD, QK_LAYOUT,
-                     PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+                     0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
+                     QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
         (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
                      kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
                      stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
-                     1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD, QK_LAYOUT,
-                     PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+                     1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
+                     QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
         (_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
                    kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,
                    k_ring, v_ring, ks_ring, vs_ring, ready, empty,

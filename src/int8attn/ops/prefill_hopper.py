@@ -17,10 +17,10 @@ variable (same values; default "auto"). "portable" always runs the Triton kernel
 "hopper" runs the Hopper kernel wherever :func:`unsupported_reason` allows (forced by
 argument: a clear ValueError where it does not apply; by the environment: the portable
 kernel there); "auto" runs it only on the routes of :data:`AUTO_ROUTES`, those measured
-correct and faster than the portable kernel on the H200 (each with its config), and only for metadata
-whose values were checked on the host (a plan, or value checks on): the Hopper kernels
-trust ``block_table`` / ``seq_lens`` / ``query_start_loc``, where the portable kernel
-clamps bad values, writes NaN rows and raises a device error flag. The launch record
+correct and faster than the portable kernel on the H200 (each with its config), and only
+for metadata whose values were checked on the host (a plan, or value checks on): the
+Hopper kernels trust ``block_table`` / ``seq_lens`` / ``query_start_loc``, where the
+portable kernel clamps bad values, writes NaN rows and raises a device error flag. The launch record
 (:mod:`int8attn.launches`) names the kernel that ran: ``_prefill_hopper_kernel``,
 ``_prefill_hopper_pipe_kernel``, ``_prefill_hopper_ws_kernel`` (warp-specialized: a
 ``HopperPrefillConfig(warp_specialized=True)``, e.g. :func:`warp_specialized_config`) or
@@ -105,7 +105,7 @@ def pipelined_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None
     return HopperPrefillConfig(block_n=64 if head_dim <= 128 else 32, dv=head_dim, stages=4, pipeline=True)
 
 
-def warp_specialized_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None:
+def warp_specialized_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig:
     """The warp-specialized config of an 8-bit PV route (PV of the cache's precision). Each
     consumer warpgroup holds 232 registers (two of them and the loader share one SM's
     register file) and runs its tile in order -- QK, softmax, PV -- with nothing in flight
@@ -207,7 +207,8 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise ValueError(f"block_n={config.block_n} must be 32, 64 or 128")
     if group > config.block_m:
         raise ValueError(f"GQA group {group} > block_m={config.block_m}")
-    chunks = (1, 2, 4, 8) if config.warp_specialized and pv_mode == "int8" else (1, 2, 4)
+    # eight column chunks: the warp-specialized kernel's int8 PV waited in its own tile
+    chunks = (1, 2, 4, 8) if config.warp_specialized and not config.pipeline and pv_mode == "int8" else (1, 2, 4)
     if d % dv or d // dv not in chunks or dv < 16:
         raise ValueError(f"dv={dv} must split head_dim={d} into {', '.join(map(str, chunks))} chunks")
     if pv_mode == "int8" and dv > 224:
