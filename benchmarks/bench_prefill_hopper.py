@@ -36,6 +36,8 @@ from int8attn.ops.prefill import prefill_attention
 from int8attn.ops.producer import quantize_query
 
 SHAPES = {"24q4kv_d256": (24, 4, 256), "32q8kv_d128": (32, 8, 128)}
+#: --shapes may also name these (not timed by default)
+MORE_SHAPES = {"16q4kv_d64": (16, 4, 64)}
 PREFIXES = (28672, 0)
 CHUNK = 4096
 #: (cache, PV) routes timed: the 8-bit PV routes (the pipelined kernel's) and int8 with 16-bit PV
@@ -234,9 +236,15 @@ def main():
     ap.add_argument("--quick", action="store_true", help="prefix 28672 only, no fp8 cache")
     ap.add_argument("--batches", action="store_true", help="the batch cases (bench_batches) too")
     ap.add_argument("--only-ws", action="store_true", help="of the Hopper kernels, the warp-specialized ones only")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {list(SHAPES) + list(MORE_SHAPES)}")
     opts = ap.parse_args()
     global ONLY_WS
     ONLY_WS = opts.only_ws
+    SHAPES.update(MORE_SHAPES)
+    opts.shapes = [name for name in opts.shapes.split(",") if name]
+    unknown = set(opts.shapes) - set(SHAPES)
+    if unknown:
+        ap.error(f"unknown shapes {sorted(unknown)}")
     path = os.path.join(opts.out, "prefill_hopper.jsonl") if opts.out else None
     rec = bench.Recorder("prefill_hopper", path)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -255,7 +263,7 @@ def main():
 
 
 def run_all(rec, opts) -> None:
-    for shape in SHAPES:
+    for shape in opts.shapes:
         for prefix in (PREFIXES[:1] if opts.quick else PREFIXES):
             for kv in (("int8",) if opts.quick else ("int8", "fp8")):
                 try:
@@ -266,7 +274,7 @@ def run_all(rec, opts) -> None:
                 torch.cuda.empty_cache()
             bench_bf16_peers(rec, shape, prefix)
             torch.cuda.empty_cache()
-    for shape in SHAPES if opts.batches else ():
+    for shape in opts.shapes if opts.batches else ():
         for kv in ("int8", "fp8"):
             try:
                 bench_batches(rec, shape, kv)
