@@ -460,7 +460,7 @@ def test_gpu_warp_specialized_other_qk_schedule(case, kv, pv):
     config's: the benchmark times both."""
     def flipped(kv, d):
         cfg = hop.warp_specialized_config(kv, d)
-        return None if cfg is None else replace(cfg, qk_ahead=not cfg.qk_ahead)
+        return replace(cfg, qk_ahead=not cfg.qk_ahead)
 
     _check_schedule(case, kv, pv, flipped, "_prefill_hopper_ws_kernel")
 

@@ -55,7 +55,7 @@ LOADER_REGS = 40
 KERNEL_MAXNREG = 168
 
 
-def partition_constexprs(pv_in_flight: bool, qk_ahead: bool = True) -> dict:
+def partition_constexprs(pv_in_flight: bool, qk_ahead: bool) -> dict:
     """The constexprs of :func:`_prefill_hopper_ws_kernel` beside those of
     :func:`int8attn.kernels.prefill_hopper.kernel_layouts` (built for 64 rows, 4 warps)."""
     return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight,
@@ -158,7 +158,13 @@ def _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, CHUNK0: gl.cons
 @gluon.jit
 def _pv_chunk(p_op, v_buf, c: gl.constexpr, start, DV: gl.constexpr):
     """P . V for the ``c``-th chunk of ``DV`` output columns (int32, from zero)."""
-    return warpgroup_mma(p_op, v_buf.slice(c * DV, DV, dim=0).permute((1, 0)), start, use_acc=False)
+    return warpgroup_mma(p_op, _v_chunk(v_buf, c, DV), start, use_acc=False)
+
+
+@gluon.jit
+def _v_chunk(v_buf, c: gl.constexpr, DV: gl.constexpr):
+    """The PV B operand of output columns ``[c * DV, (c + 1) * DV)`` from a V^T ring stage."""
+    return v_buf.slice(c * DV, DV, dim=0).permute((1, 0))
 
 
 @gluon.jit
@@ -282,16 +288,12 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
                     acc4, acc5, acc6, acc7 = _pv_int8_chunks(acc4, acc5, acc6, acc7, p_op, factor, v_buf, 4, BLOCK_M,
                                                              DV, NUM_DV, PV_LAYOUT)
             else:
-                acc0 = _pv_8bit(acc0, p_op, factor, v_buf.slice(0, DV, dim=0).permute((1, 0)), BLOCK_M, DV,
-                                PV_KIND, PV_LAYOUT)
+                acc0 = _pv_8bit(acc0, p_op, factor, _v_chunk(v_buf, 0, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
                 if NUM_DV > 1:
-                    acc1 = _pv_8bit(acc1, p_op, factor, v_buf.slice(DV, DV, dim=0).permute((1, 0)), BLOCK_M, DV,
-                                    PV_KIND, PV_LAYOUT)
+                    acc1 = _pv_8bit(acc1, p_op, factor, _v_chunk(v_buf, 1, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
                 if NUM_DV > 2:
-                    acc2 = _pv_8bit(acc2, p_op, factor, v_buf.slice(2 * DV, DV, dim=0).permute((1, 0)), BLOCK_M,
-                                    DV, PV_KIND, PV_LAYOUT)
-                    acc3 = _pv_8bit(acc3, p_op, factor, v_buf.slice(3 * DV, DV, dim=0).permute((1, 0)), BLOCK_M,
-                                    DV, PV_KIND, PV_LAYOUT)
+                    acc2 = _pv_8bit(acc2, p_op, factor, _v_chunk(v_buf, 2, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+                    acc3 = _pv_8bit(acc3, p_op, factor, _v_chunk(v_buf, 3, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
             mbarrier.arrive(empty.index(j % STAGES), count=1)
             if has_next and not QK_AHEAD:
                 mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)

@@ -157,9 +157,13 @@ def route_config(cache, num_q_heads: int, pv_mode: str) -> HopperPrefillConfig:
     """The checked Hopper config :func:`choose`'s callers launch with: the one
     :data:`AUTO_ROUTES` names for this route (a forced "hopper" too), else :func:`default_config`."""
     kind = AUTO_ROUTES.get((cache.kv_dtype, pv_mode, cache.head_dim))
-    config = {"ws": warp_specialized_config, "pipe": pipelined_config}.get(kind, lambda *_: None)(
-        cache.kv_dtype, cache.head_dim)
-    config = config or default_config(cache.kv_dtype, cache.head_dim, pv_mode)
+    if kind == "ws":
+        config = warp_specialized_config(cache.kv_dtype, cache.head_dim)
+    elif kind == "pipe":
+        config = pipelined_config(cache.kv_dtype, cache.head_dim) or default_config(cache.kv_dtype, cache.head_dim,
+                                                                                     pv_mode)
+    else:
+        config = default_config(cache.kv_dtype, cache.head_dim, pv_mode)
     return _check_config(config, cache, num_q_heads // cache.num_kv_heads, pv_mode)
 
 
