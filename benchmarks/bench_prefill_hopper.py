@@ -41,7 +41,7 @@ DEFAULT_SHAPES = ("24q4kv_d256", "32q8kv_d128")
 PREFIXES = (28672, 0)
 CHUNK = 4096
 #: (cache, PV) routes timed: the 8-bit PV routes (the pipelined kernel's) and int8 with 16-bit PV
-ROUTES = (("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"))
+ROUTES = (("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("bf16", "bf16"))
 #: --only-ws: of the Hopper kernels, time the warp-specialized configs only
 ONLY_WS = False
 
@@ -64,6 +64,8 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     8-bit PV the pipelined config too, and block_m 64 (one warpgroup per program: two
     programs per SM run unsynchronised, where 128 rows share one CTA barrier per KV tile)
     of the pipelined config, or of the synchronous one where no pipelined config exists."""
+    if kv_dtype == "bf16":  # the warp-specialized kernel only: the 8-bit routes' BF16 counterpart
+        return [("hopper-ws", hop.warp_specialized_config(kv_dtype, d))]
     sync = hop.default_config(kv_dtype, d, pv)
     out = [("hopper", sync)]
     pipe = hop.pipelined_config(kv_dtype, d) if pv != "bf16" else None
@@ -90,8 +92,10 @@ def bench_case(rec, shape, prefix, kv_dtype, pvs):
     ops = unmasked_ops(hq, d, CHUNK, prefix)
     base = dict(bench="prefill_hopper", shape=shape, prefix=prefix, chunk=CHUNK, kv_dtype=kv_dtype, block_size=16)
     qq, qs = quantize_query(b.query, kv_dtype)
-    us = bench.time_eager(lambda: quantize_query(b.query, kv_dtype))
-    _record(rec, **base, kernel="quantize_query", us=us)
+    codes = {} if kv_dtype == "bf16" else dict(q_quant=qq, q_scale=qs)  # a BF16 cache reads the query itself
+    if codes:
+        us = bench.time_eager(lambda: quantize_query(b.query, kv_dtype))
+        _record(rec, **base, kernel="quantize_query", us=us)
     for pv in pvs:
         try:
             portable = prefill_attention(*args, pv_mode=pv)
@@ -106,8 +110,8 @@ def bench_case(rec, shape, prefix, kv_dtype, pvs):
                 continue
             try:
                 out = testing.poisoned_like(portable)
-                run = lambda: hop.prefill(*args, kernel="hopper", pv_mode=pv, q_quant=qq, q_scale=qs,  # noqa: E731
-                                          out=out, config=cfg)
+                run = lambda: hop.prefill(*args, kernel="hopper", pv_mode=pv, out=out, config=cfg,  # noqa: E731
+                                          **codes)
                 run()
                 torch.cuda.synchronize()
                 finite = bool(torch.isfinite(out.float()).all())
@@ -264,7 +268,7 @@ def main():
 def run_all(rec, opts) -> None:
     for shape in opts.shapes:
         for prefix in (PREFIXES[:1] if opts.quick else PREFIXES):
-            for kv in (("int8",) if opts.quick else ("int8", "fp8")):
+            for kv in (("int8",) if opts.quick else ("int8", "fp8", "bf16")):
                 try:
                     bench_case(rec, shape, prefix, kv, [pv for k, pv in ROUTES if k == kv])
                 except Exception as e:  # noqa: BLE001

@@ -56,10 +56,17 @@ VARIANTS = [
                                               "qk_ahead": False}, id="ws-int8-pv8-d256-n32-dv32"),
     # the other QK schedule: the next tile's QK in flight across the softmax
     pytest.param("int8", "int8", 128, 16, 4, {"warp_specialized": True, "stages": 4}, id="ws-int8-pv8-d128-qk-ahead"),
+    # a BF16 cache on the same kernel (bf16 Q, P and V)
+    pytest.param("bf16", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "qk_ahead": False},
+                 id="ws-bf16-d128"),
+    pytest.param("bf16", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 4, "block_n": 32,
+                                              "qk_ahead": False}, id="ws-bf16-d256-n32"),
 ]
 #: PTX type suffix of the QK and PV warpgroup MMAs, and the SASS class each must show.
 PTX_TYPES = {"int8": "s32.s8.s8", "fp8": "f32.e4m3.e4m3", "bf16": "f32.f16.f16"}
 SASS_CLASS = {"int8": "INT8", "fp8": "FP8", "bf16": "FP16"}
+#: A BF16 cache: QK and PV both on bf16 operands (the "bf16" PV of 8-bit caches is fp16).
+PTX_TYPES_BF16_CACHE, SASS_CLASS_BF16_CACHE = "f32.bf16.bf16", "BF16"
 #: Local-memory instructions (LDL/STL) allowed in a variant's SASS: none, except int8 PV at
 #: head_dim 256 (128-register accumulator + int32 PV tiles; 10 with Triton 3.6, 12 with 3.9,
 #: against ~220 with 64-key tiles): a regression guard, not a correctness property.
@@ -74,13 +81,15 @@ SPILL_BUDGET = {"int8-pv8-d256": 16,
                 "ws-fp8-pv8-d128-s4": 16, "ws-fp8-pv8-d256-n64-s4": 128,
                 # int8 at head_dim 256: the 128-register accumulator beside a 32-column int32 PV
                 # chunk (Triton 3.6: 3; ~200 with 64-column chunks and the next QK in flight)
-                "ws-int8-pv8-d256-n32-dv32": 8}
+                "ws-int8-pv8-d256-n32-dv32": 8,
+                # a BF16 cache (Triton 3.6: 4 and 0; 3.8: 11 and 19)
+                "ws-bf16-d128": 24, "ws-bf16-d256-n32": 24}
 #: Triton 3.8 (the default CUDA torch 2.14 wheel's) spills more at head_dim 256: measured 41
 #: (int8 PV) and 48 (fp16 PV of an fp8 cache) local-memory instructions.
 SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56},
-                          # the warp-specialized consumers (232 registers) with Triton 3.9: 59, 326, 17
+                          # the warp-specialized consumers (232 registers) with Triton 3.9: 59, 326, 17, 32, 37
                           "3.9": {"ws-fp8-pv8-d128-s4": 64, "ws-fp8-pv8-d256-n64-s4": 350,
-                                  "ws-int8-pv8-d256-n32-dv32": 24}}
+                                  "ws-int8-pv8-d256-n32-dv32": 24, "ws-bf16-d128": 40, "ws-bf16-d256-n32": 48}}
 
 _COMPILE_ALL = r"""
 import json, os, re, subprocess, sys, tempfile
@@ -148,10 +157,13 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
     with 16-byte cp.async only; local memory within SPILL_BUDGET."""
     got = compiled_variants["variants"][request.node.callspec.id]
     assert "error" not in got, f"Triton {compiled_variants['triton']}: {got.get('error')}"
-    want = {PTX_TYPES[kv], PTX_TYPES[pv]}
-    assert set(got["wgmma"]) == want, got
-    for prec in (kv, pv):
-        assert got["sass_classes"].get(SASS_CLASS[prec], 0) > 0, got
+    if kv == "bf16":
+        assert set(got["wgmma"]) == {PTX_TYPES_BF16_CACHE}, got
+        assert got["sass_classes"].get(SASS_CLASS_BF16_CACHE, 0) > 0, got
+    else:
+        assert set(got["wgmma"]) == {PTX_TYPES[kv], PTX_TYPES[pv]}, got
+        for prec in (kv, pv):
+            assert got["sass_classes"].get(SASS_CLASS[prec], 0) > 0, got
     sizes = got.pop("cp_async_sizes")
     assert len(sizes) >= 2 and set(sizes) <= {"0x10", "16"}, (sizes, got)
     if over.get("warp_specialized"):  # partitions with their own register budgets, mbarrier hand-offs
@@ -219,18 +231,18 @@ def test_a_sliding_window_routes_to_the_portable_kernel(monkeypatch):
 
 
 def test_environment_variable_picks_the_kernel(monkeypatch):
-    b = _batch([20], [20], hq=4, hkv=2, d=64, kv="bf16")
-    monkeypatch.setenv(hop.KERNEL_ENV, "hopper")  # prefers Hopper where it applies: not a bf16 cache
-    assert hop.choose(b.cache, 4, "bf16") == "portable"
+    b = _batch([20], [20], hq=4, hkv=2, d=96)
+    monkeypatch.setenv(hop.KERNEL_ENV, "hopper")  # prefers Hopper where it applies: not at head_dim 96
+    assert hop.choose(b.cache, 4, "int8") == "portable"
     monkeypatch.setenv(hop.KERNEL_ENV, "portable")
-    assert hop.choose(b.cache, 4, "bf16") == "portable"
+    assert hop.choose(b.cache, 4, "int8") == "portable"
     monkeypatch.setenv(hop.KERNEL_ENV, "fastest")
     with pytest.raises(ValueError, match=hop.KERNEL_ENV):
-        hop.choose(b.cache, 4, "bf16")
+        hop.choose(b.cache, 4, "int8")
 
 
 def test_forcing_hopper_where_it_does_not_apply_raises_before_launch():
-    b = _batch([20], [20], hq=4, hkv=2, d=64, kv="bf16")
+    b = _batch([20], [20], hq=4, hkv=2, d=96)
     before = b.cache.key.clone()
     with pytest.raises(ValueError, match="Hopper prefill kernel does not apply"):
         hop.prefill(*_args(b), kernel="hopper")
@@ -257,16 +269,29 @@ def test_bad_config_raises(config, match):
         hop._check_config(config, _C(), 6, "int8")
 
 
+@pytest.mark.parametrize("config", [pytest.param(hop.HopperPrefillConfig(dv=128), id="synchronous"),
+                                    pytest.param(hop.HopperPrefillConfig(warp_specialized=True, stages=4, dv=64),
+                                                 id="two-pv-chunks")])
+def test_a_bf16_cache_runs_only_the_warp_specialized_kernel_with_one_pv_chunk(config):
+    class _C:
+        kv_dtype, head_dim, block_size = "bf16", 128, 16
+
+    with pytest.raises(ValueError, match="bf16 cache runs on the warp-specialized kernel"):
+        hop._check_config(config, _C(), 4, "bf16")
+    assert hop._check_config(hop.warp_specialized_config("bf16", 128), _C(), 4, "bf16").dv == 128
+
+
 def test_pipeline_rejects_16_bit_pv():
     class _C:
         kv_dtype, head_dim, block_size = "int8", 128, 16
 
-    with pytest.raises(ValueError, match="8-bit PV"):
+    with pytest.raises(ValueError, match="PV in the cache's precision"):
         hop._check_config(hop.HopperPrefillConfig(pipeline=True, stages=4), _C(), 4, "bf16")
 
 
 @pytest.mark.parametrize("kv,pv,d,want", [("fp8", "fp8", 128, "ws"), ("int8", "int8", 256, "ws"),
-                                          ("fp8", "fp8", 64, "sync"), ("int8", "bf16", 128, "sync")])
+                                          ("fp8", "fp8", 64, "sync"), ("int8", "bf16", 128, "sync"),
+                                          ("bf16", "bf16", 256, "ws")])
 def test_route_config_is_the_routes_config(kv, pv, d, want):
     """The config a route launches is the one AUTO_ROUTES names (a forced "hopper" off the
     routes takes the synchronous default), checked."""
@@ -295,8 +320,10 @@ needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 GPU")
 #: 32-key tiles, the tile its CPU tests run), so the int8/int8 bound is 0.014, and every
 #: check also asserts the Hopper kernel is no worse than the portable one on the same rows
 #: (NOT_WORSE).
-TOL_QUANTIZED = {("int8", "int8"): 0.014, ("int8", "bf16"): 0.006, ("fp8", "fp8"): 0.03, ("fp8", "bf16"): 0.006}
-TOL_REFERENCE = {("int8", "int8"): 0.016, ("int8", "bf16"): 0.012, ("fp8", "fp8"): 0.05, ("fp8", "bf16"): 0.045}
+TOL_QUANTIZED = {("int8", "int8"): 0.014, ("int8", "bf16"): 0.006, ("fp8", "fp8"): 0.03, ("fp8", "bf16"): 0.006,
+                 ("bf16", "bf16"): 0.006}
+TOL_REFERENCE = {("int8", "int8"): 0.016, ("int8", "bf16"): 0.012, ("fp8", "fp8"): 0.05, ("fp8", "bf16"): 0.045,
+                 ("bf16", "bf16"): 0.006}
 #: Hopper error <= portable error * NOT_WORSE[0] + NOT_WORSE[1] (same rows, same reference).
 NOT_WORSE = (1.05, 5e-4)
 
@@ -397,9 +424,10 @@ def _stale_batch(kv):
     scales), so only slots past each sequence's end keep stale values."""
     def poison_then_write(c, k, v, s):
         for t in (c.key, c.value):
-            t.view(torch.uint8).fill_(0x7F) if kv == "fp8" else t.fill_(-128)
-        c.key_scale.fill_(float("nan"))
-        c.value_scale.fill_(float("nan"))
+            t.view(torch.uint8).fill_(0x7F) if kv == "fp8" else t.fill_(float("nan") if kv == "bf16" else -128)
+        for t in (c.key_scale, c.value_scale):
+            if t is not None:  # a bf16 cache has none
+                t.fill_(float("nan"))
         reference.write_kv_reference(c, k, v, s)
 
     return testing.make_paged_batch([37, 150, 9], [20, 99, 9], num_q_heads=8, num_kv_heads=2, head_dim=128,
@@ -435,7 +463,7 @@ PIPE_CASES = [pytest.param(case, kv, pv, id=f"{case}-{kv}-{pv}",
 WS_CASES = [pytest.param(case, kv, pv, id=f"{case}-{kv}-{pv}")
             for case in ("odd-g6-d256-97", "odd-g4-d64-bs64-123", "varlen-d128", "stale-d128",
                          "chunk-28672-24q4kv-d256", "chunk-28672-32q8kv-d128")
-            for kv, pv in (("int8", "int8"), ("fp8", "fp8"))]
+            for kv, pv in (("int8", "int8"), ("fp8", "fp8"), ("bf16", "bf16"))]
 
 
 @pytest.mark.parametrize("case,kv,pv", PIPE_CASES)
@@ -492,10 +520,10 @@ def _check_schedule(case, kv, pv, config_of, kernel_name):
 
 # --------------------------------------------------------------------------- attention() routing
 def test_attention_rejects_forced_hopper_where_it_does_not_apply_before_any_launch(device):
-    """A bf16 cache: no Hopper kernel on any device (the interpreter has none at all)."""
+    """head_dim 96: no Hopper kernel on any device (the interpreter has none at all)."""
     import int8attn
 
-    b = _batch([40, 90], [4, 60], hq=8, hkv=2, d=64, kv="bf16", seed=2, device=device)
+    b = _batch([40, 90], [4, 60], hq=8, hkv=2, d=96, seed=2, device=device)
     out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
     with pytest.raises(ValueError, match="Hopper prefill kernel does not apply"):
         int8attn.attention(*_args(b), out=out, prefill_kernel="hopper")

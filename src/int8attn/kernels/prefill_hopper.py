@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                                 warpgroup_mma)
 
 from . import _gluon_compat as _gc
-from .codes import KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
+from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
 
 MAGIC_F = gl.constexpr(12582912.0)
 MAGIC_I = gl.constexpr(0x4B400000)
@@ -80,23 +80,26 @@ def _copy_layout(rows: int, cols: int, elem_bytes: int, num_warps: int):
 def kernel_layouts(block_m: int, block_n: int, head_dim: int, dv: int, kv_kind: int, pv_kind: int) -> dict:
     """The layout constexprs of :func:`_prefill_hopper_kernel` for one tiling."""
     num_warps = block_m // 16
-    qk_k = 32  # 8-bit operands: k = 256 / 8
+    bf16 = kv_kind == KIND_BF16.value  # a BF16 cache (warp-specialized kernel only): 16-bit QK, V pages row-major
+    qk_k = 16 if bf16 else 32  # k = 256 / operand bits
     qk = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                    instr_shape=[16, _instr_n(block_n, kv_kind == KIND_INT8.value), qk_k])
     pv_bits = 16 if pv_kind == PV_BF16.value else 8
     pv = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                    instr_shape=[16, _instr_n(dv, pv_kind == PV_INT8.value), 256 // pv_bits])
-    elem8 = gl.int8 if kv_kind == KIND_INT8.value else gl.float8e4nv
+    elem = gl.bfloat16 if bf16 else gl.int8 if kv_kind == KIND_INT8.value else gl.float8e4nv
+    size = 2 if bf16 else 1
+    v_shape = [block_n, head_dim] if bf16 else [head_dim, block_n]
     return dict(
         QK_LAYOUT=qk, PV_LAYOUT=pv,
         P_LAYOUT=gl.DotOperandLayout(operand_index=0, parent=pv, k_width=32 // pv_bits),
-        Q_SMEM=gl.NVMMASharedLayout.get_default_for([block_m, head_dim], elem8),
-        K_SMEM=gl.NVMMASharedLayout.get_default_for([block_n, head_dim], elem8),
-        V_SMEM=gl.NVMMASharedLayout.get_default_for([head_dim, block_n], elem8),
+        Q_SMEM=gl.NVMMASharedLayout.get_default_for([block_m, head_dim], elem),
+        K_SMEM=gl.NVMMASharedLayout.get_default_for([block_n, head_dim], elem),
+        V_SMEM=gl.NVMMASharedLayout.get_default_for(v_shape, elem),
         V16_SMEM=gl.NVMMASharedLayout.get_default_for([head_dim, block_n], gl.float16),
-        LOAD_Q=_copy_layout(block_m, head_dim, 1, num_warps),
-        LOAD_K=_copy_layout(block_n, head_dim, 1, num_warps),
-        LOAD_V=_copy_layout(head_dim, block_n, 1, num_warps),
+        LOAD_Q=_copy_layout(block_m, head_dim, size, num_warps),
+        LOAD_K=_copy_layout(block_n, head_dim, size, num_warps),
+        LOAD_V=_copy_layout(v_shape[0], v_shape[1], size, num_warps),
     )
 
 
@@ -117,16 +120,24 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: gl.constexpr):
 
 
 @gluon.jit
+def _issue_rows(j, buf, ptr, bt_row, data_head, stride_cb, last_page, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
+                BLOCK_N: gl.constexpr, LOAD: gl.constexpr):
+    """cp.async of the ``[BLOCK_N, HEAD_DIM]`` rows of tile ``j`` from row-major pages (K, or a
+    BF16 cache's V) into ``buf``; pages past the last are read from it (in bounds, P = 0)."""
+    kn = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
+    kd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
+    kblk = gl.load(bt_row + gl.minimum(kn // PAGE, last_page)).to(gl.int64)
+    krow = gl.multiple_of(kblk * stride_cb + data_head + (kn % PAGE) * HEAD_DIM, 16)
+    _gc.cp_async(buf, ptr + krow[:, None] + kd[None, :])
+
+
+@gluon.jit
 def _issue_tile(j, k_buf, v_buf, k_ptr, v_ptr, bt_row, data_head, stride_cb, last_page,
                 HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                 LOAD_K: gl.constexpr, LOAD_V: gl.constexpr):
     """cp.async of KV tile ``j`` (keys ``[j * BLOCK_N, (j + 1) * BLOCK_N)``) into one ring
     stage. Pages past the sequence's last page are read from that page (in bounds, P = 0)."""
-    kn = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD_K))
-    kd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD_K))
-    kblk = gl.load(bt_row + gl.minimum(kn // PAGE, last_page)).to(gl.int64)
-    krow = gl.multiple_of(kblk * stride_cb + data_head + (kn % PAGE) * HEAD_DIM, 16)
-    _gc.cp_async(k_buf, k_ptr + krow[:, None] + kd[None, :])
+    _issue_rows(j, k_buf, k_ptr, bt_row, data_head, stride_cb, last_page, HEAD_DIM, PAGE, BLOCK_N, LOAD_K)
     # V^T pages: keys of one page are a contiguous run of RUN >= 16 bytes per channel.
     RUN: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     vd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, LOAD_V))

@@ -38,9 +38,9 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
     warpgroup_mma_init, warpgroup_mma_wait
 
 from . import _gluon_compat as _gc
-from .codes import KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
-from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _issue_tile, _program_tile, _pv_8bit, \
-    _store_output, _zero_tail_keys
+from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
+from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _issue_rows, _issue_tile, _program_tile, \
+    _pv_8bit, _store_output, _zero_tail_keys
 from .prefill_hopper_pipe import _issue_pv, _softmax_tile, _wait_and_fold
 
 #: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).
@@ -82,16 +82,25 @@ def _loader(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_hea
         s = j % STAGES
         # mbarriers start in phase 0: the first pass over the ring waits on phase 1 (done)
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
-        _issue_tile(j, k_ring.index(s), v_ring.index(s), k_ptr, v_ptr, bt_row, data_head, stride_cb, last_page,
-                    HEAD_DIM, PAGE, BLOCK_N, LOAD_K, LOAD_V)
-        _copy_scales(j, ks_ring.index(s), vs_ring.index(s), k_scale_ptr, v_scale_ptr, bt_row, scale_head, stride_sb,
-                     last_page, PAGE, BLOCK_N, LOAD_S)
+        if KV_KIND == KIND_BF16:  # row-major V pages, no scales
+            _issue_rows(j, k_ring.index(s), k_ptr, bt_row, data_head, stride_cb, last_page, HEAD_DIM, PAGE, BLOCK_N,
+                        LOAD_K)
+            _issue_rows(j, v_ring.index(s), v_ptr, bt_row, data_head, stride_cb, last_page, HEAD_DIM, PAGE, BLOCK_N,
+                        LOAD_V)
+        else:
+            _issue_tile(j, k_ring.index(s), v_ring.index(s), k_ptr, v_ptr, bt_row, data_head, stride_cb, last_page,
+                        HEAD_DIM, PAGE, BLOCK_N, LOAD_K, LOAD_V)
+            _copy_scales(j, ks_ring.index(s), vs_ring.index(s), k_scale_ptr, v_scale_ptr, bt_row, scale_head,
+                         stride_sb, last_page, PAGE, BLOCK_N, LOAD_S)
         tail = (j + 1) * BLOCK_N > kv_end
-        if KV_KIND == KIND_FP8:
+        if KV_KIND != KIND_INT8:  # e4m3 / bf16 stale bytes may be NaN
             if tail:
                 async_copy.commit_group()
                 async_copy.wait_group(0)
-                _zero_tail_keys(v_ring.index(s), j * BLOCK_N, kv_end, HEAD_DIM, BLOCK_N, LOAD_V)
+                if KV_KIND == KIND_BF16:
+                    _zero_tail_rows(v_ring.index(s), j * BLOCK_N, kv_end, BLOCK_N, LOAD_V)
+                else:
+                    _zero_tail_keys(v_ring.index(s), j * BLOCK_N, kv_end, HEAD_DIM, BLOCK_N, LOAD_V)
                 fence_async_shared()
                 _gc.cta_barrier()  # the loader's warps only (a named barrier inside a partition)
                 mbarrier.arrive(ready.index(s), count=LOADER_WARPS * 32)
@@ -99,6 +108,30 @@ def _loader(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_hea
                 async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
         else:
             async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+
+
+@gluon.jit
+def _zero_tail_rows(v_buf, start, kv_end, BLOCK_N: gl.constexpr, LOAD_V: gl.constexpr):
+    """Zero the V rows of keys >= kv_end in a ``[BLOCK_N, HEAD_DIM]`` tile (a BF16 cache's V)."""
+    vn = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD_V))
+    v = v_buf.load(LOAD_V)
+    v_buf.store(gl.where((vn < kv_end)[:, None], v, gl.zeros_like(v)))
+
+
+@gluon.jit
+def _softmax_tile_16(s, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N: gl.constexpr, COL: gl.constexpr,
+                     PV_ROW: gl.constexpr, P_LAYOUT: gl.constexpr):
+    """Online softmax of a BF16 cache's scores: P in bf16 (no scales, no rounding to 8 bits);
+    returns (P, the accumulator's rescale factor, m, l)."""
+    t = s
+    if start + BLOCK_N > full_end:
+        offs_n = start + gl.arange(0, BLOCK_N, layout=COL)
+        t = gl.where(offs_n[None, :] <= row_limit[:, None], t, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(t, 1) * row_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(t * row_scale[:, None] - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT), gl.convert_layout(alpha, PV_ROW), m_new, l_i
 
 
 @gluon.jit
@@ -199,8 +232,11 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
     offs_m = ROW0 + gl.arange(0, BLOCK_M, layout=ROW)
     tok = q_tile * BLOCK_Q + offs_m // GROUP
     row_valid = (offs_m // GROUP < BLOCK_Q) & (tok < q_len)
-    row_scale = gl.load(q_scale_ptr + (q_start + tok).to(gl.int64) * stride_qst
-                        + (kv_head * GROUP + offs_m % GROUP) * stride_qsh, mask=row_valid, other=1.0) * qk_scale
+    if KV_KIND == KIND_BF16:  # the query itself, unscaled
+        row_scale = gl.zeros([BLOCK_M], gl.float32, ROW) + qk_scale
+    else:
+        row_scale = gl.load(q_scale_ptr + (q_start + tok).to(gl.int64) * stride_qst
+                            + (kv_head * GROUP + offs_m % GROUP) * stride_qsh, mask=row_valid, other=1.0) * qk_scale
     full_end = ((ctx + q_tile * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N  # keys every row of the program sees
     row_limit = gl.minimum(ctx + tok, kv_end - 1)
 
@@ -232,7 +268,11 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
     mbarrier.wait(ready.index(0), 0)
     fence_async_shared()
     s = warpgroup_mma_wait(0, deps=[_qk(q_smem, k_ring.index(0), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)])
-    k_scale, v_scale = _stage_scales(ks_ring.index(0), vs_ring.index(0), 0, kv_end, BLOCK_N, COL)
+    if KV_KIND == KIND_BF16:
+        k_scale = gl.zeros([BLOCK_N], gl.float32, COL)  # no scales
+        v_scale = k_scale
+    else:
+        k_scale, v_scale = _stage_scales(ks_ring.index(0), vs_ring.index(0), 0, kv_end, BLOCK_N, COL)
 
     for j in range(0, num_kv_tiles):
         start = j * BLOCK_N
@@ -246,14 +286,18 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
                 mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
                 fence_async_shared()
                 s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
-        if not PV_IN_FLIGHT:
+        if not PV_IN_FLIGHT and KV_KIND != KIND_BF16:
             # read from the ring stage here, not carried from the last tile: not live during PV
             k_scale, v_scale = _stage_scales(ks_ring.index(j % STAGES), vs_ring.index(j % STAGES), start, kv_end,
                                              BLOCK_N, COL)
         # ---- softmax of S_j
-        p_op, factor, m_i, l_i, r_i = _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit, start,
-                                                     full_end, levels, BLOCK_N, KV_KIND, PV_KIND, COL, PV_ROW,
-                                                     P_LAYOUT)
+        if KV_KIND == KIND_BF16:
+            p_op, factor, m_i, l_i = _softmax_tile_16(s, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N,
+                                                      COL, PV_ROW, P_LAYOUT)
+        else:
+            p_op, factor, m_i, l_i, r_i = _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit,
+                                                         start, full_end, levels, BLOCK_N, KV_KIND, PV_KIND, COL,
+                                                         PV_ROW, P_LAYOUT)
         v_buf = v_ring.index(j % STAGES)
 
         if PV_IN_FLIGHT:
@@ -287,6 +331,8 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
                 if NUM_DV > 4:
                     acc4, acc5, acc6, acc7 = _pv_int8_chunks(acc4, acc5, acc6, acc7, p_op, factor, v_buf, 4, BLOCK_M,
                                                              DV, NUM_DV, PV_LAYOUT)
+            elif KV_KIND == KIND_BF16:  # one chunk (dv = head_dim), V rows [keys, head_dim]
+                acc0 = _pv_8bit(acc0, p_op, factor, v_buf, BLOCK_M, DV, PV_KIND, PV_LAYOUT)
             else:
                 acc0 = _pv_8bit(acc0, p_op, factor, _v_chunk(v_buf, 0, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
                 if NUM_DV > 1:
@@ -331,7 +377,8 @@ def _prefill_hopper_ws_kernel(
 ):
     gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(STAGES >= 3, "tiles j - 1 (PV in flight), j and j + 1 are live")
-    gl.static_assert(PV_KIND != PV_BF16, "the warp-specialized kernel runs 8-bit PV only")
+    gl.static_assert((PV_KIND != PV_BF16) or (KV_KIND == KIND_BF16),
+                     "the warp-specialized kernel runs PV in the cache's precision")
 
     kv_head, seq, q_start, q_tile, q_len = _program_tile(query_start_loc_ptr, num_seqs, num_tiles, BLOCK_Q)
     if (q_len <= min_query_len) | (q_tile * BLOCK_Q >= q_len):
@@ -346,7 +393,10 @@ def _prefill_hopper_ws_kernel(
     S_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_bufs = gl.allocate_shared_memory(elem, [2, WG_ROWS, HEAD_DIM], Q_SMEM)
     k_ring = gl.allocate_shared_memory(elem, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
-    v_ring = gl.allocate_shared_memory(elem, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
+    if KV_KIND == KIND_BF16:
+        v_ring = gl.allocate_shared_memory(elem, [STAGES, BLOCK_N, HEAD_DIM], V_SMEM)
+    else:
+        v_ring = gl.allocate_shared_memory(elem, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
     ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
     vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())

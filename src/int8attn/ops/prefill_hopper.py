@@ -44,7 +44,7 @@ from . import prefill as _portable
 KERNELS = ("auto", "hopper", "portable")
 #: Environment variable naming the prefill kernel when no ``kernel`` argument does.
 KERNEL_ENV = "INT8ATTN_PREFILL_KERNEL"
-_KV_KIND = {k: KV_KIND[k] for k in ("int8", "fp8")}  # the cache dtypes the Hopper kernel takes
+_KV_KIND = {k: KV_KIND[k] for k in ("int8", "fp8", "bf16")}  # the cache dtypes the Hopper kernels take
 
 #: The routes "auto" runs on a Hopper kernel (sm_90, wherever it applies), each measured
 #: correct in the GPU tests and faster than the portable kernel on the same route in every
@@ -82,7 +82,10 @@ class HopperPrefillConfig:
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillConfig:
     """int8 PV takes a fresh s32 tile per MMA, so at head_dim 256 it runs in 64-column
-    chunks (live registers); fp8 and fp16 PV accumulate inside the MMA (one chunk)."""
+    chunks (live registers); fp8 and fp16 PV accumulate inside the MMA (one chunk). A BF16
+    cache runs on the warp-specialized kernel only (:func:`warp_specialized_config`)."""
+    if kv_dtype == "bf16":
+        return warp_specialized_config(kv_dtype, head_dim)
     # head_dim 256 with 64-key tiles: the 8-bit P operand's layout conversion, the int32 PV
     # tiles and the 128-register accumulator spill (sm_90 AOT compile, Triton 3.6: ~220
     # LDL/STL for int8 PV); 32-key tiles keep the int8 routes in registers.
@@ -117,9 +120,12 @@ def warp_specialized_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig
     programs. sm_90 AOT compile, Triton 3.6, local-memory instructions: 0 for int8 at 64 and
     128, 3 at 256 (PV in eight 32-column chunks beside the 128-register accumulator); fp8 10
     at 128, 109 at 256, whose 64-key P tiles the fp8 accuracy bound needs (32-key tiles: rel-L2
-    0.031 against 0.03)."""
+    0.031 against 0.03). A BF16 cache (bf16 Q, P and V, no scales: the same design, for
+    ratios within it) 4 at 128 and 0 at 256 with 32-key tiles."""
     if kv_dtype == "int8" and head_dim > 128:
         return HopperPrefillConfig(block_n=32, dv=32, stages=4, warp_specialized=True, qk_ahead=False)
+    if kv_dtype == "bf16" and head_dim > 128:  # bf16 P is not rounded per tile: 32-key tiles fit (0 spills)
+        return HopperPrefillConfig(block_n=32, dv=head_dim, stages=4, warp_specialized=True, qk_ahead=False)
     return HopperPrefillConfig(block_n=64, dv=head_dim, stages=4, warp_specialized=True, qk_ahead=False)
 
 
@@ -185,7 +191,7 @@ def unsupported_reason(cache, num_q_heads: int, pv_mode: str | None) -> str | No
     if torch.cuda.get_device_capability(cache.device) != (9, 0):
         return f"sm_{''.join(map(str, torch.cuda.get_device_capability(cache.device)))} is not sm_90"
     if cache.kv_dtype not in _KV_KIND:
-        return f"kv_dtype {cache.kv_dtype!r} (Hopper kernel: int8, fp8)"
+        return f"kv_dtype {cache.kv_dtype!r} (Hopper kernels: int8, fp8, bf16)"
     if cache.head_dim not in (64, 128, 256):
         return f"head_dim {cache.head_dim} (Hopper kernel: 64, 128, 256)"
     if cache.block_size < 16:
@@ -223,9 +229,13 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise TypeError(f"config.pipeline must be a bool, got {config.pipeline!r}")
     if not isinstance(config.warp_specialized, bool):
         raise TypeError(f"config.warp_specialized must be a bool, got {config.warp_specialized!r}")
-    if (config.pipeline or config.warp_specialized) and (pv_mode == "bf16" or config.stages < 3):
-        raise ValueError(f"pipeline / warp_specialized need 8-bit PV and stages >= 3 (pv_mode={pv_mode!r}, "
-                         f"stages={config.stages})")
+    if cache.kv_dtype == "bf16" and not (config.warp_specialized and dv == d and not config.pipeline):
+        raise ValueError("a bf16 cache runs on the warp-specialized kernel with dv = head_dim "
+                         "(HopperPrefillConfig(warp_specialized=True), e.g. warp_specialized_config('bf16', d))")
+    sixteen_bit_pv = pv_mode == "bf16" and cache.kv_dtype != "bf16"  # fp16 PV of an 8-bit cache
+    if (config.pipeline or config.warp_specialized) and (sixteen_bit_pv or config.stages < 3):
+        raise ValueError(f"pipeline / warp_specialized need PV in the cache's precision and stages >= 3 "
+                         f"(pv_mode={pv_mode!r}, stages={config.stages})")
     if not isinstance(config.qk_ahead, bool):
         raise TypeError(f"config.qk_ahead must be a bool, got {config.qk_ahead!r}")
     if not config.qk_ahead and not config.warp_specialized:
@@ -312,22 +322,27 @@ def run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_star
     group = num_q_heads // cache.num_kv_heads
     block_q = config.block_m // group
     num_tiles = num_tokens // block_q + num_seqs
-    if q_quant is None:
+    if cache.kv_dtype == "bf16":  # the query itself, in the cache's type
+        q_quant = query.to(torch.bfloat16)
+    elif q_quant is None:
         q_quant, q_scale = quantize_query(query, cache.kv_dtype, channel_scale=cache.key_channel_scale)
     key, value = cache.key, cache.value
     q_in = q_quant.view(torch.uint8) if cache.kv_dtype == "fp8" else q_quant
+    key_scale, value_scale = cache.key_scale, cache.value_scale
+    if cache.kv_dtype == "bf16":  # no scales: the kernel reads none of these
+        key_scale = value_scale = q_scale = _unit_scale(query.device)
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
     qk_scale = float(softmax_scale) * math.log2(math.e)
     with device_guard(cache.device):
         kern = kernel_fn(config)
         compiled = kern[(num_tiles, cache.num_kv_heads)](
-            q_in, q_scale, out, key, value, cache.key_scale, cache.value_scale,
+            q_in, q_scale, out, key, value, key_scale, value_scale,
             block_table, seq_lens, query_start_loc,
             qk_scale, num_seqs, min_query_len, num_tiles,
             q_in.stride(0), q_in.stride(1), q_scale.stride(0), q_scale.stride(1),
             out.stride(0), out.stride(1),
-            key.stride(0), key.stride(1), cache.key_scale.stride(0), cache.key_scale.stride(1),
+            key.stride(0), key.stride(1), key_scale.stride(0), key_scale.stride(1),
             block_table.stride(0),
             **constexprs(config, cache, group, pv_mode), **launch_options(config),
         )
@@ -361,10 +376,15 @@ def prefill(query, cache, block_table, seq_lens, query_start_loc, *, kernel: str
 
 
 #: Pointer arguments of the kernel and their Triton types per cache dtype (AOT compile).
+def _unit_scale(device) -> torch.Tensor:
+    """A [1, 1] float32 tensor standing in for the scale arguments of a BF16 cache's launch."""
+    return torch.ones((1, 1), dtype=torch.float32, device=device)
+
+
 def _pointer_types(kv_dtype: str) -> dict:
-    elem = {"int8": "*i8", "fp8": "*fp8e4nv"}[kv_dtype]
-    return dict(q_ptr={"int8": "*i8", "fp8": "*u8"}[kv_dtype], k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32",
-                k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32", seq_lens_ptr="*i32",
+    elem = {"int8": "*i8", "fp8": "*fp8e4nv", "bf16": "*bf16"}[kv_dtype]
+    return dict(q_ptr={"int8": "*i8", "fp8": "*u8", "bf16": "*bf16"}[kv_dtype], k_ptr=elem, v_ptr=elem,
+                q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32", seq_lens_ptr="*i32",
                 query_start_loc_ptr="*i32", out_ptr="*bf16")
 
 
