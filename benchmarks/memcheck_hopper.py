@@ -1,7 +1,7 @@
 """The warp-specialized Hopper prefill kernel under compute-sanitizer (sm_90 only): odd
 lengths, a varlen batch with single-tile programs (the case of the illegal shared-memory
-read found in the in-flight PV schedule) and a stale-slot batch, for every config
-``warp_specialized_config`` offers and the other QK schedule of each.
+read found in the in-flight PV schedule) and a stale-slot batch, for every cache
+(int8, fp8, bf16) and config ``warp_specialized_config`` offers and the other QK schedule of each.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/memcheck_hopper.py
 
@@ -30,7 +30,7 @@ CASES = {  # name: (hq, hkv, head_dim, block_size, seq_lens, q_lens)
 def main() -> int:
     bad = 0
     for name, (hq, hkv, d, bs, lens, qlens) in CASES.items():
-        for kv in ("int8", "fp8"):
+        for kv in ("int8", "fp8", "bf16"):
             ws = hop.warp_specialized_config(kv, d)
             b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                          kv_dtype=kv, seed=len(name), device="cuda")
