@@ -546,22 +546,28 @@ def test_plan_records_the_prefill_kernel(monkeypatch, device):
     assert torch.equal(plan.run(*_args(b)), want)
 
 
+@pytest.mark.parametrize("kv", ["fp8", "bf16"])
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_auto_takes_hopper_only_for_checked_metadata(monkeypatch):
+def test_gpu_auto_takes_hopper_only_for_checked_metadata(kv, monkeypatch):
     """"auto" on an AUTO_ROUTES route: a plan (metadata values checked once) runs the
-    Hopper kernel; an unplanned call with value checks off (the GPU default) the portable
-    kernel, which validates metadata on the device."""
+    Hopper kernel, with the portable kernel's result; an unplanned call with value checks
+    off (the GPU default) the portable kernel, which validates metadata on the device."""
     import int8attn
 
     monkeypatch.delenv(hop.KERNEL_ENV, raising=False)
     monkeypatch.delenv("INT8ATTN_CHECK_VALUES", raising=False)
-    assert ("fp8", "fp8", 128) in hop.AUTO_ROUTES
-    b = _batch([40, 300, 2000], [4, 300, 333], hq=32, hkv=8, d=128, kv="fp8", seed=9, device="cuda")
-    plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 32, pv_mode="fp8")
+    assert (kv, kv, 128) in hop.AUTO_ROUTES
+    b = _batch([40, 300, 2000], [4, 300, 333], hq=32, hkv=8, d=128, kv=kv, seed=9, device="cuda")
+    plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 32, pv_mode=kv)
     assert plan.prefill_kernel == "hopper"
-    assert _ran(lambda: plan.run(*_args(b))) == "hopper"
-    assert _ran(lambda: int8attn.attention(*_args(b), pv_mode="fp8")) == "portable"
+    out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+    assert _ran(lambda: plan.run(*_args(b), out=out)) == "hopper"
+    want = int8attn.attention(*_args(b), pv_mode=kv)
+    assert _ran(lambda: int8attn.attention(*_args(b), pv_mode=kv)) == "portable"
+    torch.cuda.synchronize()
+    assert torch.isfinite(out.float()).all()
+    testing.assert_close_verbose(out, want, rel_l2=2 * TOL_QUANTIZED[(kv, kv)], name="hopper vs portable")
 
 
 @pytest.mark.parametrize("how", ["argument", "plan", "environment-op"])

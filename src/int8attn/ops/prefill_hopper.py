@@ -7,7 +7,8 @@ Same contract as :func:`int8attn.ops.prefill.prefill_attention` (inputs, validat
 ``out=``, ``min_query_len`` / ``max_query_len``, grid from host-known sizes only, no host
 sync). Supported: sm_90 CUDA devices, an "int8" or "fp8" cache, head_dim 64 / 128 / 256,
 block_size >= 16 (16-byte copy runs of a transposed V page), PV "int8" | "fp8" (8-bit)
-or "bf16" (fp16 P and V). The query is quantized once by
+or "bf16" (fp16 P and V); a "bf16" cache on the warp-specialized kernel (bf16 P and V, the
+same design for ratios within it). The query of an 8-bit cache is quantized once by
 :func:`int8attn.ops.producer.quantize_query` unless the caller passes its codes.
 
 Kernel choice (:func:`choose`, used by :func:`prefill`, ``attention()``,
@@ -51,11 +52,13 @@ _KV_KIND = {k: KV_KIND[k] for k in ("int8", "fp8", "bf16")}  # the cache dtypes 
 #: H200 case timed (benchmarks/notes/prefill_hopper.md): (kv_dtype, pv_mode, head_dim) ->
 #: the config it launches: "ws" (:func:`warp_specialized_config`; chunk 4096 over prefix 0 /
 #: 28672: fp8 2.03-2.07x the portable kernel at 32q/8kv D128, 1.78-1.85x at 24q/4kv D256;
-#: int8 1.41-1.51x at D128, 1.43-1.44x at D256), "pipe" (:func:`pipelined_config`) or "sync"
-#: (:func:`default_config`; fp8 at D64, as measured before the warp-specialized kernel).
-#: Elsewhere "auto" runs the portable kernel, int8 caches with 16-bit PV (their default) too.
+#: int8 1.41-1.51x at D128, 1.43-1.44x at D256; a BF16 cache 1.39-1.44x at D128, 1.13-1.17x
+#: at D256), "pipe" (:func:`pipelined_config`) or "sync" (:func:`default_config`; fp8 at D64,
+#: as measured before the warp-specialized kernel). Elsewhere "auto" runs the portable
+#: kernel, int8 caches with 16-bit PV (their default) too.
 AUTO_ROUTES = {("fp8", "fp8", 64): "sync", ("fp8", "fp8", 128): "ws", ("fp8", "fp8", 256): "ws",
-               ("int8", "int8", 128): "ws", ("int8", "int8", 256): "ws"}
+               ("int8", "int8", 128): "ws", ("int8", "int8", 256): "ws",
+               ("bf16", "bf16", 128): "ws", ("bf16", "bf16", 256): "ws"}
 
 
 @dataclass(frozen=True)
