@@ -290,7 +290,8 @@ def test_pipeline_rejects_16_bit_pv():
 
 
 @pytest.mark.parametrize("kv,pv,d,want", [("fp8", "fp8", 128, "ws"), ("int8", "int8", 256, "ws"),
-                                          ("fp8", "fp8", 64, "sync"), ("int8", "bf16", 128, "sync"),
+                                          ("fp8", "fp8", 64, "ws"), ("int8", "int8", 64, "ws"),
+                                          ("int8", "bf16", 128, "sync"),
                                           ("bf16", "bf16", 256, "ws")])
 def test_route_config_is_the_routes_config(kv, pv, d, want):
     """The config a route launches is the one AUTO_ROUTES names (a forced "hopper" off the

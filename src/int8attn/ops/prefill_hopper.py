@@ -51,15 +51,16 @@ _KV_KIND = {k: KV_KIND[k] for k in ("int8", "fp8", "bf16")}  # the cache dtypes 
 #: correct in the GPU tests and faster than the portable kernel on the same route in every
 #: H200 case timed (benchmarks/notes/prefill_hopper.md): (kv_dtype, pv_mode, head_dim) ->
 #: the config it launches: "ws" (:func:`warp_specialized_config`; chunk 4096 over prefix 0 /
-#: 28672: fp8 2.03-2.07x the portable kernel at 32q/8kv D128, 1.78-1.85x at 24q/4kv D256;
-#: int8 1.41-1.51x at D128, 1.43-1.44x at D256; a BF16 cache 1.39-1.44x at D128, 1.13-1.17x
-#: at D256), "pipe" (:func:`pipelined_config`) or "sync" (:func:`default_config`; fp8 at D64,
-#: as measured before the warp-specialized kernel). Elsewhere "auto" runs the portable
-#: kernel, int8 caches with 16-bit PV (their default) too.
-AUTO_ROUTES = {("fp8", "fp8", 64): "sync", ("fp8", "fp8", 128): "ws", ("fp8", "fp8", 256): "ws",
-               ("int8", "int8", 128): "ws", ("int8", "int8", 256): "ws",
+#: 28672: fp8 2.03-2.07x the portable kernel at 32q/8kv D128, 1.78-1.85x at 24q/4kv D256,
+#: 1.9x / 2.16x at 16q/4kv D64 (1.56x / 1.8x the synchronous Hopper kernel); int8 1.41-1.51x at
+#: D128, 1.43-1.44x at D256, 1.58x / 1.72x at D64; a BF16 cache 1.39-1.44x at D128, 1.13-1.17x
+#: at D256; prefix-0 figures at D64 from CUDA-graph replay, where eager timing includes host
+#: time), "pipe" (:func:`pipelined_config`) or "sync" (:func:`default_config`). Elsewhere
+#: "auto" runs the portable kernel: int8 caches with 16-bit PV (their default) and BF16 caches
+#: at D64 (eager 0.84-0.93x the portable kernel at prefix 0, not timed by graph).
+AUTO_ROUTES = {("fp8", "fp8", 64): "ws", ("fp8", "fp8", 128): "ws", ("fp8", "fp8", 256): "ws",
+               ("int8", "int8", 64): "ws", ("int8", "int8", 128): "ws", ("int8", "int8", 256): "ws",
                ("bf16", "bf16", 128): "ws", ("bf16", "bf16", 256): "ws"}
-
 
 @dataclass(frozen=True)
 class HopperPrefillConfig:
