@@ -1,6 +1,8 @@
 """The Hopper prefill kernel of :mod:`int8attn.kernels.prefill_hopper_pipe`, warp-specialized
 (FlashAttention-3's structure): the same function, rows, scales, masking, P quantization and
-tensor layouts; only who does what differs.
+tensor layouts; only who does what differs. It also runs a BF16 cache (``KV_KIND ==
+KIND_BF16``: the bf16 query itself, row-major K and V pages, no scales, bf16 P into one fp32
+accumulator), so that 8-bit and 16-bit caches are compared within one design.
 
 One program owns 128 query rows of one KV head (the packing of
 :mod:`int8attn.kernels.prefill_hopper`) and runs three partitions of four warps each:
