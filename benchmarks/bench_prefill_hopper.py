@@ -14,7 +14,10 @@ Every section is guarded (an error is printed and recorded, the run goes on). Ro
 ``benchmarks/results/prefill_hopper.jsonl`` (or ``--out DIR/prefill_hopper.jsonl``).
 Timings are medians (CUDA events, L2 flushed); nothing is asserted.
 
-Usage: ``PYTHONPATH=src python benchmarks/bench_prefill_hopper.py [--out DIR] [--quick] [--only-ws] [--batches]``
+Usage: ``PYTHONPATH=src python benchmarks/bench_prefill_hopper.py [--out DIR] [--quick] [--only-ws] [--batches]
+[--graph]`` (``--graph``: every attention row also by CUDA-graph replay, a second table; at
+prefix 0 the eager figures of short launches can include host time, see
+``benchmarks/timing_methods_prefill_hopper.py``)
 (``--batches``: also the per-token cost of a plan over one 4096-token chunk, a 4 x 4096 batch
 and a mixed batch of 16 decode sequences beside one chunk.)
 """
@@ -44,6 +47,22 @@ CHUNK = 4096
 ROUTES = (("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("bf16", "bf16"))
 #: --only-ws: of the Hopper kernels, time the warp-specialized configs only
 ONLY_WS = False
+#: --graph: every attention row also timed by CUDA-graph replay (``graph_us``): eager figures
+#: of short launches include host time whenever the call's host work outlasts do_bench's L2
+#: flush (benchmarks/timing_methods_prefill_hopper.py)
+GRAPH = False
+
+
+def _timed(fn) -> dict:
+    """``us`` (eager, L2 flushed) and, with --graph, ``graph_us`` (replays of ~20 ms)."""
+    us = bench.time_eager(fn)
+    out = dict(us=us)
+    if GRAPH:
+        try:
+            out["graph_us"] = bench.time_graph(fn, replays=max(2, min(50, int(20000 / us))), repeats=7)
+        except Exception as e:  # noqa: BLE001 - a launch that cannot be captured keeps its eager figure
+            out["graph_error"] = repr(e)[:200]
+    return out
 
 
 def unmasked_ops(hq: int, d: int, q: int, prefix: int) -> float:
@@ -103,8 +122,9 @@ def bench_case(rec, shape, prefix, kv_dtype, pvs):
     for pv in pvs:
         try:
             portable = prefill_attention(*args, pv_mode=pv)
-            us_p = bench.time_eager(lambda: prefill_attention(*args, pv_mode=pv))
-            _record(rec, **base, pv_mode=pv, kernel="portable", us=us_p, tops=ops / us_p * 1e-6)
+            t = _timed(lambda: prefill_attention(*args, pv_mode=pv))
+            us_p = t["us"]
+            _record(rec, **base, pv_mode=pv, kernel="portable", **t, tops=ops / us_p * 1e-6)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             _record(rec, **base, pv_mode=pv, kernel="portable", error=repr(e)[:400])
@@ -120,8 +140,9 @@ def bench_case(rec, shape, prefix, kv_dtype, pvs):
                 torch.cuda.synchronize()
                 finite = bool(torch.isfinite(out.float()).all())
                 err = _rel_l2(out, portable)
-                us_h = bench.time_eager(run)
-                _record(rec, **base, pv_mode=pv, kernel=label, us=us_h, tops=ops / us_h * 1e-6,
+                t = _timed(run)
+                us_h = t["us"]
+                _record(rec, **base, pv_mode=pv, kernel=label, **t, tops=ops / us_h * 1e-6,
                         rel_l2_vs_portable=err, all_written=finite, speedup_vs_portable=us_p / us_h, config=str(cfg))
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
@@ -147,8 +168,8 @@ def bench_bf16_peers(rec, shape, prefix):
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)  # noqa: E731
     try:
         ref = sdpa()
-        us = bench.time_eager(sdpa)
-        _record(rec, **base, kernel="sdpa_bf16", us=us, tops=ops / us * 1e-6)
+        t = _timed(sdpa)
+        _record(rec, **base, kernel="sdpa_bf16", **t, tops=ops / t["us"] * 1e-6)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         _record(rec, **base, kernel="sdpa_bf16", error=repr(e)[:400])
@@ -163,8 +184,8 @@ def bench_bf16_peers(rec, shape, prefix):
         out = fa()
         out = out[0] if isinstance(out, tuple) else out
         err = _rel_l2(out.transpose(1, 2), ref) if ref is not None else None
-        us = bench.time_eager(fa)
-        _record(rec, **base, kernel="fa4_bf16", us=us, tops=ops / us * 1e-6, rel_l2_vs_sdpa=err)
+        t = _timed(fa)
+        _record(rec, **base, kernel="fa4_bf16", **t, tops=ops / t["us"] * 1e-6, rel_l2_vs_sdpa=err)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         _record(rec, **base, kernel="fa4_bf16", error=repr(e)[:400])
@@ -209,34 +230,33 @@ def bench_gemm_floor(rec, size: int = 8192):
             tops=2.0 * size ** 3 / us * 1e-6, exact_first_tile=exact)
 
 
-def print_table(rows) -> None:
-    """One line per timed kernel: us, TOP/s, and ratios against the portable kernel on the
-    same route, SDPA / FA4 BF16 and the BF16 cache on the warp-specialized kernel ("WS16")
-    on the same case (all from this run)."""
-    peers = {(r["shape"], r["prefix"], r["kernel"]): r["us"] for r in rows
-             if r.get("kv_dtype") == "bf16 dense" and "us" in r}
-    port = {(r["shape"], r["prefix"], r["kv_dtype"], r["pv_mode"]): r["us"] for r in rows
-            if r.get("kernel") == "portable" and "us" in r}
+def print_table(rows, key: str = "us") -> None:
+    """One line per timed kernel: ``key`` ("us" eager, or "graph_us"), TOP/s, and ratios
+    against the portable kernel on the same route, SDPA / FA4 BF16 and the BF16 cache on the
+    warp-specialized kernel ("WS16") on the same case (all from this run, all by ``key``)."""
+    timed = [r for r in rows if key in r and "shape" in r and "batch" not in r and r.get("kernel") != "quantize_query"]
+    peers = {(r["shape"], r["prefix"], r["kernel"]): r[key] for r in timed if r.get("kv_dtype") == "bf16 dense"}
+    port = {(r["shape"], r["prefix"], r["kv_dtype"], r["pv_mode"]): r[key] for r in timed
+            if r.get("kernel") == "portable"}
     # the BF16 cache on the warp-specialized kernel: the ratio within one design
-    ws16 = {(r["shape"], r["prefix"]): r["us"] for r in rows
-            if r.get("kernel") == "hopper-ws" and r.get("kv_dtype") == "bf16" and "us" in r}
-    head = f"{'case':<22} {'kv/pv':<10} {'kernel':<23} {'us':>9} {'TOP/s':>7} {'x port':>7} {'x SDPA':>7} " \
+    ws16 = {(r["shape"], r["prefix"]): r[key] for r in timed
+            if r.get("kernel") == "hopper-ws" and r.get("kv_dtype") == "bf16"}
+    head = f"{'case':<22} {'kv/pv':<10} {'kernel':<23} {key:>9} {'TOP/s':>7} {'x port':>7} {'x SDPA':>7} " \
            f"{'x FA4':>7} {'x WS16':>7} {'relL2':>7}"
     print("\n" + head + "\n" + "-" * len(head))
-    for r in rows:
-        if "shape" not in r or "us" not in r or "batch" in r or r.get("kernel") == "quantize_query":
-            continue
+    for r in timed:
         case = f"{r['shape']} p{r['prefix']}"
         route = "bf16" if r["kv_dtype"] == "bf16 dense" else f"{r['kv_dtype']}/{r['pv_mode']}"
         p = port.get((r["shape"], r["prefix"], r["kv_dtype"], r.get("pv_mode")))
         sd = peers.get((r["shape"], r["prefix"], "sdpa_bf16"))
         fa = peers.get((r["shape"], r["prefix"], "fa4_bf16"))
-        ratio = lambda ref: f"{ref / r['us']:7.2f}" if ref else f"{'-':>7}"  # noqa: E731
+        ratio = lambda ref: f"{ref / r[key]:7.2f}" if ref else f"{'-':>7}"  # noqa: E731
         err = r.get("rel_l2_vs_portable")
-        print(f"{case:<22} {route:<10} {r['kernel']:<23} {r['us']:9.1f} {r.get('tops', 0):7.1f} {ratio(p)} "
+        tops = r["tops"] * r["us"] / r[key] if "tops" in r else 0.0
+        print(f"{case:<22} {route:<10} {r['kernel']:<23} {r[key]:9.1f} {tops:7.1f} {ratio(p)} "
               f"{ratio(sd)} {ratio(fa)} {ratio(ws16.get((r['shape'], r['prefix'])))} "
               f"{'' if err is None else format(err, '7.4f')}")
-    for r in rows:
+    for r in rows if key == "us" else ():
         if r.get("kernel") == "gluon_wgmma_s8_gemm" and "tops" in r:
             print(f"s8 wgmma GEMM floor {r['m']}^3: {r['us']:.1f} us, {r['tops']:.0f} TOP/s")
         if "error" in r:
@@ -249,10 +269,11 @@ def main():
     ap.add_argument("--quick", action="store_true", help="prefix 28672 only, no fp8 cache")
     ap.add_argument("--batches", action="store_true", help="the batch cases (bench_batches) too")
     ap.add_argument("--only-ws", action="store_true", help="of the Hopper kernels, the warp-specialized ones only")
+    ap.add_argument("--graph", action="store_true", help="also time every attention row by CUDA-graph replay")
     ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"comma-separated, of {list(SHAPES)}")
     opts = ap.parse_args()
-    global ONLY_WS
-    ONLY_WS = opts.only_ws
+    global ONLY_WS, GRAPH
+    ONLY_WS, GRAPH = opts.only_ws, opts.graph
     opts.shapes = [name for name in opts.shapes.split(",") if name]
     unknown = set(opts.shapes) - set(SHAPES)
     if unknown:
@@ -271,6 +292,8 @@ def main():
         run_all(rec, opts)
     finally:
         print_table(rec.rows)
+        if any("graph_us" in r for r in rec.rows):
+            print_table(rec.rows, "graph_us")
         print("rows ->", rec.save())
 
 
