@@ -281,6 +281,25 @@ def test_a_bf16_cache_runs_only_the_warp_specialized_kernel_with_one_pv_chunk(co
     assert hop._check_config(hop.warp_specialized_config("bf16", 128), _C(), 4, "bf16").dv == 128
 
 
+def test_constexprs_are_built_once_per_layout_and_handed_out_as_fresh_dicts():
+    """A launch's constexprs (Gluon layouts) are built once per (config, cache layout, group,
+    PV mode): the same values every call, in a dict the caller may change."""
+    class _C:
+        kv_dtype, head_dim, block_size = "int8", 128, 16
+
+    cfg = hop._check_config(hop.warp_specialized_config("int8", 128), _C(), 4, "int8")
+    hop._constexprs.cache_clear()
+    first = hop.constexprs(cfg, _C(), 4, "int8")
+    first["GROUP"] = -1
+    second = hop.constexprs(cfg, _C(), 4, "int8")
+    assert second["GROUP"] == 4 and second is not first
+    assert hop._constexprs.cache_info().hits == 1
+    fresh = hop._constexprs.__wrapped__(cfg, "int8", 128, 16, 4, "int8")
+    assert second.keys() == fresh.keys()
+    assert all(str(second[k]) == str(fresh[k]) for k in fresh)
+    assert hop.constexprs(cfg, _C(), 6, "int8")["GROUP"] == 6  # another group: another entry
+
+
 def test_pipeline_rejects_16_bit_pv():
     class _C:
         kv_dtype, head_dim, block_size = "int8", 128, 16

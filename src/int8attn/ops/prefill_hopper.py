@@ -30,6 +30,7 @@ the portable ``_prefill_kernel``.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, replace
@@ -252,20 +253,28 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
 
 
 def constexprs(config: HopperPrefillConfig, cache, group: int, pv_mode: str) -> dict:
-    """Every constexpr of the kernel for a checked config (launch and AOT compile alike)."""
+    """Every constexpr of the kernel for a checked config (launch and AOT compile alike); a
+    new dict per call over values built once per (config, cache layout, group, PV mode):
+    building the Gluon layouts costs ~55 us of host time per launch otherwise."""
+    return dict(_constexprs(config, cache.kv_dtype, cache.head_dim, cache.block_size, group, pv_mode))
+
+
+@functools.lru_cache(maxsize=256)
+def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block_size: int, group: int,
+                pv_mode: str) -> dict:
     from ..kernels.prefill_hopper import kernel_layouts
 
-    kv, pv = KV_KIND[cache.kv_dtype], PV_KIND[pv_mode]
-    const = dict(GROUP=group, HEAD_DIM=cache.head_dim, PAGE=cache.block_size, BLOCK_M=config.block_m,
+    kv, pv = KV_KIND[kv_dtype], PV_KIND[pv_mode]
+    const = dict(GROUP=group, HEAD_DIM=head_dim, PAGE=block_size, BLOCK_M=config.block_m,
                  BLOCK_Q=config.block_m // group, BLOCK_N=config.block_n, DV=config.dv, KV_KIND=kv, PV_KIND=pv,
                  STAGES=config.stages)
     if config.warp_specialized:
         from ..kernels.prefill_hopper_ws import partition_constexprs
         # every partition is one warpgroup: layouts of 64 rows and 4 warps
-        const.update(kernel_layouts(64, config.block_n, cache.head_dim, config.dv, kv, pv),
+        const.update(kernel_layouts(64, config.block_n, head_dim, config.dv, kv, pv),
                      **partition_constexprs(config.pipeline, config.qk_ahead))
     else:
-        const.update(kernel_layouts(config.block_m, config.block_n, cache.head_dim, config.dv, kv, pv))
+        const.update(kernel_layouts(config.block_m, config.block_n, head_dim, config.dv, kv, pv))
     return const
 
 
