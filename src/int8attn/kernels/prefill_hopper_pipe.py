@@ -103,6 +103,21 @@ def _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, factor, NUM_DV: gl.co
 
 
 @gluon.jit
+def _online_softmax(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N: gl.constexpr, COL: gl.constexpr):
+    """One tile of the online softmax over the K-scaled scores ``t`` (each row's ``row_scale``
+    still to apply; causal mask only in tiles past ``full_end``): returns (P in fp32, the rows'
+    rescale factor alpha, m, l)."""
+    if start + BLOCK_N > full_end:
+        offs_n = start + gl.arange(0, BLOCK_N, layout=COL)
+        t = gl.where(offs_n[None, :] <= row_limit[:, None], t, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(t, 1) * row_scale)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(t * row_scale[:, None] - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
 def _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit, start, full_end, levels: gl.constexpr,
                   BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, COL: gl.constexpr,
                   PV_ROW: gl.constexpr, P_LAYOUT: gl.constexpr):
@@ -112,14 +127,7 @@ def _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit, star
         t = s.to(gl.float32, bitcast=True) * k_scale[None, :] + (k_scale * -MAGIC_F)[None, :]
     else:
         t = s * k_scale[None, :]
-    if start + BLOCK_N > full_end:
-        offs_n = start + gl.arange(0, BLOCK_N, layout=COL)
-        t = gl.where(offs_n[None, :] <= row_limit[:, None], t, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(t, 1) * row_scale)
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(t * row_scale[:, None] - m_new[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
-    m_i = m_new
+    p, alpha, m_i, l_i = _online_softmax(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N, COL)
     pv = p * v_scale[None, :]
     floor = gl.max(v_scale, 0) * MIN_REL_STEP
     r_new = gl.maximum(gl.max(pv, 1), floor) * (1.0 / levels)

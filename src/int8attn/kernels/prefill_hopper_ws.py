@@ -43,7 +43,7 @@ from . import _gluon_compat as _gc
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
 from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _issue_rows, _issue_tile, _program_tile, \
     _pv_8bit, _store_output, _zero_tail_keys
-from .prefill_hopper_pipe import _issue_pv, _softmax_tile, _wait_and_fold
+from .prefill_hopper_pipe import _issue_pv, _online_softmax, _softmax_tile, _wait_and_fold
 
 #: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).
 LOADER_WARPS = gl.constexpr(4)
@@ -125,15 +125,8 @@ def _softmax_tile_16(s, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N
                      PV_ROW: gl.constexpr, P_LAYOUT: gl.constexpr):
     """Online softmax of a BF16 cache's scores: P in bf16 (no scales, no rounding to 8 bits);
     returns (P, the accumulator's rescale factor, m, l)."""
-    t = s
-    if start + BLOCK_N > full_end:
-        offs_n = start + gl.arange(0, BLOCK_N, layout=COL)
-        t = gl.where(offs_n[None, :] <= row_limit[:, None], t, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(t, 1) * row_scale)
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(t * row_scale[:, None] - m_new[:, None])
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT), gl.convert_layout(alpha, PV_ROW), m_new, l_i
+    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N, COL)
+    return gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT), gl.convert_layout(alpha, PV_ROW), m_i, l_i
 
 
 @gluon.jit
