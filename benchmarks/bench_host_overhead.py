@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -237,35 +236,6 @@ def _plan_with(change, cache, bt, sl, qsl):
         dec.default_config = real
 
 
-def interleaved_us(fns: dict, n: int, repeats: int, sync) -> dict:
-    """{name: (host_us, wall_us)} as :func:`per_call_us` measures them, with the loops of
-    every call interleaved round by round: the host's speed drifts by tens of percent over
-    a run on the GPU box, so only calls timed side by side compare."""
-    for fn in fns.values():
-        for _ in range(max(3, n // 10)):
-            fn()
-    host = {name: [] for name in fns}
-    wall = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            t1 = time.perf_counter()
-            sync()
-            t2 = time.perf_counter()
-            host[name].append((t1 - t0) / n * 1e6)
-            wall[name].append((t2 - t0) / n * 1e6)
-    return {name: (statistics.median(host[name]), statistics.median(wall[name])) for name in fns}
-
-
-def per_call_us(fn, n: int, repeats: int, sync) -> tuple[float, float]:
-    """(host_us, wall_us) per call, medians over ``repeats`` loops of ``n`` calls: host =
-    until the last call returned, wall = until the device finished too."""
-    return interleaved_us({"call": fn}, n, repeats, sync)["call"]
-
-
 def _layers_step(query, cache, block_table, seq_lens, qsl, out, scale):
     """One decode step as a serving engine runs it: a fresh plan (every bound given, as the
     transformers integration plans), then one run per layer, each layer with its own cache
@@ -322,7 +292,7 @@ def _measure_batch(mode, device, kv_dtype, batch, length, n, repeats, rec, graph
                 num_kv_heads=HKV, head_dim=D, n_calls=n, repeats=repeats, num_splits=plan.decode_plan.num_splits)
     rows = []
     # discarded: the first loop of a process ran up to 2x slower than later ones on the H200 box
-    per_call_us(fns["plan.run"], n, 2, sync)
+    bench.per_call_us(fns["plan.run"], n, 2, sync)
     for checks in (True, False):
         with value_checks(checks):
             # a planned run reads no values either way: timed once
@@ -335,7 +305,7 @@ def _measure_batch(mode, device, kv_dtype, batch, length, n, repeats, rec, graph
                 del grids[:]
                 fn()
                 launches[call] = len(grids) if mode == "stub" else None
-            timed = interleaved_us(calls, n, repeats, sync)
+            timed = bench.interleaved_us(calls, n, repeats, sync)
             for call, fn in calls.items():
                 host, wall = timed[call]
                 planned = is_planned(call)
@@ -350,12 +320,12 @@ def _measure_batch(mode, device, kv_dtype, batch, length, n, repeats, rec, graph
             if time.perf_counter() > deadline:
                 skipped.append(f"{mode} {kv_dtype} bs{batch} plan_attention checks={checks}")
                 continue
-            planning = per_call_us(lambda: plan_attention(cache, bt, sl, qsl, HQ), max(5, n // 10), repeats,
+            planning = bench.per_call_us(lambda: plan_attention(cache, bt, sl, qsl, HQ), max(5, n // 10), repeats,
                                    sync)[1]
             rows.append(rec.add(**dict(base, call="plan_attention", value_checks=checks, host_us=planning,
                                        wall_us=None, launches_per_call=None)))
             if mode == "stub":
-                step = per_call_us(_layers_step(q, cache, bt, sl, qsl, out, scale), max(5, n // 20), repeats,
+                step = bench.per_call_us(_layers_step(q, cache, bt, sl, qsl, out, scale), max(5, n // 20), repeats,
                                    sync)[1] / LAYERS
                 rows.append(rec.add(**dict(base, call=f"step of {LAYERS} layers", value_checks=checks,
                                            host_us=step, wall_us=None, launches_per_call=None)))

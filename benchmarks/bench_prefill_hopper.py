@@ -14,8 +14,8 @@ Every section is guarded (an error is printed and recorded, the run goes on). Ro
 ``benchmarks/results/prefill_hopper.jsonl`` (or ``--out DIR/prefill_hopper.jsonl``).
 Timings are medians (CUDA events, L2 flushed); nothing is asserted.
 
-Usage: ``PYTHONPATH=src python benchmarks/bench_prefill_hopper.py [--out DIR] [--quick] [--only-ws] [--batches]
-[--graph]`` (``--graph``: every attention row also by CUDA-graph replay, a second table; at
+Usage: ``PYTHONPATH=src python benchmarks/bench_prefill_hopper.py [--out DIR] [--quick] [--only-ws] [--routed]
+[--batches] [--graph]`` (``--routed``: of the Hopper kernels, only the warp-specialized configs "auto" runs) (``--graph``: every attention row also by CUDA-graph replay, a second table; at
 prefix 0 the eager figures of short launches can include host time, see
 ``benchmarks/timing_methods_prefill_hopper.py``)
 (``--batches``: also the per-token cost of a plan over one 4096-token chunk, a 4 x 4096 batch
@@ -47,6 +47,8 @@ CHUNK = 4096
 ROUTES = (("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("bf16", "bf16"))
 #: --only-ws: of the Hopper kernels, time the warp-specialized configs only
 ONLY_WS = False
+#: --routed: of the Hopper kernels, the warp-specialized route configs only (what "auto" runs)
+ROUTED = False
 #: --graph: every attention row also timed by CUDA-graph replay (``graph_us``): eager figures
 #: of short launches include host time whenever the call's host work outlasts do_bench's L2
 #: flush (benchmarks/timing_methods_prefill_hopper.py)
@@ -130,7 +132,7 @@ def bench_case(rec, shape, prefix, kv_dtype, pvs):
             _record(rec, **base, pv_mode=pv, kernel="portable", error=repr(e)[:400])
             continue
         for label, cfg in hopper_configs(kv_dtype, d, pv):
-            if ONLY_WS and not label.startswith("hopper-ws"):
+            if (ONLY_WS and not label.startswith("hopper-ws")) or (ROUTED and label != "hopper-ws"):
                 continue
             try:
                 out = testing.poisoned_like(portable)
@@ -270,10 +272,12 @@ def main():
     ap.add_argument("--batches", action="store_true", help="the batch cases (bench_batches) too")
     ap.add_argument("--only-ws", action="store_true", help="of the Hopper kernels, the warp-specialized ones only")
     ap.add_argument("--graph", action="store_true", help="also time every attention row by CUDA-graph replay")
+    ap.add_argument("--routed", action="store_true",
+                    help="of the Hopper kernels, the warp-specialized route configs only (no variants)")
     ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"comma-separated, of {list(SHAPES)}")
     opts = ap.parse_args()
-    global ONLY_WS, GRAPH
-    ONLY_WS, GRAPH = opts.only_ws, opts.graph
+    global ONLY_WS, ROUTED, GRAPH
+    ONLY_WS, ROUTED, GRAPH = opts.only_ws, opts.routed, opts.graph
     opts.shapes = [name for name in opts.shapes.split(",") if name]
     unknown = set(opts.shapes) - set(SHAPES)
     if unknown:

@@ -617,3 +617,30 @@ def test_gpu_attention_routes_prefill_to_hopper(how, monkeypatch):
     assert ran == "hopper"
     assert torch.isfinite(out.float()).all()
     testing.assert_close_verbose(out, want, rel_l2=2 * TOL_QUANTIZED[("fp8", "fp8")], name="hopper vs portable")
+
+
+@pytest.mark.parametrize("kv", ["int8", "bf16"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_cached_launch_matches_gluon_dispatch(kv, monkeypatch):
+    """The cached launch (``CACHED_LAUNCH``, the default) writes bit for bit what Gluon's JIT
+    dispatch writes, over new query and output tensors each call; the second call of a
+    geometry takes the cached path, and a new chunk length is a new geometry."""
+    config = hop.warp_specialized_config(kv, 128)
+    batches = [_batch([700, 300], [129, 300], hq=32, hkv=8, d=128, kv=kv, seed=s, device="cuda") for s in (3, 4)]
+    shorter = _batch([700, 300], [97, 300], hq=32, hkv=8, d=128, kv=kv, seed=5, device="cuda")
+    hop._LAUNCHES.clear()
+    for b in batches + [shorter]:
+        outs = []
+        for cached in (False, True, True):
+            monkeypatch.setattr(hop, "CACHED_LAUNCH", cached)
+            out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+            assert _ran(lambda: hop.prefill(*_args(b), kernel="hopper", out=out, pv_mode=kv, config=config)) \
+                == "hopper"
+            outs.append(out)
+        torch.cuda.synchronize()
+        assert torch.isfinite(outs[0].float()).all()
+        for out in outs[1:]:
+            assert torch.equal(out, outs[0]), "cached launch differs from Gluon's dispatch"
+    assert len(hop._LAUNCHES) == 2  # two chunk lengths
+    assert all(launch._compiled is not None for launch in hop._LAUNCHES.values())

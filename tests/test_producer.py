@@ -171,6 +171,29 @@ def test_quantize_query_out_and_views(gen, device):
     assert torch.equal(out.cpu(), ref_q) and torch.equal(out_scale.cpu(), ref_s)
 
 
+def test_quantize_query_reuses_one_launch_per_geometry(gen, device):
+    """Repeated calls of one geometry share one cached launch (on a GPU the second call skips
+    Triton's argument binding); a channel scale, a strided view or another token count is
+    another geometry; every call stays bit exact, whichever path launched it."""
+    from int8attn.ops import producer
+
+    producer._QUERY_LAUNCHES.clear()
+    lam = (torch.rand(2, 64, generator=gen) + 0.5).to(device)
+    qkv = make_normal((9, 12, 64), generator=gen).to(device)
+    calls = [make_normal((17, 4, 64), generator=gen).to(device) for _ in range(3)] + [qkv[:, :4], qkv[:5, :4]]
+    for i, q in enumerate(calls):
+        for channel_scale in (None, lam):
+            out, scale = quantize_query(q, "int8", channel_scale=channel_scale)
+            x = q.cpu() if channel_scale is None else \
+                q.cpu() * channel_scale.cpu().repeat_interleave(2, 0)[None]
+            ref_q, ref_s = reference.quantize_rows(x, "int8")
+            assert torch.equal(out.cpu(), ref_q) and torch.equal(bits(scale), bits(ref_s)), (i, channel_scale)
+    # contiguous x {no scale, scale}, the view x 2, the 5-token view x 2
+    assert len(producer._QUERY_LAUNCHES) == 6
+    if not interpret_mode():  # a compiled kernel kept: later calls take the cached path
+        assert all(launch._compiled is not None for launch in producer._QUERY_LAUNCHES.values())
+
+
 def test_quantize_query_bf16_passthrough(gen, device):
     q = make_normal((5, 4, 64), generator=gen).to(device)
     out, scale = quantize_query(q, "bf16")

@@ -2,6 +2,8 @@
 
 * :func:`time_eager` / :func:`time_graph` -- median of many runs (CUDA events through
   ``triton.testing.do_bench`` / CUDA-graph replay), in microseconds.
+* :func:`interleaved_us` / :func:`per_call_us` -- host time to issue a call and wall time
+  per call of eager loops (host cost, not GPU time).
 * :func:`copy_bandwidth` -- measured device-to-device copy bandwidth (bytes read + written
   per second), the ceiling memory-bound kernels are compared against.
 * :func:`environment` and :class:`Recorder` -- every figure is stored as a JSON row with
@@ -168,6 +170,35 @@ def time_queued(fn: Callable[[], object], calls: int = 100, repeats: int = 5) ->
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times), queued
+
+
+def interleaved_us(fns: dict, n: int, repeats: int, sync) -> dict:
+    """{name: (host_us, wall_us)} as :func:`per_call_us` measures them, with the loops of
+    every call interleaved round by round: the host's speed drifts by tens of percent over
+    a run on the GPU box, so only calls timed side by side compare."""
+    for fn in fns.values():
+        for _ in range(max(3, n // 10)):
+            fn()
+    host = {name: [] for name in fns}
+    wall = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            t1 = time.perf_counter()
+            sync()
+            t2 = time.perf_counter()
+            host[name].append((t1 - t0) / n * 1e6)
+            wall[name].append((t2 - t0) / n * 1e6)
+    return {name: (statistics.median(host[name]), statistics.median(wall[name])) for name in fns}
+
+
+def per_call_us(fn, n: int, repeats: int, sync) -> tuple[float, float]:
+    """(host_us, wall_us) per call, medians over ``repeats`` loops of ``n`` calls: host =
+    until the last call returned, wall = until the device finished too."""
+    return interleaved_us({"call": fn}, n, repeats, sync)["call"]
 
 
 _COPY_BW: dict[str, float] = {}

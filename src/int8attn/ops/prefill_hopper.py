@@ -42,6 +42,7 @@ from .. import launches
 from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
 from ..runtime import device_guard, interpret_mode
 from . import prefill as _portable
+from ._launch import CachedLaunch
 
 KERNELS = ("auto", "hopper", "portable")
 #: Environment variable naming the prefill kernel when no ``kernel`` argument does.
@@ -347,20 +348,41 @@ def run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_star
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
     qk_scale = float(softmax_scale) * math.log2(math.e)
+    kern = kernel_fn(config)
+    fixed = (num_seqs, min_query_len, num_tiles,
+             q_in.stride(0), q_in.stride(1), q_scale.stride(0), q_scale.stride(1),
+             out.stride(0), out.stride(1),
+             key.stride(0), key.stride(1), key_scale.stride(0), key_scale.stride(1),
+             block_table.stride(0))
+    args = (q_in, q_scale, out, key, value, key_scale, value_scale, block_table, seq_lens, query_start_loc, qk_scale)
     with device_guard(cache.device):
-        kern = kernel_fn(config)
-        compiled = kern[(num_tiles, cache.num_kv_heads)](
-            q_in, q_scale, out, key, value, key_scale, value_scale,
-            block_table, seq_lens, query_start_loc,
-            qk_scale, num_seqs, min_query_len, num_tiles,
-            q_in.stride(0), q_in.stride(1), q_scale.stride(0), q_scale.stride(1),
-            out.stride(0), out.stride(1),
-            key.stride(0), key.stride(1), key_scale.stride(0), key_scale.stride(1),
-            block_table.stride(0),
-            **constexprs(config, cache, group, pv_mode), **launch_options(config),
-        )
-    launches.record(kern.__name__, compiled)
+        if not CACHED_LAUNCH:
+            compiled = kern[(num_tiles, cache.num_kv_heads)](
+                *args, *fixed, **constexprs(config, cache, group, pv_mode), **launch_options(config))
+            launches.record(kern.__name__, compiled)
+            return out
+        key_ = (config, pv_mode, cache.kv_dtype, cache.block_size, group, cache.num_kv_heads, fixed,
+                cache.device)
+        launch = _LAUNCHES.get(key_)
+        if launch is None:
+            if len(_LAUNCHES) >= _MAX_LAUNCHES:
+                _LAUNCHES.clear()
+            launch = _LAUNCHES[key_] = CachedLaunch(
+                kern, (num_tiles, cache.num_kv_heads),
+                {**constexprs(config, cache, group, pv_mode), **launch_options(config)}, fixed_args=fixed)
+        launch(*args)
     return out
+
+
+#: Launch through :class:`int8attn.ops._launch.CachedLaunch` (False: Gluon's JIT dispatch on
+#: every call, which binds ~50 arguments and hashes the layout constexprs into a cache key;
+#: kept for measuring what the cached launch saves, ``benchmarks/bench_host_prefill.py``).
+CACHED_LAUNCH = True
+#: Cached launches of run_prefill, one per launch geometry (config, cache layout,
+#: group, sizes and strides, device), as :data:`int8attn.ops.prefill._LAUNCHES` for the
+#: portable kernel: a chunk of a new length is a new geometry (its grid and ``num_tiles``).
+_LAUNCHES: dict = {}
+_MAX_LAUNCHES = 256
 
 
 def prefill(query, cache, block_table, seq_lens, query_start_loc, *, kernel: str | None = None, config=None,
@@ -388,12 +410,23 @@ def prefill(query, cache, block_table, seq_lens, query_start_loc, *, kernel: str
     return _portable.prefill_attention(query, cache, block_table, seq_lens, query_start_loc, config=config, **kwargs)
 
 
-#: Pointer arguments of the kernel and their Triton types per cache dtype (AOT compile).
 def _unit_scale(device) -> torch.Tensor:
-    """A [1, 1] float32 tensor standing in for the scale arguments of a BF16 cache's launch."""
-    return torch.ones((1, 1), dtype=torch.float32, device=device)
+    """A [1, 1] float32 tensor standing in for the scale arguments of a BF16 cache's launch
+    (the kernel reads none of them): one per device, made outside any CUDA-graph capture,
+    since a fresh one per call costs a fill kernel and defeats the cached launch's identity
+    test; during a capture (before any eager call made it) a fresh one from the graph's pool."""
+    unit = _UNIT_SCALES.get(device)
+    if unit is None:
+        unit = torch.ones((1, 1), dtype=torch.float32, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _UNIT_SCALES[device] = unit
+    return unit
 
 
+_UNIT_SCALES: dict = {}
+
+
+#: Pointer arguments of the kernel and their Triton types per cache dtype (AOT compile).
 def _pointer_types(kv_dtype: str) -> dict:
     elem = {"int8": "*i8", "fp8": "*fp8e4nv", "bf16": "*bf16"}[kv_dtype]
     return dict(q_ptr={"int8": "*i8", "fp8": "*u8", "bf16": "*bf16"}[kv_dtype], k_ptr=elem, v_ptr=elem,
