@@ -91,6 +91,25 @@ def test_plan_run_equals_no_plan(device):
     assert bool(torch.isfinite(out_plan.float()).all())
 
 
+def test_plan_prefill_quantizes_the_query_into_its_own_buffers(device):
+    """A planned prefill that needs the query's codes (here: the portable kernel under channel
+    migration) quantizes into buffers the plan owns, the same every run, with the unplanned
+    call's result bit for bit."""
+    b = mixed(seed=2, device=device)
+    lam = torch.rand(b.cache.num_kv_heads, b.cache.head_dim, generator=torch.Generator().manual_seed(0)) + 0.5
+    b.cache.key_channel_scale = lam.to(device)  # plumbing only: the stored keys were not divided by it
+    plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, b.query.shape[1])
+    outs, codes = [], []
+    for _ in range(2):
+        outs.append(plan.run(*args_of(b), out=poisoned(b)))
+        codes.append(plan._prefill_codes)
+    assert codes[0] is not None and codes[1] is codes[0]
+    want_q, want_s = producer_mod.quantize_query(b.query, "int8", channel_scale=b.cache.key_channel_scale)
+    assert torch.equal(codes[0][0], want_q) and torch.equal(codes[0][1], want_s)
+    out = attention(*args_of(b), out=poisoned(b))
+    assert torch.equal(outs[0], out) and torch.equal(outs[1], out)
+
+
 @cases("q_lens,launches", [([1, 2, 8], ("decode",)), ([9, 30, 12], ("prefill",))])
 def test_plan_launches_only_what_is_needed(q_lens, launches, device, monkeypatch):
     seq_lens = [q + 7 for q in q_lens]

@@ -104,7 +104,7 @@ def test_only_changed_arguments_are_checked_and_a_changed_one_can_still_rebind()
 
 def test_remembered_tensors_are_held_weakly_and_forgotten_when_they_die():
     """The identity test compares ids: a tensor of the previous call that died (whose id a
-    new tensor may take) clears them, and the launch never keeps a tensor alive."""
+    new tensor may take) clears its position's id, and the launch never keeps a tensor alive."""
     import gc
     import weakref
 
@@ -120,9 +120,13 @@ def test_remembered_tensors_are_held_weakly_and_forgotten_when_they_die():
     del x
     gc.collect()
     assert alive() is None, "the launch kept a tensor alive"
-    assert launch._last_ids is None, "a dead tensor's id is still remembered"
+    assert launch._last_ids is not None and launch._last_ids[0] == -1, "a dead tensor's id is still remembered"
+    assert launch._last_ids[1] == id(7)
     launch(torch.zeros(64), 7)  # checked by signature, then direct
     assert kinds + [e[0] for e in k.log] == ["bound", "direct", "direct"]
+    k.log.clear()
+    launch(torch.zeros(65)[1:], 7)  # a forgotten position is checked again: misaligned, bound
+    assert [e[0] for e in k.log] == ["bound"]
 
 
 def test_interpreter_and_default_constexprs_take_the_bound_path():

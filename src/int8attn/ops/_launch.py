@@ -75,13 +75,17 @@ def _direct_runner(compiled, grid, fallback):
     return runner
 
 
-def _forgetter(launch_ref):
-    """A weakref callback that forgets ``launch_ref()``'s remembered ids (one of the
-    tensors they name has died); holds the launch weakly, so it never keeps it alive."""
+def _forgetter(launch_ref, index: int):
+    """A weakref callback that forgets the remembered id at ``index`` of ``launch_ref()``
+    (the tensor passed there has died, and a new tensor may take its id): the next call
+    checks that position's signature again. Holds the launch weakly, so it never keeps it
+    alive."""
     def forget(_):
         launch = launch_ref()
-        if launch is not None:
-            launch._last_ids = None
+        if launch is not None and launch._last_ids is not None and index < len(launch._last_ids):
+            ids = list(launch._last_ids)
+            ids[index] = -1  # no object has this id
+            launch._last_ids = tuple(ids)
     return forget
 
 
@@ -96,13 +100,14 @@ class CachedLaunch:
     the previous call's as one tuple (the same objects as last time: nothing else to check;
     new ones: their dtype / alignment signature), the compiled kernel's launcher bound to
     the grid once, and the launch record (one tuple). Nothing grows with the batch. The ids
-    are exact: the previous call's tensors are held weakly, and the death of any of them
-    forgets the ids (a cache's storage must be freed when its cache is, and a new tensor
-    may reuse a dead one's id); its other arguments (a float score scale) are held, so
-    their ids cannot be reused meanwhile."""
+    are exact: the previous call's tensors are held weakly, and the death of one of them
+    forgets its position's id (a cache's storage must be freed when its cache is, and a
+    new tensor may reuse a dead one's id), so only that position is checked again, as for
+    a per-call output or query code buffer; its other arguments (a float score scale) are
+    held, so their ids cannot be reused meanwhile."""
 
     __slots__ = ("kernel", "grid", "constexprs", "fixed_args", "_tail", "_compiled", "_signature", "_runner",
-                 "_last_ids", "_held", "_forget", "_name", "_facts", "__weakref__")
+                 "_last_ids", "_held", "_forgets", "_name", "_facts", "__weakref__")
 
     def __init__(self, kernel, grid, constexprs: dict, facts: dict | None = None, fixed_args: tuple = ()):
         self._name = launches.kernel_name(kernel)
@@ -116,12 +121,15 @@ class CachedLaunch:
         self._runner = None
         self._last_ids = None
         self._held = ()
-        self._forget = _forgetter(weakref.ref(self))
+        self._forgets = ()  # one weakref callback per argument position
 
     def _remember(self, args) -> None:
         """Keep the ids of this call's arguments for the next call's identity test."""
-        forget = self._forget
-        self._held = tuple(weakref.ref(a, forget) if isinstance(a, torch.Tensor) else a for a in args)
+        if len(self._forgets) != len(args):
+            me = weakref.ref(self)
+            self._forgets = tuple(_forgetter(me, i) for i in range(len(args)))
+        self._held = tuple(weakref.ref(a, f) if isinstance(a, torch.Tensor) else a
+                           for a, f in zip(args, self._forgets))
         self._last_ids = tuple(map(id, args))
 
     def _same_signature(self, args, ids) -> bool:
@@ -136,14 +144,14 @@ class CachedLaunch:
             self._remember(args)
             return True
         held = list(self._held)
-        forget = self._forget
+        forgets = self._forgets
         for i, (new, old) in enumerate(zip(ids, last)):
             if new != old:
                 a = args[i]
                 if isinstance(a, torch.Tensor):
                     if (a.dtype, a.data_ptr() % 16 == 0) != sig[i]:
                         return False
-                    held[i] = weakref.ref(a, forget)
+                    held[i] = weakref.ref(a, forgets[i])
                 else:
                     if (type(a), a) != sig[i]:
                         return False

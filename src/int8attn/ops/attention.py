@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _checks
-from ..cache import PagedKVCache
+from ..cache import KV_DTYPES, PagedKVCache
 from ..errors import check_errors
 from ..runtime import interpret_mode, stream_id
 from . import decode as _decode
@@ -147,6 +147,8 @@ class AttentionPlan:
     # -> (decode launch, checked window, prefill (kernel, config))
     _launch_by_layout: dict = field(default_factory=dict, repr=False, compare=False)
     _scale_memo: tuple | None = field(default=None, repr=False, compare=False)  # (softmax_scale, qk_scale)
+    # (codes, scales) the prefill launch's query is quantized into (8-bit caches)
+    _prefill_codes: tuple | None = field(default=None, repr=False, compare=False)
 
     def run(self, query, cache, block_table, seq_lens, query_start_loc, softmax_scale=None, out=None, *,
             q_quant=None, q_scale=None, window=None) -> torch.Tensor:
@@ -184,10 +186,30 @@ class AttentionPlan:
         if launch is not None:
             launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
         if self.has_prefill:
+            if q_quant is None and self.kv_dtype != "bf16" and (kernel == "hopper"
+                                                                or cache.key_channel_scale is not None):
+                q_quant, q_scale = self._prefill_query_codes(query, cache)
             _run_prefill(kernel, config, self.prefill_pv_mode, query, cache, block_table,
                          seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
                          MAX_DECODE_QUERY_LEN if self.has_decode else 0, self.max_query_len, window=win)
         return out
+
+    def _prefill_query_codes(self, query, cache) -> tuple:
+        """The query's codes and scales for a prefill launch that needs them (the Hopper
+        kernel; the portable one under channel migration), quantized into buffers the plan
+        owns: the same tensors every run, so both launches stay on their cached path (fresh
+        codes per call would cost two allocations and a full argument check per launch).
+        Buffers first needed during a CUDA-graph capture are that capture's own."""
+        from .producer import quantize_query
+
+        codes = self._prefill_codes
+        if codes is None:
+            codes = _query_code_buffers(self.num_tokens, self.num_q_heads, self.head_dim, self.kv_dtype,
+                                        query.device)
+            if not (query.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self._prefill_codes = codes
+        return quantize_query(query, self.kv_dtype, out=codes[0], out_scale=codes[1],
+                              channel_scale=cache.key_channel_scale)
 
     # ------------------------------------------------------------------ slow path
     def _validate(self, query, cache, block_table, seq_lens, query_start_loc, out, q_quant, q_scale, window=None):
@@ -379,7 +401,16 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
                          launches=launches, values_checked=values_checked)
     plan._geometry = _geometry(cache)
     plan._metadata = (block_table, seq_lens, query_start_loc)
+    if has_prefill and prefill_kernel_name == "hopper" and cache.kv_dtype != "bf16":
+        # made here, outside any capture of the runs
+        plan._prefill_codes = _query_code_buffers(num_tokens, num_q_heads, head_dim, cache.kv_dtype, dev)
     return plan
+
+
+def _query_code_buffers(num_tokens: int, num_q_heads: int, head_dim: int, kv_dtype: str, device) -> tuple:
+    """Empty query codes [T, Hq, D] (the cache's 8-bit dtype) and scales [T, Hq] fp32."""
+    return (torch.empty((num_tokens, num_q_heads, head_dim), dtype=KV_DTYPES[kv_dtype], device=device),
+            torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=device))
 
 
 def _read_facts(query_start_loc, num_seqs: int) -> tuple:
