@@ -200,7 +200,7 @@ class AttentionPlan:
         owns: the same tensors every run, so both launches stay on their cached path (fresh
         codes per call would cost two allocations and a full argument check per launch).
         Buffers first needed during a CUDA-graph capture are that capture's own."""
-        from .producer import quantize_query
+        from .producer import quantize_query_unchecked
 
         codes = self._prefill_codes
         if codes is None:
@@ -208,8 +208,8 @@ class AttentionPlan:
                                         query.device)
             if not (query.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
                 self._prefill_codes = codes
-        return quantize_query(query, self.kv_dtype, out=codes[0], out_scale=codes[1],
-                              channel_scale=cache.key_channel_scale)
+        # the query, the cache and its channel scale were checked when this layout was admitted
+        return quantize_query_unchecked(query, self.kv_dtype, codes[0], codes[1], cache.key_channel_scale)
 
     # ------------------------------------------------------------------ slow path
     def _validate(self, query, cache, block_table, seq_lens, query_start_loc, out, q_quant, q_scale, window=None):

@@ -229,9 +229,9 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
     if q_quant is None and cache.key_channel_scale is not None:
         # channel migration: Q times lam before its rounding, done by the quantize-query
         # kernel so that the attention kernel is the same for every cache
-        from .producer import quantize_query
+        from .producer import quantize_query_unchecked
 
-        q_quant, q_scale = quantize_query(query, cache.kv_dtype, channel_scale=cache.key_channel_scale)
+        q_quant, q_scale = quantize_query_unchecked(query, cache.kv_dtype, channel_scale=cache.key_channel_scale)
     q_quantized = q_quant is not None
     q_in = q_quant if q_quantized else query
     key, value = cache.key, cache.value

@@ -325,7 +325,7 @@ def run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_star
                 q_scale, min_query_len, max_query_len) -> torch.Tensor:
     """Launch with a checked config (no validation): the arguments of
     :func:`int8attn.ops.prefill.run_prefill`, for callers that checked the inputs."""
-    from .producer import quantize_query
+    from .producer import quantize_query_unchecked
 
     num_tokens, num_q_heads, head_dim = query.shape
     num_seqs = block_table.shape[0]
@@ -339,7 +339,7 @@ def run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_star
     if cache.kv_dtype == "bf16":  # the query itself, in the cache's type
         q_quant = query.to(torch.bfloat16)
     elif q_quant is None:
-        q_quant, q_scale = quantize_query(query, cache.kv_dtype, channel_scale=cache.key_channel_scale)
+        q_quant, q_scale = quantize_query_unchecked(query, cache.kv_dtype, channel_scale=cache.key_channel_scale)
     key, value = cache.key, cache.value
     q_in = q_quant.view(torch.uint8) if cache.kv_dtype == "fp8" else q_quant
     key_scale, value_scale = cache.key_scale, cache.value_scale

@@ -56,9 +56,23 @@ def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tenso
                 or query.shape[1] % channel_scale.shape[0]:
             raise ValueError(f"channel_scale must be a contiguous [Hkv, {query.shape[2]}] tensor with "
                              f"Hkv dividing {query.shape[1]}, got {tuple(channel_scale.shape)}")
+    return quantize_query_unchecked(query, kv_dtype, out, out_scale, channel_scale, _launch)
+
+
+def _empty_codes(query: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    return torch.empty(query.shape, dtype=KV_DTYPES[kv_dtype], device=query.device)
+
+
+def quantize_query_unchecked(query: torch.Tensor, kv_dtype: str, out: torch.Tensor | None = None,
+                             out_scale: torch.Tensor | None = None,
+                             channel_scale: torch.Tensor | None = None, _launch: dict | None = None) -> tuple:
+    """:func:`quantize_query` for an 8-bit ``kv_dtype`` without its input checks, for
+    launchers whose callers checked the query, the outputs and the channel scale (a plan's
+    run, ``run_prefill``): the checks cost more host time than the launch. One cached
+    launch per geometry (:class:`int8attn.ops._launch.CachedLaunch`); ``_launch`` as there."""
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
-        out = torch.empty(query.shape, dtype=KV_DTYPES[kv_dtype], device=query.device)
+        out = _empty_codes(query, kv_dtype)
     if out_scale is None:
         out_scale = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=query.device)
     if num_tokens * num_heads == 0:
