@@ -99,8 +99,9 @@ def quantize_query_unchecked(query: torch.Tensor, kv_dtype: str, out: torch.Tens
 
 
 #: Cached query-quantization launches, one per geometry (cache dtype, head_dim, with or
-#: without a channel scale, the kernel's integer arguments: rows, heads, group, strides; device): a prefill call of a
-#: repeated shape skips Triton's per-call argument binding (:class:`ops._launch.CachedLaunch`).
+#: without a channel scale, the kernel's integer arguments: rows, heads, group, strides;
+#: device): a call of a repeated shape skips Triton's per-call argument binding
+#: (:class:`int8attn.ops._launch.CachedLaunch`).
 _QUERY_LAUNCHES: dict = {}
 _MAX_LAUNCHES = 256
 
