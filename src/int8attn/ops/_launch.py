@@ -75,6 +75,19 @@ def _direct_runner(compiled, grid, fallback):
     return runner
 
 
+def remembered(table: dict, key, limit: int, make):
+    """``table[key]``, made by ``make()`` when missing: the launch tables of the launchers
+    (one launch per geometry). A full table (``limit`` entries) is emptied before the new
+    entry goes in, so a workload whose shapes keep changing holds at most ``limit``
+    launches (each re-made on its next use)."""
+    launch = table.get(key)
+    if launch is None:
+        if len(table) >= limit:
+            table.clear()
+        launch = table[key] = make()
+    return launch
+
+
 def _forgetter(launch_ref, index: int):
     """A weakref callback that forgets the remembered id at ``index`` of ``launch_ref()``
     (the tensor passed there has died, and a new tensor may take its id): the next call

@@ -47,9 +47,9 @@ from typing import NamedTuple
 import torch
 
 from .. import _checks
-from ..cache import KV_DTYPES, PagedKVCache
+from ..cache import PagedKVCache
 from ..errors import check_errors
-from ..runtime import interpret_mode, stream_id
+from ..runtime import capturing, interpret_mode, stream_id
 from . import decode as _decode
 from . import prefill as _prefill
 from . import prefill_hopper as _hopper
@@ -200,13 +200,13 @@ class AttentionPlan:
         owns: the same tensors every run, so both launches stay on their cached path (fresh
         codes per call would cost two allocations and a full argument check per launch).
         Buffers first needed during a CUDA-graph capture are that capture's own."""
-        from .producer import quantize_query_unchecked
+        from .producer import query_code_buffers, quantize_query_unchecked
 
         codes = self._prefill_codes
         if codes is None:
-            codes = _query_code_buffers(self.num_tokens, self.num_q_heads, self.head_dim, self.kv_dtype,
-                                        query.device)
-            if not (query.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            codes = query_code_buffers(self.num_tokens, self.num_q_heads, self.head_dim, self.kv_dtype,
+                                       query.device)
+            if not capturing(query.device):
                 self._prefill_codes = codes
         # the query, the cache and its channel scale were checked when this layout was admitted
         return quantize_query_unchecked(query, self.kv_dtype, codes[0], codes[1], cache.key_channel_scale)
@@ -403,14 +403,10 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     plan._metadata = (block_table, seq_lens, query_start_loc)
     if has_prefill and prefill_kernel_name == "hopper" and cache.kv_dtype != "bf16":
         # made here, outside any capture of the runs
-        plan._prefill_codes = _query_code_buffers(num_tokens, num_q_heads, head_dim, cache.kv_dtype, dev)
+        from .producer import query_code_buffers
+
+        plan._prefill_codes = query_code_buffers(num_tokens, num_q_heads, head_dim, cache.kv_dtype, dev)
     return plan
-
-
-def _query_code_buffers(num_tokens: int, num_q_heads: int, head_dim: int, kv_dtype: str, device) -> tuple:
-    """Empty query codes [T, Hq, D] (the cache's 8-bit dtype) and scales [T, Hq] fp32."""
-    return (torch.empty((num_tokens, num_q_heads, head_dim), dtype=KV_DTYPES[kv_dtype], device=device),
-            torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=device))
 
 
 def _read_facts(query_start_loc, num_seqs: int) -> tuple:

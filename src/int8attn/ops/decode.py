@@ -28,8 +28,8 @@ from ..kernels.codes import KV_KIND, MERGE, PV_KIND, PV_MODES, QUERY_IN
 from ..kernels.decode import _decode_merge_kernel, _decode_split_kernel
 from ..kernels.quantize import _quantize_query_kernel
 from ..runtime import capturing, device_guard, interpret_mode, sm_count, stream_id
-from ._launch import CachedLaunch
-from .producer import quantize_query_args, quantize_query_launch
+from ._launch import CachedLaunch, remembered
+from .producer import query_code_buffers, quantize_query_args, quantize_query_launch
 
 #: Longest query (new tokens of one sequence) the decode kernel handles; sequences with
 #: more are skipped here and left to the prefill kernel.
@@ -496,13 +496,8 @@ def reused_launch(plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale
            tuple(block_table.shape), block_table.stride(0), tuple(out_strides),
            _checks.decode_clamps_enabled(), interpret_mode(), window)
     store = _LAUNCHES if workspace is None else workspace.launches
-    launch = store.get(key)
-    if launch is None:
-        if len(store) >= _MAX_LAUNCHES:
-            store.clear()
-        launch = store[key] = DecodeLaunch.for_tensors(plan, cache, query, q_quant, q_scale, block_table,
-                                                       out_strides, workspace, window)
-    return launch
+    return remembered(store, key, _MAX_LAUNCHES, lambda: DecodeLaunch.for_tensors(
+        plan, cache, query, q_quant, q_scale, block_table, out_strides, workspace, window))
 
 
 def check_num_seqs(num_seqs: int) -> None:
@@ -625,8 +620,8 @@ class DecodeLaunch:
         raw_q_strides = q_strides
         if quantize:
             self._query_launch = _query_launch(num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
-            self._q_codes = torch.empty((num_tokens, num_q_heads, head_dim), dtype=cache.storage_dtype, device=device)
-            self._q_scales = torch.empty((num_tokens, num_q_heads), dtype=torch.float32, device=device)
+            self._q_codes, self._q_scales = query_code_buffers(num_tokens, num_q_heads, head_dim, cache.kv_dtype,
+                                                               device)
             q_strides, q_scale_strides = self._q_codes.stride(), self._q_scales.stride()
         # programs run one after another under the interpreter: a barrier would never open
         merge = plan.merge

@@ -24,7 +24,7 @@ from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
 from ..errors import error_flags
 from ..kernels.prefill import _prefill_kernel
 from ..runtime import device_guard, interpret_mode
-from ._launch import CachedLaunch
+from ._launch import CachedLaunch, remembered
 
 #: Default PV precision per cache dtype: 16-bit PV for 8-bit caches too, because on the
 #: H200 it was both faster and more accurate than 8-bit PV at the headline shape
@@ -261,10 +261,8 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
              block_table.stride(0))
     key_ = (_prefill_kernel, config, pv_mode, cache.kv_dtype, cache.block_size, cache.value_transposed, group,
             head_dim, q_quantized, search, fixed, cache.device, window)
-    launch = _LAUNCHES.get(key_)
-    if launch is None:
-        if len(_LAUNCHES) >= _MAX_LAUNCHES:
-            _LAUNCHES.clear()
+
+    def make() -> CachedLaunch:
         constexprs = dict(
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), DV=config.dv,
             PAGE=cache.block_size,
@@ -276,8 +274,9 @@ def run_prefill(config: PrefillConfig, pv_mode: str, query, cache, block_table, 
             **({"WINDOW": window} if window else {}),
             num_warps=config.num_warps, num_stages=config.num_stages,
         )
-        launch = _LAUNCHES[key_] = CachedLaunch(_prefill_kernel, (num_tiles, cache.num_kv_heads), constexprs,
-                                                fixed_args=fixed)
+        return CachedLaunch(_prefill_kernel, (num_tiles, cache.num_kv_heads), constexprs, fixed_args=fixed)
+
+    launch = remembered(_LAUNCHES, key_, _MAX_LAUNCHES, make)
     with device_guard(cache.device):
         launch(q_in, q_scale_in, out, key, value, k_scale, v_scale, block_table, seq_lens, query_start_loc,
                error_flags(cache.device), qk_scale)

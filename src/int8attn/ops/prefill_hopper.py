@@ -40,9 +40,9 @@ import torch
 from .. import _checks
 from .. import launches
 from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
-from ..runtime import device_guard, interpret_mode
+from ..runtime import capturing, device_guard, interpret_mode
 from . import prefill as _portable
-from ._launch import CachedLaunch
+from ._launch import CachedLaunch, remembered
 
 KERNELS = ("auto", "hopper", "portable")
 #: Environment variable naming the prefill kernel when no ``kernel`` argument does.
@@ -348,7 +348,6 @@ def run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_star
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
     qk_scale = float(softmax_scale) * math.log2(math.e)
-    kern = kernel_fn(config)
     fixed = (num_seqs, min_query_len, num_tiles,
              q_in.stride(0), q_in.stride(1), q_scale.stride(0), q_scale.stride(1),
              out.stride(0), out.stride(1),
@@ -357,19 +356,16 @@ def run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_star
     args = (q_in, q_scale, out, key, value, key_scale, value_scale, block_table, seq_lens, query_start_loc, qk_scale)
     with device_guard(cache.device):
         if not CACHED_LAUNCH:
+            kern = kernel_fn(config)
             compiled = kern[(num_tiles, cache.num_kv_heads)](
                 *args, *fixed, **constexprs(config, cache, group, pv_mode), **launch_options(config))
             launches.record(kern.__name__, compiled)
             return out
         key_ = (config, pv_mode, cache.kv_dtype, cache.block_size, group, cache.num_kv_heads, fixed,
                 cache.device)
-        launch = _LAUNCHES.get(key_)
-        if launch is None:
-            if len(_LAUNCHES) >= _MAX_LAUNCHES:
-                _LAUNCHES.clear()
-            launch = _LAUNCHES[key_] = CachedLaunch(
-                kern, (num_tiles, cache.num_kv_heads),
-                {**constexprs(config, cache, group, pv_mode), **launch_options(config)}, fixed_args=fixed)
+        launch = remembered(_LAUNCHES, key_, _MAX_LAUNCHES, lambda: CachedLaunch(
+            kernel_fn(config), (num_tiles, cache.num_kv_heads),
+            {**constexprs(config, cache, group, pv_mode), **launch_options(config)}, fixed_args=fixed))
         launch(*args)
     return out
 
@@ -418,7 +414,7 @@ def _unit_scale(device) -> torch.Tensor:
     unit = _UNIT_SCALES.get(device)
     if unit is None:
         unit = torch.ones((1, 1), dtype=torch.float32, device=device)
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if not capturing(device):
             _UNIT_SCALES[device] = unit
     return unit
 

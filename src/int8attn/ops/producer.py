@@ -20,7 +20,7 @@ from ..errors import error_flags
 from ..kernels.codes import KV_KIND
 from ..kernels.quantize import _quantize_query_kernel, _rope_quantize_write_kernel
 from ..runtime import TILE_ELEMS, default_num_warps, device_guard, full_tiles, heads_per_program, interpret_mode
-from ._launch import CachedLaunch
+from ._launch import CachedLaunch, remembered
 
 
 def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tensor | None = None,
@@ -59,8 +59,11 @@ def quantize_query(query: torch.Tensor, kv_dtype: str = "int8", out: torch.Tenso
     return quantize_query_unchecked(query, kv_dtype, out, out_scale, channel_scale, _launch)
 
 
-def _empty_codes(query: torch.Tensor, kv_dtype: str) -> torch.Tensor:
-    return torch.empty(query.shape, dtype=KV_DTYPES[kv_dtype], device=query.device)
+def query_code_buffers(num_tokens: int, num_heads: int, head_dim: int, kv_dtype: str, device) -> tuple:
+    """Empty query codes [T, Hq, D] (the 8-bit ``kv_dtype``'s storage dtype) and scales
+    [T, Hq] fp32: what :func:`quantize_query` writes (plans keep a pair to reuse)."""
+    return (torch.empty((num_tokens, num_heads, head_dim), dtype=KV_DTYPES[kv_dtype], device=device),
+            torch.empty((num_tokens, num_heads), dtype=torch.float32, device=device))
 
 
 def quantize_query_unchecked(query: torch.Tensor, kv_dtype: str, out: torch.Tensor | None = None,
@@ -72,7 +75,7 @@ def quantize_query_unchecked(query: torch.Tensor, kv_dtype: str, out: torch.Tens
     launch per geometry (:class:`int8attn.ops._launch.CachedLaunch`); ``_launch`` as there."""
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
-        out = _empty_codes(query, kv_dtype)
+        out = torch.empty(query.shape, dtype=KV_DTYPES[kv_dtype], device=query.device)
     if out_scale is None:
         out_scale = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=query.device)
     if num_tokens * num_heads == 0:
@@ -86,13 +89,9 @@ def quantize_query_unchecked(query: torch.Tensor, kv_dtype: str, out: torch.Tens
         launches.record("_quantize_query_kernel", compiled)
         return out, out_scale
     key = (kv_dtype, head_dim, channel_scale is not None, args[4:], query.device)
-    cached = _QUERY_LAUNCHES.get(key)
-    if cached is None:
-        if len(_QUERY_LAUNCHES) >= _MAX_LAUNCHES:
-            _QUERY_LAUNCHES.clear()
-        grid, launch = quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype, None,
-                                             channel_scale is not None)
-        cached = _QUERY_LAUNCHES[key] = CachedLaunch(_quantize_query_kernel, grid, launch, fixed_args=args[4:])
+    cached = remembered(_QUERY_LAUNCHES, key, _MAX_LAUNCHES, lambda: CachedLaunch(
+        _quantize_query_kernel, *quantize_query_launch(num_tokens, num_heads, head_dim, kv_dtype, None,
+                                                       channel_scale is not None), fixed_args=args[4:]))
     with device_guard(query.device):
         cached(*args[:4])
     return out, out_scale
