@@ -1,7 +1,9 @@
 """The warp-specialized Hopper prefill kernel under compute-sanitizer (sm_90 only): odd
 lengths, a varlen batch with single-tile programs (the case of the illegal shared-memory
 read found in the in-flight PV schedule) and a stale-slot batch, for every cache
-(int8, fp8, bf16) and config ``warp_specialized_config`` offers and the other QK schedule of each.
+(int8, fp8, bf16) and config ``warp_specialized_config`` offers and the other QK schedule of each;
+then the Hopper multi-token decode kernel (:mod:`int8attn.ops.decode_hopper`) over odd
+lengths, one-tile contexts and several split counts, against the portable decode kernel.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/memcheck_hopper.py
 
@@ -17,13 +19,20 @@ from dataclasses import replace
 import torch
 
 from int8attn import reference, testing
+from int8attn.ops import decode_hopper as dh
 from int8attn.ops import prefill_hopper as hop
+from int8attn.ops.decode import decode_attention
 from int8attn.ops.prefill import prefill_attention
 
 CASES = {  # name: (hq, hkv, head_dim, block_size, seq_lens, q_lens)
     "single-tile-d128": (32, 8, 128, 16, [64, 65, 90, 200], [64, 65, 90, 100]),
     "odd-d256": (24, 4, 256, 16, [17 * 3, 123 * 3], [17, 123]),
     "odd-d64-bs64": (8, 2, 64, 64, [97 * 3 + 5], [97]),
+}
+
+DECODE_CASES = {  # name: (hq, hkv, head_dim, block_size, seq_lens, q_lens)
+    "decode-g6-d256": (24, 4, 256, 16, [17, 123, 1000, 9], [4, 1, 3, 4]),
+    "decode-g8-d128-bs32": (32, 4, 128, 32, [97, 517], [8, 5]),
 }
 
 
@@ -45,6 +54,22 @@ def main() -> int:
                 ok = finite and err < 0.05
                 bad += not ok
                 print(f"{'ok  ' if ok else 'FAIL'} {name} {kv} qk_ahead={cfg.qk_ahead}: rel-L2 vs portable {err:.4f}"
+                      f"{'' if finite else ' (non-finite or unwritten rows)'}", flush=True)
+    for name, (hq, hkv, d, bs, lens, qlens) in DECODE_CASES.items():
+        for kv in ("int8", "fp8"):
+            b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
+                                         kv_dtype=kv, seed=len(name), device="cuda")
+            args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+            want = decode_attention(*args)
+            for splits in (1, 3, None):
+                out = testing.poisoned_like(want)
+                dh.decode_attention_hopper(*args, out=out, num_splits=splits)
+                torch.cuda.synchronize()
+                finite = bool(torch.isfinite(out.float()).all())
+                err = reference.error_stats(out, want)["rel_l2"]
+                ok = finite and err < 0.07
+                bad += not ok
+                print(f"{'ok  ' if ok else 'FAIL'} decode {name} {kv} splits={splits}: rel-L2 vs portable {err:.4f}"
                       f"{'' if finite else ' (non-finite or unwritten rows)'}", flush=True)
     return 1 if bad else 0
 

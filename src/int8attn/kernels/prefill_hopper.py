@@ -120,13 +120,29 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: gl.constexpr):
 
 
 @gluon.jit
+def _page_blocks(j, bt_row, last_page, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    """The block id of each key of tile ``j`` (a ``[BLOCK_N]`` vector in ``LAYOUT``), pages
+    past the sequence's last page read as that page (in bounds, P = 0)."""
+    n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=LAYOUT)
+    return gl.load(bt_row + gl.minimum(n // PAGE, last_page)).to(gl.int64)
+
+
+@gluon.jit
 def _issue_rows(j, buf, ptr, bt_row, data_head, stride_cb, last_page, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
                 BLOCK_N: gl.constexpr, LOAD: gl.constexpr):
     """cp.async of the ``[BLOCK_N, HEAD_DIM]`` rows of tile ``j`` from row-major pages (K, or a
     BF16 cache's V) into ``buf``; pages past the last are read from it (in bounds, P = 0)."""
+    kblk = _page_blocks(j, bt_row, last_page, PAGE, BLOCK_N, gl.SliceLayout(1, LOAD))
+    _issue_rows_at(j, kblk, buf, ptr, data_head, stride_cb, HEAD_DIM, PAGE, BLOCK_N, LOAD)
+
+
+@gluon.jit
+def _issue_rows_at(j, kblk, buf, ptr, data_head, stride_cb, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
+                   BLOCK_N: gl.constexpr, LOAD: gl.constexpr):
+    """:func:`_issue_rows` with the tile's block ids given (``_page_blocks`` in
+    ``SliceLayout(1, LOAD)``)."""
     kn = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
     kd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
-    kblk = gl.load(bt_row + gl.minimum(kn // PAGE, last_page)).to(gl.int64)
     krow = gl.multiple_of(kblk * stride_cb + data_head + (kn % PAGE) * HEAD_DIM, 16)
     _gc.cp_async(buf, ptr + krow[:, None] + kd[None, :])
 
@@ -138,11 +154,19 @@ def _issue_tile(j, k_buf, v_buf, k_ptr, v_ptr, bt_row, data_head, stride_cb, las
     """cp.async of KV tile ``j`` (keys ``[j * BLOCK_N, (j + 1) * BLOCK_N)``) into one ring
     stage. Pages past the sequence's last page are read from that page (in bounds, P = 0)."""
     _issue_rows(j, k_buf, k_ptr, bt_row, data_head, stride_cb, last_page, HEAD_DIM, PAGE, BLOCK_N, LOAD_K)
-    # V^T pages: keys of one page are a contiguous run of RUN >= 16 bytes per channel.
+    vblk = _page_blocks(j, bt_row, last_page, PAGE, BLOCK_N, gl.SliceLayout(0, LOAD_V))
+    _issue_v_pages_at(j, vblk, v_buf, v_ptr, data_head, stride_cb, HEAD_DIM, PAGE, BLOCK_N, LOAD_V)
+
+
+@gluon.jit
+def _issue_v_pages_at(j, vblk, v_buf, v_ptr, data_head, stride_cb, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
+                      BLOCK_N: gl.constexpr, LOAD_V: gl.constexpr):
+    """cp.async of tile ``j``'s V^T pages (8-bit caches), block ids given (``_page_blocks`` in
+    ``SliceLayout(0, LOAD_V)``): keys of one page are a contiguous run of RUN >= 16 bytes per
+    channel."""
     RUN: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     vd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, LOAD_V))
     vn = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LOAD_V))
-    vblk = gl.load(bt_row + gl.minimum(vn // PAGE, last_page)).to(gl.int64)
     voff = vblk * stride_cb + data_head + vn % PAGE
     voff = gl.max_contiguous(gl.multiple_of(voff, 16), RUN)
     _gc.cp_async(v_buf, v_ptr + vd[:, None] * PAGE + voff[None, :])

@@ -41,8 +41,8 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 
 from . import _gluon_compat as _gc
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
-from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _issue_rows, _issue_tile, _program_tile, \
-    _pv_8bit, _store_output, _zero_tail_keys
+from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _issue_rows, _issue_tile, _page_blocks, \
+    _program_tile, _pv_8bit, _store_output, _zero_tail_keys
 from .prefill_hopper_pipe import _issue_pv, _online_softmax, _softmax_tile, _wait_and_fold
 
 #: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).
@@ -68,8 +68,15 @@ def partition_constexprs(pv_in_flight: bool, qk_ahead: bool) -> dict:
 def _copy_scales(j, ks_buf, vs_buf, k_scale_ptr, v_scale_ptr, bt_row, scale_head, stride_sb, last_page,
                  PAGE: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_S: gl.constexpr):
     """cp.async of tile ``j``'s K and V scales (16-byte runs of one page) into the ring."""
+    blk = _page_blocks(j, bt_row, last_page, PAGE, BLOCK_N, LOAD_S)
+    _copy_scales_at(j, blk, ks_buf, vs_buf, k_scale_ptr, v_scale_ptr, scale_head, stride_sb, PAGE, BLOCK_N, LOAD_S)
+
+
+@gluon.jit
+def _copy_scales_at(j, blk, ks_buf, vs_buf, k_scale_ptr, v_scale_ptr, scale_head, stride_sb, PAGE: gl.constexpr,
+                    BLOCK_N: gl.constexpr, LOAD_S: gl.constexpr):
+    """:func:`_copy_scales` with the tile's block ids given (``_page_blocks`` in ``LOAD_S``)."""
     n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=LOAD_S)
-    blk = gl.load(bt_row + gl.minimum(n // PAGE, last_page)).to(gl.int64)
     off = gl.max_contiguous(gl.multiple_of(blk * stride_sb + scale_head + n % PAGE, 4), 4)
     _gc.cp_async(ks_buf, k_scale_ptr + off)
     _gc.cp_async(vs_buf, v_scale_ptr + off)

@@ -51,6 +51,7 @@ from ..cache import PagedKVCache
 from ..errors import check_errors
 from ..runtime import capturing, interpret_mode, stream_id
 from . import decode as _decode
+from . import decode_hopper as _decode_hopper
 from . import prefill as _prefill
 from . import prefill_hopper as _hopper
 from .decode import MAX_DECODE_QUERY_LEN
@@ -137,6 +138,11 @@ class AttentionPlan:
     prefill_kernel: str = "portable"
     pv_mode: str | None = None
     prefill_pv_mode: str | None = None
+    #: the decode kernel of the runs: "portable" (:mod:`int8attn.ops.decode`) or "hopper"
+    #: (:mod:`int8attn.ops.decode_hopper`: multi-token steps of checked metadata on sm_90)
+    decode_kernel: str = "portable"
+    #: the Hopper decode launch's (config, num_splits, max_query_len, query-code buffers)
+    decode_hopper: tuple | None = None
     launches: tuple = field(default=())
     #: whether plan_attention checked the metadata values (False: value checks were off)
     values_checked: bool = False
@@ -233,8 +239,12 @@ class AttentionPlan:
         launch = None
         if self.has_decode and self.num_tokens > 0 and self.num_seqs > 0:
             out_strides = out.stride() if out is not None else (self.num_q_heads * self.head_dim, self.head_dim, 1)
-            launch = _decode.DecodeLaunch.for_tensors(self.decode_plan, cache, query, q_quant, q_scale, block_table,
-                                                      out_strides, self.workspace, win)
+            if self.decode_kernel == "hopper" and not win:
+                config, splits, decode_q, codes = self.decode_hopper
+                launch = _decode_hopper.DecodeHopperLaunch(config, splits, decode_q, self.workspace, codes)
+            else:  # the Hopper kernel has no sliding window: a windowed run takes the portable kernel
+                launch = _decode.DecodeLaunch.for_tensors(self.decode_plan, cache, query, q_quant, q_scale,
+                                                          block_table, out_strides, self.workspace, win)
         if len(self._launch_by_layout) >= _MAX_REMEMBERED:
             self._launch_by_layout.clear()
         prefill = (self.prefill_kernel, self.prefill_config)
@@ -311,7 +321,7 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
                    num_tokens: int | None = None, max_query_len: int | None = None,
                    has_decode: bool | None = None, has_prefill: bool | None = None,
                    pv_mode: str | None = None, num_splits: int | None = None,
-                   prefill_kernel: str | None = None) -> AttentionPlan:
+                   prefill_kernel: str | None = None, decode_kernel: str | None = None) -> AttentionPlan:
     """Plan a batch once: which kernels it needs, its longest query, decode splits,
     workspace and query-code buffers.
 
@@ -325,7 +335,10 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     is being captured) and all four facts given, nothing is read: a plan for bounds the
     caller knows. Runs with these metadata tensors do not check their values again.
     ``prefill_kernel`` ("auto" | "hopper" | "portable", None: ``INT8ATTN_PREFILL_KERNEL``)
-    picks the prefill kernel once, for every run (see :mod:`int8attn.ops.prefill_hopper`).
+    picks the prefill kernel once, for every run (see :mod:`int8attn.ops.prefill_hopper`);
+    ``decode_kernel`` (the same names, None: ``INT8ATTN_DECODE_KERNEL``) the decode kernel
+    (see :func:`int8attn.ops.decode_hopper.route`: "auto" runs multi-token steps whose packed
+    rows exceed 16 on the Hopper kernel, for checked metadata on sm_90).
     """
     _checks.check_cache(cache)
     if not _checks.is_int(num_q_heads, 1) or num_q_heads % cache.num_kv_heads:
@@ -374,14 +387,31 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     head_dim = cache.head_dim
     query_shape = (num_tokens, num_q_heads, head_dim)
 
-    decode_plan = workspace = None
+    decode_plan = workspace = decode_hopper = None
+    decode_kernel_name = "portable"
     if has_decode:
         _decode.check_num_seqs(num_seqs)
         decode_plan = _decode.plan_decode(query_shape, cache, tuple(block_table.shape), pv_mode=pv_mode,
                                           num_splits=num_splits)
-        if decode_plan.num_splits > 1:
+        decode_q = max(1, min(max_query_len or 1, MAX_DECODE_QUERY_LEN))
+        if _decode_hopper.route(cache, num_q_heads, decode_q, pv_mode, decode_kernel, values_checked):
+            decode_kernel_name = "hopper"
+            config = _decode_hopper.default_config(cache.kv_dtype, head_dim)
+            splits = num_splits or _decode_hopper.choose_splits(num_seqs, cache.num_kv_heads,
+                                                               block_table.shape[1] * cache.block_size,
+                                                               config.block_n, dev)
+            from .producer import query_code_buffers  # made here, outside any capture of the runs
+
+            codes = query_code_buffers(num_tokens, num_q_heads, head_dim, cache.kv_dtype, dev)
+            decode_hopper = (config, splits, decode_q, codes)
+            # the portable kernel's splits too: a run with a sliding window takes it
+            workspace = _decode.DecodeWorkspace(max(num_tokens, 1), num_q_heads, head_dim,
+                                                max(2 * splits, decode_plan.num_splits), device=dev)
+        elif decode_plan.num_splits > 1:
             workspace = _decode.DecodeWorkspace(max(num_tokens, 1), num_q_heads, head_dim,
                                                 decode_plan.num_splits, device=dev)
+    else:
+        _decode_hopper.requested_kernel(decode_kernel)  # a bad name fails here too
     prefill_config = prefill_pv = None
     prefill_kernel_name = "portable"
     if has_prefill:
@@ -397,8 +427,8 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
                          kv_dtype=cache.kv_dtype, max_query_len=max_query_len, has_decode=has_decode,
                          has_prefill=has_prefill, decode_plan=decode_plan, workspace=workspace,
                          prefill_config=prefill_config, prefill_kernel=prefill_kernel_name, pv_mode=pv_mode,
-                         prefill_pv_mode=prefill_pv,
-                         launches=launches, values_checked=values_checked)
+                         prefill_pv_mode=prefill_pv, decode_kernel=decode_kernel_name,
+                         decode_hopper=decode_hopper, launches=launches, values_checked=values_checked)
     plan._geometry = _geometry(cache)
     plan._metadata = (block_table, seq_lens, query_start_loc)
     if has_prefill and prefill_kernel_name == "hopper" and cache.kv_dtype != "bf16":

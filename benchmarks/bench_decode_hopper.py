@@ -1,0 +1,128 @@
+"""Multi-token decode on Hopper: the Gluon kernel (:mod:`int8attn.ops.decode_hopper`)
+against the portable decode kernel's q4 and q1 at the same context, graph-timed side by
+side in one run (24 q / 4 KV heads, head_dim 256, page 16; rotating block tables over
+disjoint pages, as bench_decode.py times decode).
+
+    PYTHONPATH=src python3 benchmarks/bench_decode_hopper.py --out DIR [--splits 1,2,3,4]
+
+Rows (``decode_hopper.jsonl``): kind ``q_sweep`` (graph µs per path and point; ``vs_q1``:
+this path's time over the portable q1 time at the same point), ``split_sweep`` (the
+Hopper kernel's split counts at one point) and ``check`` (rel-L2 of the Hopper output
+against the portable kernel's at the benchmark shapes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import _harness as H
+
+SMOKE = "--smoke" in sys.argv
+INTERPRET = H.start(SMOKE)
+
+import torch  # noqa: E402
+
+import bench_decode as BD  # noqa: E402
+from int8attn import reference  # noqa: E402
+from int8attn.ops import decode_hopper as dh  # noqa: E402
+from int8attn.ops.producer import quantize_query  # noqa: E402
+
+POINTS = [(16, 8192), (16, 32768), (1, 32768), (64, 8192)]
+SHAPE = BD.HEADLINE
+
+
+class HopperDecode:
+    """The Hopper kernel over rotating block tables, launched as a checked plan would
+    (inputs checked on the first call only)."""
+
+    def __init__(self, cache, bs, ctx, q_len, tables, num_splits=None, query=None, config=None):
+        t = bs * q_len
+        self.cache, self.tables = cache, tables
+        self.query = query if query is not None else torch.randn(t, SHAPE["hq"], SHAPE["d"], device=BD.DEV).to(
+            torch.bfloat16)
+        self.config = config or dh.default_config(cache.kv_dtype, SHAPE["d"])
+        self.qq, self.qs = quantize_query(self.query, cache.kv_dtype)
+        self.seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=BD.DEV)
+        self.qsl = torch.arange(0, t + 1, q_len, dtype=torch.int32, device=BD.DEV)
+        self.out = torch.empty_like(self.query)
+        self.q_len = q_len
+        self.splits = num_splits or dh.choose_splits(bs, SHAPE["hkv"], tables[0].shape[1] * SHAPE["page"],
+                                                     self.config.block_n, BD.DEV)
+        self._it = itertools.cycle(tables)
+        self.qk_scale = dh.qk_scale_of(None, SHAPE["d"])
+        dh.decode_attention_hopper(self.query, cache, tables[0], self.seq_lens, self.qsl, out=self.out,
+                                   q_quant=self.qq, q_scale=self.qs, num_splits=self.splits, max_query_len=q_len,
+                                   config=self.config)
+
+    def __call__(self):
+        dh.run_decode(self.config, self.query, self.cache, next(self._it), self.seq_lens, self.qsl, self.qk_scale,
+                      self.out, self.qq, self.qs, self.splits, self.q_len)
+        return self.out
+
+
+def main() -> None:
+    ap = H.parser("decode_hopper", budget_s=420)
+    ap.add_argument("--kv", default="int8,fp8")
+    ap.add_argument("--q", default="4")
+    ap.add_argument("--splits", default="1,2,3,4", help="split counts swept at bs16 L32k")
+    ap.add_argument("--configs", default="", help="configs timed at bs16 L32k: kv:block_n:dv:stages,...")
+    args = ap.parse_args()
+    run = H.Run("decode_hopper", args.out, deadline_s=args.budget_s, interpret=INTERPRET)
+    points = [(2, 256)] if SMOKE else POINTS
+    q_lens = [int(x) for x in args.q.split(",")]
+    for kv in args.kv.split(","):
+        blocks = max(bs * ctx // SHAPE["page"] for bs, ctx in points) * 4
+        cache = BD.make_cache(kv, blocks, SHAPE)
+        for bs, ctx in points:
+            if run.late(f"{kv} bs{bs} L{ctx}"):
+                break
+            tables = BD.block_tables(blocks, bs, ctx, SHAPE["page"], 4)
+            q1 = run.time(BD.Decode(cache, SHAPE, bs, ctx, 1, None, tables=tables), graph=True)
+            run.row(kind="q_sweep", path="portable", kv_dtype=kv, bs=bs, context=ctx, q_len=1, graph_us=q1,
+                    vs_q1=1.0)
+            run.log(f"{kv} bs{bs} L{ctx} portable q1 {q1:.1f} us")
+            for q in q_lens:
+                port = BD.Decode(cache, SHAPE, bs, ctx, q, None, tables=tables)
+                t_port = run.time(port, graph=True)
+                hop = HopperDecode(cache, bs, ctx, q, tables, query=port.query)
+                t_hop = run.time(hop, graph=True)
+                for path, t in (("portable", t_port), ("hopper", t_hop)):
+                    run.row(kind="q_sweep", path=path, kv_dtype=kv, bs=bs, context=ctx, q_len=q, graph_us=t,
+                            vs_q1=t / q1, num_splits=hop.splits if path == "hopper" else port.plan.num_splits)
+                run.log(f"  q{q}: portable {t_port:.1f} us ({t_port / q1:.2f}x q1), hopper {t_hop:.1f} us "
+                        f"({t_hop / q1:.2f}x q1, {hop.splits} splits)")
+                if bs == 16 and ctx == 8192:  # the two kernels agree at the benchmark shapes (same query)
+                    hop._it, port._it = itertools.cycle(tables), itertools.cycle(tables)
+                    a, b = hop(), port()
+                    torch.cuda.synchronize()
+                    err = reference.error_stats(a.float(), b.float())
+                    run.row(kind="check", kv_dtype=kv, bs=bs, context=ctx, q_len=q, rel_l2_vs_portable=err["rel_l2"])
+                    run.log(f"  q{q} hopper vs portable rel-L2 {err['rel_l2']:.4f}")
+                if bs == 16 and ctx == 32768:
+                    for s in (int(x) for x in args.splits.split(",")):
+                        t = run.time(HopperDecode(cache, bs, ctx, q, tables, num_splits=s), graph=True)
+                        run.row(kind="split_sweep", kv_dtype=kv, bs=bs, context=ctx, q_len=q, num_splits=s,
+                                graph_us=t, vs_q1=t / q1)
+                        run.log(f"    splits {s}: {t:.1f} us ({t / q1:.2f}x q1)")
+                    for spec in (c for c in args.configs.split(",") if c.startswith(kv + ":")):
+                        bn, dv, st = (int(x) for x in spec.split(":")[1:])
+                        cfg = dh.HopperPrefillConfig(block_n=bn, dv=dv, stages=st, warp_specialized=True,
+                                                     qk_ahead=False)
+                        try:
+                            t = run.time(HopperDecode(cache, bs, ctx, q, tables, config=cfg), graph=True)
+                        except Exception as e:  # a config that does not compile or fit: recorded, run goes on
+                            run.log(f"    config {spec}: {type(e).__name__}: {str(e)[:300]}")
+                            continue
+                        run.row(kind="config_sweep", kv_dtype=kv, bs=bs, context=ctx, q_len=q, block_n=bn, dv=dv,
+                                stages=st, graph_us=t, vs_q1=t / q1)
+                        run.log(f"    config {spec}: {t:.1f} us ({t / q1:.2f}x q1)")
+        del cache
+        torch.cuda.empty_cache()
+    H.finish(run, "decode_hopper_summary.md", lambda: "\n".join(
+        f"{r['kv_dtype']} bs{r['bs']} L{r['context']} q{r['q_len']} {r['path']}: {r['graph_us']:.1f} us "
+        f"({r['vs_q1']:.2f}x q1)" for r in run.rows if r.get("kind") == "q_sweep"))
+
+
+if __name__ == "__main__":
+    main()

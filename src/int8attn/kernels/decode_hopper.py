@@ -1,0 +1,322 @@
+"""Multi-token decode for Hopper (sm_90) in Gluon: split-K over the paged cache with the
+warp-specialized prefill kernel's partitions (:mod:`int8attn.kernels.prefill_hopper_ws`).
+
+Why a second decode kernel. The portable decode kernel (:mod:`int8attn.kernels.decode`)
+puts the packed query rows on the MMA's N side (operand-swapped tiles): 16 rows read at
+~95% of copy bandwidth, but a multi-token step of a large GQA group (4 tokens x 6 heads =
+24 rows) needs a 32-row tile, whose softmax and accumulator no longer fit beside the
+pipelined loads (one 8-warp program per SM, 1.5-1.6x the one-token time). Here the rows sit
+on the MMA's M side as in prefill -- up to 64 of them per warpgroup, so 24 or 48 rows cost
+what 6 rows cost -- and a loader partition keeps the shared-memory ring full while the two
+consumer warpgroups compute, so that the MMA work of the padded rows hides under the
+stream of K/V bytes.
+
+One program owns one (split, KV head, sequence) and runs three partitions of four warps:
+
+* a loader (as the prefill kernel's): cp.async of K, V^T and both scale rows of each KV
+  tile through the block table into a ``STAGES``-deep ring, guarded by ``ready`` / ``empty``
+  mbarriers;
+* two consumer warpgroups, each owning the same packed rows (row ``r``: token ``r //
+  GROUP``, head ``kv_head * GROUP + r % GROUP``; ``GROUP * q_len <= 64``) and its own
+  contiguous run of the program's KV tiles: consumer ``w`` is *virtual split* ``2 * split +
+  w`` of ``2 * num_splits``, the runs cut as :func:`int8attn.kernels.decode._split_tiles`
+  cuts them (sizes differing by at most one, the non-empty ones first). The loader
+  interleaves the two runs (ring item ``i = 2 k + w`` is tile ``k`` of consumer ``w``), so
+  each ring stage is read by one consumer (``empty`` counts one arrival). Each consumer
+  runs its tiles in order -- QK, the online softmax, PV -- with the scores, masks, scales
+  and P quantization of the prefill kernel; the other consumer's MMAs overlap its softmax.
+
+Output: with one active virtual split (a context of one tile) the normalized rows go to
+``out``; otherwise each consumer writes its partial rows (unnormalized accumulator, running
+max and sum in base 2) to the workspace, and the decode merge kernel
+(:func:`int8attn.kernels.decode._decode_merge_kernel`, launched with ``2 * num_splits``
+splits and this kernel's ``BLOCK_N``) combines them -- the portable kernel's partial format.
+
+Metadata is trusted (pages clamped to the sequence's last page; block ids are not checked):
+the launcher runs this kernel only for metadata whose values were checked on the host.
+
+Sequences with ``q_len > max_query_len`` (at most ``BLOCK_Q = 64 // GROUP``) are skipped,
+their rows unwritten, as the portable kernel skips them.
+
+Tensor layouts: q [T, Hq, D] int8 | e4m3 (as uint8) codes, q_scale [T, Hq] fp32; the
+cache as :mod:`int8attn.kernels.prefill_hopper`; out [T, Hq, D] bf16; part_acc [T, Hq, S2,
+D] fp32, part_ml [T, Hq, S2, 2] fp32 with ``S2 >= 2 * num_splits``. Grid: (num_splits,
+Hkv, num_seqs).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_async_shared, mbarrier, \
+    warpgroup_mma_wait
+
+from . import _gluon_compat as _gc
+from .codes import KIND_BF16, KIND_FP8, PV_INT8
+from .prefill_hopper import NEG_BIG, _issue_rows_at, _issue_v_pages_at, _page_blocks, _pv_8bit, _store_output, \
+    _store_rows, _zero_tail_keys
+from .prefill_hopper_pipe import _softmax_tile
+from .prefill_hopper_ws import LOADER_WARPS, WG_ROWS, _copy_scales_at, _pv_int8_chunks, _qk, _stage_scales, \
+    _v_chunk
+
+
+@gluon.jit
+def _run(num_tiles, v, num_virtual):
+    """Tiles ``[lo, lo + count)`` of virtual split ``v`` of ``num_virtual`` (the portable
+    kernel's ``_split_tiles`` with no window)."""
+    base = num_tiles // num_virtual
+    rem = num_tiles % num_virtual
+    lo = v * base + gl.minimum(v, rem)
+    count = base + (v < rem).to(gl.int32)
+    return lo, count
+
+
+@gluon.jit
+def _item_blocks(i, lo0, count0, bt_row, last_page, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                 LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr):
+    """Ring item ``i``'s tile (tile ``i // 2`` of consumer ``i % 2``, whose run follows
+    consumer 0's) and its block ids in the layouts of the K rows, the V^T pages and the
+    scales."""
+    tile = lo0 + count0 * (i % 2) + i // 2
+    kblk = _page_blocks(tile, bt_row, last_page, PAGE, BLOCK_N, gl.SliceLayout(1, LOAD_K))
+    vblk = _page_blocks(tile, bt_row, last_page, PAGE, BLOCK_N, gl.SliceLayout(0, LOAD_V))
+    sblk = _page_blocks(tile, bt_row, last_page, PAGE, BLOCK_N, LOAD_S)
+    return tile, kblk, vblk, sblk
+
+
+@gluon.jit
+def _decode_loader(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
+                   kv_end, last_page, lo0, count0, count1, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+                   HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                   KV_KIND: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr):
+    # Two consumers drain the ring, so the loader must issue a tile in half a consumer's
+    # tile time: the block ids of item i + 1 are loaded before item i's copies are issued
+    # (a block-table round trip per item would otherwise pace the ring).
+    n_items = count0 + count1
+    tile, kblk, vblk, sblk = _item_blocks(0, lo0, count0, bt_row, last_page, PAGE, BLOCK_N, LOAD_K, LOAD_V, LOAD_S)
+    for i in range(0, n_items):
+        s = i % STAGES
+        nxt, kblk_n, vblk_n, sblk_n = _item_blocks(gl.minimum(i + 1, n_items - 1), lo0, count0, bt_row, last_page,
+                                                   PAGE, BLOCK_N, LOAD_K, LOAD_V, LOAD_S)
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # first pass: phase 1 is done
+        _issue_rows_at(tile, kblk, k_ring.index(s), k_ptr, data_head, stride_cb, HEAD_DIM, PAGE, BLOCK_N, LOAD_K)
+        _issue_v_pages_at(tile, vblk, v_ring.index(s), v_ptr, data_head, stride_cb, HEAD_DIM, PAGE, BLOCK_N, LOAD_V)
+        _copy_scales_at(tile, sblk, ks_ring.index(s), vs_ring.index(s), k_scale_ptr, v_scale_ptr, scale_head,
+                        stride_sb, PAGE, BLOCK_N, LOAD_S)
+        if KV_KIND == KIND_FP8:
+            if (tile + 1) * BLOCK_N > kv_end:
+                # stale e4m3 bytes past the end may be NaN (NaN * 0 = NaN in the MMA): zero them
+                async_copy.commit_group()
+                async_copy.wait_group(0)
+                _zero_tail_keys(v_ring.index(s), tile * BLOCK_N, kv_end, HEAD_DIM, BLOCK_N, LOAD_V)
+                fence_async_shared()
+                _gc.cta_barrier()  # the loader's warps only
+                mbarrier.arrive(ready.index(s), count=LOADER_WARPS * 32)
+            else:
+                async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        else:
+            async_copy.mbarrier_arrive(ready.index(s), increment_count=False)
+        tile, kblk, vblk, sblk = nxt, kblk_n, vblk_n, sblk_n
+
+
+@gluon.jit
+def _decode_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, k_ring, v_ring, ks_ring,
+                     vs_ring, ready, empty, kv_head, q_start, q_len, ctx, kv_end, split, n_virtual, lo0, count0,
+                     count1, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
+                     stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                     WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
+                     BLOCK_N: gl.constexpr, DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr,
+                     STAGES: gl.constexpr, QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr,
+                     P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr):
+    ROW: gl.constexpr = gl.SliceLayout(1, QK_LAYOUT)
+    COL: gl.constexpr = gl.SliceLayout(0, QK_LAYOUT)
+    PV_ROW: gl.constexpr = gl.SliceLayout(1, PV_LAYOUT)
+    NUM_DV: gl.constexpr = HEAD_DIM // DV
+    BLOCK_M: gl.constexpr = WG_ROWS
+    if WG == 0:
+        lo = lo0
+        count = count0
+    else:
+        lo = lo0 + count0
+        count = count1
+    vsplit = 2 * split + WG
+
+    # ---- the packed rows' Q codes into this warpgroup's tile
+    qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD_Q))
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD_Q))
+    q_valid = (qm // GROUP < BLOCK_Q) & (qm // GROUP < q_len)
+    q_rows = (q_start + qm // GROUP).to(gl.int64) * stride_qt + (kv_head * GROUP + qm % GROUP) * stride_qh
+    q = gl.load(q_ptr + q_rows[:, None] + qd[None, :], mask=q_valid[:, None], other=0)
+    if KV_KIND == KIND_FP8:
+        q = q.to(gl.float8e4nv, bitcast=True)  # e4m3 codes travel as uint8
+    q_smem = q_bufs.index(WG)
+    q_smem.store(q)
+    fence_async_shared()
+    _gc.cta_barrier()  # this warpgroup's threads (a named barrier inside a partition)
+
+    offs_m = gl.arange(0, BLOCK_M, layout=ROW)
+    tok = offs_m // GROUP
+    row_valid = (tok < BLOCK_Q) & (tok < q_len)
+    row_scale = gl.load(q_scale_ptr + (q_start + tok).to(gl.int64) * stride_qst
+                        + (kv_head * GROUP + offs_m % GROUP) * stride_qsh, mask=row_valid, other=1.0) * qk_scale
+    full_end = ((ctx + 1) // BLOCK_N) * BLOCK_N  # keys every query token sees
+    row_limit = gl.minimum(ctx + tok, kv_end - 1)
+
+    m_i = gl.full([BLOCK_M], NEG_BIG, gl.float32, ROW)
+    l_i = gl.zeros([BLOCK_M], gl.float32, ROW)
+    r_i = gl.full([BLOCK_M], 1.0, gl.float32, ROW)
+    acc0 = gl.zeros([BLOCK_M, DV], gl.float32, PV_LAYOUT)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    acc4 = acc0  # chunks 4-7: int8 PV in 32-column chunks at head_dim 256
+    acc5 = acc0
+    acc6 = acc0
+    acc7 = acc0
+    if PV_KIND == PV_INT8:
+        levels: gl.constexpr = 127.0
+    else:
+        levels: gl.constexpr = 448.0
+
+    for k in range(0, count):
+        i = 2 * k + WG
+        st = i % STAGES
+        start = (lo + k) * BLOCK_N
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        fence_async_shared()
+        s = warpgroup_mma_wait(0, deps=[_qk(q_smem, k_ring.index(st), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)])
+        k_scale, v_scale = _stage_scales(ks_ring.index(st), vs_ring.index(st), start, kv_end, BLOCK_N, COL)
+        p_op, factor, m_i, l_i, r_i = _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit, start,
+                                                     full_end, levels, BLOCK_N, KV_KIND, PV_KIND, COL, PV_ROW,
+                                                     P_LAYOUT)
+        v_buf = v_ring.index(st)
+        if PV_KIND == PV_INT8:
+            acc0, acc1, acc2, acc3 = _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, 0, BLOCK_M, DV,
+                                                     NUM_DV, PV_LAYOUT)
+            if NUM_DV > 4:
+                acc4, acc5, acc6, acc7 = _pv_int8_chunks(acc4, acc5, acc6, acc7, p_op, factor, v_buf, 4, BLOCK_M,
+                                                         DV, NUM_DV, PV_LAYOUT)
+        else:
+            acc0 = _pv_8bit(acc0, p_op, factor, _v_chunk(v_buf, 0, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+            if NUM_DV > 1:
+                acc1 = _pv_8bit(acc1, p_op, factor, _v_chunk(v_buf, 1, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+            if NUM_DV > 2:
+                acc2 = _pv_8bit(acc2, p_op, factor, _v_chunk(v_buf, 2, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+                acc3 = _pv_8bit(acc3, p_op, factor, _v_chunk(v_buf, 3, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+        mbarrier.arrive(empty.index(st), count=1)
+
+    if vsplit < n_virtual:
+        if n_virtual == 1:
+            _store_output(out_ptr, acc0, acc1, acc2, acc3, l_i, r_i, q_start, 0, q_len, kv_head, stride_ot,
+                          stride_oh, GROUP, BLOCK_M, BLOCK_Q, DV, NUM_DV, PV_LAYOUT)
+            if NUM_DV > 4:
+                _store_output(out_ptr, acc4, acc5, acc6, acc7, l_i, r_i, q_start, 0, q_len, kv_head, stride_ot,
+                              stride_oh, GROUP, BLOCK_M, BLOCK_Q, DV, NUM_DV, PV_LAYOUT, 0, 4 * DV)
+        else:
+            _store_partials(part_acc_ptr + vsplit * stride_ps, part_ml_ptr + vsplit * stride_ms, acc0, acc1, acc2,
+                            acc3, m_i, l_i, r_i, q_start, q_len, kv_head, stride_pt, stride_ph, stride_mt, stride_mh,
+                            GROUP, BLOCK_M, BLOCK_Q, DV, NUM_DV, PV_LAYOUT, ROW)
+            if NUM_DV > 4:
+                _store_partials(part_acc_ptr + vsplit * stride_ps, part_ml_ptr + vsplit * stride_ms, acc4, acc5,
+                                acc6, acc7, m_i, l_i, r_i, q_start, q_len, kv_head, stride_pt, stride_ph, stride_mt,
+                                stride_mh, GROUP, BLOCK_M, BLOCK_Q, DV, NUM_DV, PV_LAYOUT, ROW, 4 * DV)
+
+
+@gluon.jit
+def _store_partials(acc_ptr, ml_ptr, acc0, acc1, acc2, acc3, m_i, l_i, r_i, q_start, q_len, kv_head,
+                    stride_pt, stride_ph, stride_mt, stride_mh, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_Q: gl.constexpr, DV: gl.constexpr, NUM_DV: gl.constexpr, PV_LAYOUT: gl.constexpr,
+                    ROW: gl.constexpr, COL0: gl.constexpr = 0):
+    """One virtual split's partial rows in the portable kernel's format: the accumulator in
+    true units (``acc * r``) of up to four column chunks from ``COL0``, and (with the first
+    chunks) each row's running max and sum."""
+    scale = gl.convert_layout(r_i, gl.SliceLayout(1, PV_LAYOUT))
+    _store_rows(acc_ptr, acc0, COL0, scale, q_start, 0, q_len, kv_head, stride_pt, stride_ph, GROUP, BLOCK_M, BLOCK_Q,
+                DV, PV_LAYOUT, 0)
+    if NUM_DV > 1:
+        _store_rows(acc_ptr, acc1, COL0 + DV, scale, q_start, 0, q_len, kv_head, stride_pt, stride_ph, GROUP,
+                    BLOCK_M, BLOCK_Q, DV, PV_LAYOUT, 0)
+    if NUM_DV > 2:
+        _store_rows(acc_ptr, acc2, COL0 + 2 * DV, scale, q_start, 0, q_len, kv_head, stride_pt, stride_ph, GROUP,
+                    BLOCK_M, BLOCK_Q, DV, PV_LAYOUT, 0)
+        _store_rows(acc_ptr, acc3, COL0 + 3 * DV, scale, q_start, 0, q_len, kv_head, stride_pt, stride_ph, GROUP,
+                    BLOCK_M, BLOCK_Q, DV, PV_LAYOUT, 0)
+    if COL0 == 0:
+        offs_m = gl.arange(0, BLOCK_M, layout=ROW)
+        tok = offs_m // GROUP
+        valid = (tok < BLOCK_Q) & (tok < q_len)
+        ml = ml_ptr + (q_start + tok).to(gl.int64) * stride_mt + (kv_head * GROUP + offs_m % GROUP) * stride_mh
+        gl.store(ml, m_i, mask=valid)
+        gl.store(ml + 1, l_i, mask=valid)
+
+
+@gluon.jit
+def _decode_hopper_kernel(
+    q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, num_splits, max_query_len,
+    stride_qt, stride_qh, stride_qst, stride_qsh,
+    stride_ot, stride_oh,
+    stride_pt, stride_ph, stride_ps,
+    stride_mt, stride_mh, stride_ms,
+    stride_cb, stride_ch, stride_sb, stride_sh,
+    stride_bt,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
+    KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, STAGES: gl.constexpr,
+    QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
+    Q_SMEM: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, V16_SMEM: gl.constexpr,
+    LOAD_Q: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
+    LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
+):
+    gl.static_assert(KV_KIND != KIND_BF16, "8-bit caches only")
+    gl.static_assert(STAGES >= 2, "a ring of at least two stages")
+    split = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    seq = gl.program_id(2)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = gl.load(seq_lens_ptr + seq)
+    if (q_len <= 0) | (q_len > max_query_len) | (seq_len < q_len):
+        return  # nothing to do, or left to the prefill kernel (max_query_len <= BLOCK_Q)
+    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    n_virtual = gl.minimum(2 * num_splits, num_tiles)
+    if 2 * split >= n_virtual:
+        return
+    lo0, count0 = _run(num_tiles, 2 * split, n_virtual)
+    lo1, count1 = _run(num_tiles, 2 * split + 1, n_virtual)
+    ctx = seq_len - q_len
+    last_page = (seq_len - 1) // PAGE
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+
+    elem = k_ptr.dtype.element_ty
+    S_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_bufs = gl.allocate_shared_memory(elem, [2, WG_ROWS, HEAD_DIM], Q_SMEM)
+    k_ring = gl.allocate_shared_memory(elem, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
+    v_ring = gl.allocate_shared_memory(elem, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
+    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
+    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=LOADER_WARPS * 32)
+        mbarrier.init(empty.index(i), count=1)
+
+    gl.warp_specialize([
+        (_decode_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, k_ring, v_ring, ks_ring,
+                            vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual, lo0,
+                            count0, count1, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
+                            stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                            0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, QK_LAYOUT, PV_LAYOUT,
+                            P_LAYOUT, LOAD_Q)),
+        (_decode_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, k_ring, v_ring, ks_ring,
+                            vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual, lo0,
+                            count0, count1, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
+                            stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                            1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, QK_LAYOUT, PV_LAYOUT,
+                            P_LAYOUT, LOAD_Q)),
+        (_decode_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
+                          kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, seq_len, last_page, lo0, count0,
+                          count1, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+                          HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, LOAD_K, LOAD_V, LOAD_S)),
+    ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])

@@ -1,0 +1,270 @@
+"""Launcher of the Hopper multi-token decode kernel
+(:func:`int8attn.kernels.decode_hopper._decode_hopper_kernel`) and of the merge of its
+partials (:func:`int8attn.kernels.decode._decode_merge_kernel`).
+
+:func:`decode_attention_hopper` takes :func:`int8attn.ops.decode.decode_attention`'s
+arguments for an INT8 or FP8 cache on sm_90 with PV in the cache's precision, and applies
+where a sequence's packed rows fit one warpgroup tile (``GROUP x max_query_len <= 64``).
+It trusts the metadata values (block ids, lengths): call it with checked metadata. The
+launch record (:mod:`int8attn.launches`) names ``_decode_hopper_kernel``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+from .. import _checks, launches
+from ..runtime import device_guard, sm_count
+from ._launch import CachedLaunch, remembered
+from .decode import MAX_DECODE_QUERY_LEN, MERGE_MAX_CHUNK, DecodeWorkspace, check_decode_options, merge_columns, \
+    qk_scale_of
+from .prefill_hopper import HopperPrefillConfig, _check_config as _check_prefill_config, constexprs, launch_options, \
+    unsupported_reason as _hopper_reason, warp_specialized_config
+
+#: Rows of one consumer warpgroup: a sequence's GROUP x q_len packed rows must fit.
+ROWS = 64
+#: Programs per SM (two 232-register consumer warpgroups and the loader fill the register file).
+PROGRAMS_PER_SM = 1
+
+
+def default_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig:
+    """The warp-specialized prefill config of the cache (its tiles, PV chunks and ring)."""
+    return warp_specialized_config(kv_dtype, head_dim)
+
+
+def unsupported_reason(cache, num_q_heads: int, max_query_len: int, pv_mode: str | None) -> str | None:
+    """Why the kernel does not apply to these shapes (None: it does)."""
+    if cache.kv_dtype not in ("int8", "fp8"):
+        return f"kv_dtype {cache.kv_dtype!r} (8-bit caches only)"
+    pv = pv_mode or cache.kv_dtype
+    if pv != cache.kv_dtype:
+        return f"pv_mode {pv!r} (PV in the cache's precision only)"
+    group = num_q_heads // cache.num_kv_heads
+    if not 1 <= max_query_len <= MAX_DECODE_QUERY_LEN or group * max_query_len > ROWS:
+        return f"GQA group {group} x max_query_len {max_query_len} rows (at most {ROWS}, q_len <= " \
+               f"{MAX_DECODE_QUERY_LEN})"
+    return _hopper_reason(cache, num_q_heads, pv)
+
+
+def check_config(config: HopperPrefillConfig, cache, group: int) -> HopperPrefillConfig:
+    """A warp-specialized config the prefill kernel would accept (tiles, PV chunks), with a
+    ring of 2..8 stages (the decode ring holds no tile across a softmax)."""
+    if not isinstance(config, HopperPrefillConfig) or not config.warp_specialized:
+        raise ValueError(f"config must be a HopperPrefillConfig(warp_specialized=True), got {config!r}")
+    if not isinstance(config.stages, int) or not 2 <= config.stages <= 8:
+        raise ValueError(f"stages={config.stages!r} must be 2..8")
+    checked = _check_prefill_config(dataclasses.replace(config, stages=4), cache, group, cache.kv_dtype)
+    return dataclasses.replace(checked, stages=config.stages)
+
+
+#: Packed rows (GROUP x decode query length) from which "auto" runs a plan's decode on this
+#: kernel: above the portable kernel's 16-row operand-swapped tile, where it needs a 32-row
+#: tile or a head split (H200, 24 q / 4 KV heads, D256: benchmarks/notes/decode.md).
+AUTO_MIN_ROWS = 17
+#: Kernel names a plan's decode may ask for (``decode_kernel=`` / ``INT8ATTN_DECODE_KERNEL``).
+KERNELS = ("auto", "hopper", "portable")
+
+
+def requested_kernel(kernel: str | None) -> tuple[str, bool]:
+    """(kernel name, forced by argument): ``kernel``, else ``INT8ATTN_DECODE_KERNEL``, else "auto"."""
+    forced = kernel is not None
+    name = kernel if forced else os.environ.get("INT8ATTN_DECODE_KERNEL", "auto")
+    if name not in KERNELS:
+        where = "decode_kernel" if forced else "INT8ATTN_DECODE_KERNEL"
+        raise ValueError(f"{where} must be one of {KERNELS}, got {name!r}")
+    return name, forced
+
+
+def route(cache, num_q_heads: int, max_decode_query_len: int, pv_mode: str | None, kernel: str | None,
+          metadata_checked: bool) -> bool:
+    """Whether a plan's decode launch runs this kernel: "portable" never; "hopper" wherever
+    it applies (forced by argument: ValueError where it does not; by the environment: the
+    portable kernel there); "auto" for checked metadata (this kernel trusts block ids and
+    lengths) whose packed rows reach AUTO_MIN_ROWS."""
+    name, forced = requested_kernel(kernel)
+    if name == "portable":
+        return False
+    reason = unsupported_reason(cache, num_q_heads, max_decode_query_len, pv_mode)
+    if name == "hopper":
+        if reason is not None and forced:
+            raise ValueError(f"decode_kernel='hopper' does not apply: {reason}")
+        return reason is None
+    group = num_q_heads // cache.num_kv_heads
+    return reason is None and metadata_checked and group * max_decode_query_len >= AUTO_MIN_ROWS
+
+
+class DecodeHopperLaunch:
+    """A plan's decode launch on this kernel, called as :class:`int8attn.ops.decode.DecodeLaunch`
+    is: ``(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out,
+    qk_scale)``. The query's codes (when not given) go to buffers it owns; the partials to the
+    plan's workspace (sized for ``2 * num_splits``)."""
+
+    __slots__ = ("config", "num_splits", "max_query_len", "workspace", "codes")
+
+    def __init__(self, config, num_splits: int, max_query_len: int, workspace: DecodeWorkspace | None, codes):
+        self.config, self.num_splits, self.max_query_len = config, num_splits, max_query_len
+        self.workspace, self.codes = workspace, codes
+
+    def __call__(self, query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale):
+        run_decode(self.config, query, cache, block_table, seq_lens, query_start_loc, qk_scale, out, q_quant,
+                   q_scale, self.num_splits, self.max_query_len, self.workspace, self.codes)
+
+
+def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, device) -> int:
+    """Programs per (sequence, KV head): enough for one wave over the SMs (one program
+    each), no more than half the tiles (each program runs two virtual splits)."""
+    slots = PROGRAMS_PER_SM * sm_count(device)
+    tiles = max(1, -(-max_context // block_n))
+    return max(1, min(max(1, slots // max(1, num_seqs * num_kv_heads)), -(-tiles // 2)))
+
+
+def decode_attention_hopper(query, cache, block_table, seq_lens, query_start_loc, *, softmax_scale=None, out=None,
+                            q_quant=None, q_scale=None, pv_mode=None, num_splits=None, max_query_len=None,
+                            config: HopperPrefillConfig | None = None) -> torch.Tensor:
+    """Multi-token decode on the Hopper kernel; ``max_query_len`` (host int, default
+    MAX_DECODE_QUERY_LEN capped by the rows) bounds every sequence's q_len -- longer ones are
+    skipped, as decode_attention skips them. Raises ValueError where it does not apply."""
+    _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
+                                   q_quant=q_quant, q_scale=q_scale)
+    check_decode_options(cache, softmax_scale, None)
+    num_q_heads = query.shape[1]
+    group = num_q_heads // cache.num_kv_heads
+    if max_query_len is None:
+        max_query_len = max(1, min(MAX_DECODE_QUERY_LEN, ROWS // group))
+    reason = unsupported_reason(cache, num_q_heads, int(max_query_len), pv_mode)
+    if reason is not None:
+        raise ValueError(f"the Hopper decode kernel does not apply: {reason}")
+    config = check_config(config or default_config(cache.kv_dtype, cache.head_dim), cache, group)
+    num_seqs = block_table.shape[0]
+    if num_splits is None:
+        num_splits = choose_splits(num_seqs, cache.num_kv_heads, block_table.shape[1] * cache.block_size,
+                                   config.block_n, cache.device)
+    if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    return run_decode(config, query, cache, block_table, seq_lens, query_start_loc, qk_scale_of(softmax_scale,
+                      cache.head_dim), out, q_quant, q_scale, num_splits, int(max_query_len))
+
+
+def run_decode(config, query, cache, block_table, seq_lens, query_start_loc, qk_scale: float, out, q_quant, q_scale,
+               num_splits: int, max_query_len: int, workspace: DecodeWorkspace | None = None,
+               codes: tuple | None = None) -> torch.Tensor:
+    """Launch with checked inputs and config: the kernel, then (more than one virtual split)
+    the merge kernel over ``2 * num_splits`` partials (in ``workspace``, else a scratch pair
+    per shape). A query without codes is quantized first (into ``codes`` when given)."""
+    from .producer import quantize_query_unchecked
+
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_seqs = block_table.shape[0]
+    if out is None:
+        out = torch.empty(query.shape, dtype=torch.bfloat16, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_q_heads // cache.num_kv_heads
+    if q_quant is None:
+        q_quant, q_scale = quantize_query_unchecked(query, cache.kv_dtype, *(codes or (None, None)),
+                                                    cache.key_channel_scale)
+    q_in = q_quant.view(torch.uint8) if cache.kv_dtype == "fp8" else q_quant
+    if workspace is not None:
+        part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, 2 * num_splits)
+    else:
+        part_acc, part_ml = _workspace(num_tokens, num_q_heads, 2 * num_splits, head_dim, cache.device)
+    key, value = cache.key, cache.value
+    fixed = (num_splits, max_query_len, q_in.stride(0), q_in.stride(1), q_scale.stride(0), q_scale.stride(1),
+             out.stride(0), out.stride(1), *part_acc.stride()[:3], *part_ml.stride()[:3],
+             key.stride(0), key.stride(1), cache.key_scale.stride(0), cache.key_scale.stride(1),
+             block_table.stride(0))
+    with device_guard(cache.device):
+        geometry = (config, cache.kv_dtype, cache.block_size, head_dim, group, cache.num_kv_heads, num_seqs,
+                    num_q_heads, num_tokens, block_table.shape[1], fixed, cache.device)
+        kernel, merge = remembered(_LAUNCHES, geometry, _MAX_LAUNCHES,
+                                   lambda: _make_launches(config, cache, group, num_seqs, num_q_heads, num_tokens,
+                                                          num_splits, max_query_len, block_table.shape[1], fixed,
+                                                          out, part_acc, part_ml))
+        kernel(q_in, q_scale, out, part_acc, part_ml, key, value, cache.key_scale, cache.value_scale, block_table,
+               seq_lens, query_start_loc, qk_scale)
+        merge(out, part_acc, part_ml, seq_lens, query_start_loc)
+    return out
+
+
+def _make_launches(config, cache, group, num_seqs, num_q_heads, num_tokens, num_splits, max_query_len, max_blocks,
+                   fixed, out, part_acc, part_ml):
+    from ..kernels.decode import _decode_merge_kernel
+    from ..kernels.decode_hopper import _decode_hopper_kernel
+
+    const = constexprs(config, cache, group, cache.kv_dtype)
+    const["BLOCK_Q"] = ROWS // group  # both consumer warpgroups hold the same 64 rows
+    kernel = CachedLaunch(_decode_hopper_kernel, (num_splits, cache.num_kv_heads, num_seqs),
+                          {**const, **launch_options(config)}, {"config": config}, fixed_args=fixed)
+    head_dim = cache.head_dim
+    cols = merge_columns(head_dim)
+    splits = 2 * num_splits
+    chunk = min(MERGE_MAX_CHUNK, 1 << (splits - 1).bit_length())
+    merge_args = (splits, out.stride(0), out.stride(1), *part_acc.stride()[:3], *part_ml.stride()[:3], num_tokens,
+                  max_blocks)
+    merge = CachedLaunch(_decode_merge_kernel, (num_q_heads, num_seqs, head_dim // cols),
+                         dict(HEAD_DIM=head_dim, BLOCK_N=config.block_n, MAX_QUERY_LEN=max_query_len,
+                              SPLIT_CHUNK=chunk, BLOCK_D=cols, num_warps=max(1, min(4, chunk * cols // 256))),
+                         {"config": config}, fixed_args=merge_args)
+    return kernel, merge
+
+
+#: Cached launches (kernel, merge) per launch geometry.
+_LAUNCHES: dict = {}
+_MAX_LAUNCHES = 64
+
+
+def _workspace(num_tokens: int, num_q_heads: int, splits: int, head_dim: int, device):
+    """Partials [T, Hq, splits, D] and [T, Hq, splits, 2] fp32: one pair per shape and device,
+    reused by every call (a stream-ordered scratch, as DecodeWorkspace)."""
+    key = (num_tokens, num_q_heads, splits, head_dim, device)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = (torch.empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32, device=device),
+              torch.empty((num_tokens, num_q_heads, splits, 2), dtype=torch.float32, device=device))
+        _WORKSPACES[key] = ws
+    return ws
+
+
+_WORKSPACES: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _pointer_types(kv_dtype: str) -> dict:
+    elem = {"int8": "*i8", "fp8": "*fp8e4nv"}[kv_dtype]
+    return dict(q_ptr={"int8": "*i8", "fp8": "*u8"}[kv_dtype], k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32",
+                k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32", seq_lens_ptr="*i32",
+                query_start_loc_ptr="*i32", out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32")
+
+
+def compile_for_sm90(kv_dtype: str, head_dim: int, block_size: int = 16, group: int = 6,
+                     config: HopperPrefillConfig | None = None):
+    """Compile the kernel ahead of time for sm_90 (no GPU needed: ptxas ships with Triton);
+    returns Triton's compiled kernel. Pointers and the strides of contiguous tensors are
+    assumed 16-byte aligned, as on a real launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from ..kernels.decode_hopper import _decode_hopper_kernel
+
+    class _Shape:  # the cache facts the constexprs read
+        pass
+
+    cache = _Shape()
+    cache.kv_dtype, cache.head_dim, cache.block_size = kv_dtype, head_dim, block_size
+    config = config or default_config(kv_dtype, head_dim)
+    const = constexprs(config, cache, group, kv_dtype)
+    const["BLOCK_Q"] = ROWS // group
+    ptrs = _pointer_types(kv_dtype)
+    names = _decode_hopper_kernel.arg_names
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
+    aligned = [i for i, n in enumerate(names) if n in ptrs or n in (
+        "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_pt", "stride_ph", "stride_ps", "stride_cb",
+        "stride_ch", "stride_sb", "stride_sh")]
+    src = GluonASTSource(fn=_decode_hopper_kernel, signature=sig, constexprs=const,
+                         attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options(config))

@@ -1,0 +1,295 @@
+"""The Hopper (Gluon) multi-token decode kernel, :mod:`int8attn.ops.decode_hopper`.
+
+CPU (CI): each variant compiles ahead of time for sm_90 and carries the warpgroup MMAs of
+its precision (s8 -> IGMMA, e4m3 -> QGMMA), its partitions' register budgets and mbarrier
+hand-offs; where the kernel applies and the errors before any launch. GPU (sm_90): against
+the float64 references and the portable decode kernel, outputs poisoned first; CUDA-graph
+replay.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import int8attn
+from int8attn import launches, reference, testing
+from int8attn.ops import decode_hopper as dh
+from int8attn.ops.decode import decode_attention
+
+#: (kv_dtype, head_dim, group)
+VARIANTS = [pytest.param("int8", 256, 6, id="int8-d256-g6"), pytest.param("fp8", 256, 6, id="fp8-d256-g6"),
+            pytest.param("int8", 128, 4, id="int8-d128-g4"), pytest.param("fp8", 128, 8, id="fp8-d128-g8"),
+            pytest.param("int8", 64, 8, id="int8-d64-g8")]
+#: Local-memory instructions allowed (a regression guard, not a correctness property): the
+#: consumers hold 232 registers; int8 D256 runs PV in eight 32-column chunks beside the
+#: accumulator, fp8 D256 the 64-key P tiles its accuracy bound needs; the loader (40
+#: registers) holds the next item's block ids. Triton 3.6 (the H200's): int8 D256 4, fp8 D256
+#: 120, fp8 D128 14; other versions more.
+SPILL_BUDGET = {"3.6": {"int8-d256-g6": 8, "fp8-d256-g6": 128, "fp8-d128-g8": 16},
+                None: {"int8-d256-g6": 48, "fp8-d256-g6": 192, "fp8-d128-g8": 80}}
+
+_COMPILE_ALL = r"""
+import json, re, sys
+import triton
+from int8attn.gate import sass
+from int8attn.ops import decode_hopper as dh
+out = {"triton": triton.__version__, "variants": {}}
+for key, (kv, d, group) in json.loads(sys.argv[1]).items():
+    try:
+        c = dh.compile_for_sm90(kv, d, group=group)
+    except Exception as e:
+        out["variants"][key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        continue
+    ptx, text = c.asm["ptx"], sass.dump_sass(c.asm["cubin"])
+    out["variants"][key] = {
+        "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.(\w+\.\w+\.\w+)", ptx))),
+        "sass_classes": sass.summarize(text)["classes"],
+        "local_memory": len(re.findall(r"\b(?:LDL|STL)\b", text)),
+        "setmaxnreg": len(re.findall(r"setmaxnreg\.", ptx)),
+        "cp_async_mbarrier_arrives": len(re.findall(r"cp\.async\.mbarrier\.arrive", ptx)),
+        "cp_async_sizes": sorted(set(re.findall(
+            r"cp\.async\.c[ag]\.shared\.global(?:\.\w+)*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(\w+)", ptx))),
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def compiled_variants():
+    """Every variant compiled in one subprocess (this session may run Triton's interpreter)."""
+    pytest.importorskip("triton.experimental.gluon")
+    spec = {p.id: list(p.values) for p in VARIANTS}
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "src"))
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_ALL, json.dumps(spec)], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kv,d,group", VARIANTS)
+def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, d, group):
+    """QK and PV on the cache's 8-bit warpgroup MMA (PTX and SASS), 16-byte cp.async into
+    the ring, per-partition register budgets and cp.async-tracked mbarrier arrivals."""
+    key = request.node.callspec.id
+    got = compiled_variants["variants"][key]
+    assert "error" not in got, f"Triton {compiled_variants['triton']}: {got.get('error')}"
+    ptx_type, sass_class = {"int8": ("s32.s8.s8", "INT8"), "fp8": ("f32.e4m3.e4m3", "FP8")}[kv]
+    assert got["wgmma"] == [ptx_type], got
+    assert got["sass_classes"].get(sass_class, 0) > 0, got
+    assert got["cp_async_sizes"] and set(got["cp_async_sizes"]) <= {"0x10", "16"}, got
+    assert got["setmaxnreg"] >= 2 and got["cp_async_mbarrier_arrives"] >= 1, got
+    version = ".".join(compiled_variants["triton"].split(".")[:2])
+    assert got["local_memory"] <= SPILL_BUDGET.get(version, SPILL_BUDGET[None]).get(key, 0), got
+
+
+# --------------------------------------------------------------------------- where it applies (CPU)
+def _batch(seq_lens, q_lens, *, hq=24, hkv=4, d=256, bs=16, kv="int8", seed=0, device="cpu"):
+    return testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                                    block_size=bs, kv_dtype=kv, seed=seed, device=device)
+
+
+def _args(b):
+    return b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc
+
+
+@pytest.mark.parametrize("kv,pv,hq,max_q,match", [
+    pytest.param("bf16", None, 24, 4, "8-bit caches only", id="bf16-cache"),
+    pytest.param("int8", "bf16", 24, 4, "PV in the cache's precision", id="pv16"),
+    pytest.param("int8", None, 24, 11, "rows", id="rows-over-64"),
+    pytest.param("int8", None, 24, 9, "rows", id="q-over-8"),
+])
+def test_unsupported_shapes_are_named(kv, pv, hq, max_q, match):
+    b = _batch([40], [1], hq=hq, kv=kv)
+    reason = dh.unsupported_reason(b.cache, hq, max_q, pv)
+    assert reason is not None and match in reason
+
+
+def test_raises_before_any_launch_where_it_does_not_apply():
+    """On the CPU (or any non-sm_90 device) the call is refused with the reason, and nothing
+    is launched."""
+    b = _batch([40, 17], [4, 2])
+    before = launches.last("_decode_hopper_kernel")
+    with pytest.raises(ValueError, match="Hopper decode kernel does not apply"):
+        dh.decode_attention_hopper(*_args(b), max_query_len=4)
+    assert launches.last("_decode_hopper_kernel") is before
+
+
+def test_choose_splits_fills_one_wave_and_keeps_two_tiles_per_program(monkeypatch):
+    monkeypatch.setattr(dh, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    assert dh.choose_splits(16, 4, 32768, 32, cpu) == 2  # 128 programs <= 132 SMs
+    assert dh.choose_splits(1, 4, 32768, 32, cpu) == 33
+    assert dh.choose_splits(64, 4, 8192, 32, cpu) == 1  # more (sequence, KV head) pairs than SMs
+    assert dh.choose_splits(1, 4, 64, 32, cpu) == 1  # two tiles: one program runs both
+    assert dh.choose_splits(1, 1, 96, 32, cpu) == 2  # three tiles: at most two per program
+
+
+# --------------------------------------------------------------------------- GPU (sm_90)
+def _is_sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _is_sm90(), reason="needs an sm_90 GPU")
+#: rel-L2 bounds vs the quantized-query float64 reference and the float64 reference (the
+#: Hopper prefill kernel's: P rounded per row and tile to 127 levels, or e4m3).
+TOL_QUANTIZED = {"int8": 0.015, "fp8": 0.035}
+TOL_FLOAT64 = {"int8": 0.02, "fp8": 0.05}
+
+
+def _check(b, *, num_splits=None, max_query_len=None, skipped=()):
+    kv = b.cache.kv_dtype
+    out = testing.poisoned_like(b.query)
+    before = launches.last("_decode_hopper_kernel")
+    ret = dh.decode_attention_hopper(*_args(b), out=out, num_splits=num_splits, max_query_len=max_query_len)
+    assert ret is out and launches.last("_decode_hopper_kernel") is not before
+    torch.cuda.synchronize()
+    qsl = b.query_start_loc.tolist()
+    out = out.cpu()
+    keep = torch.ones(out.shape[0], dtype=torch.bool)
+    for s in skipped:
+        assert torch.isnan(out[qsl[s]:qsl[s + 1]].float()).all(), f"rows of skipped sequence {s} were written"
+        keep[qsl[s]:qsl[s + 1]] = False
+    assert torch.isfinite(out[keep].float()).all(), "rows left unwritten (NaN poison) or non-finite output"
+    args = _args(b) + (None,)
+    ref_q = reference.attention_reference_quantized(*args)
+    ref = reference.attention_reference(*args)
+    testing.assert_close_verbose(out[keep], ref_q[keep], rel_l2=TOL_QUANTIZED[kv], name=f"{kv} vs quantized ref")
+    testing.assert_close_verbose(out[keep], ref[keep], rel_l2=TOL_FLOAT64[kv], name=f"{kv} vs float64")
+    portable = decode_attention(*_args(b)).cpu()
+    testing.assert_close_verbose(out[keep], portable[keep], rel_l2=2 * TOL_QUANTIZED[kv], name="hopper vs portable")
+
+
+#: (Hq, Hkv, head_dim, block_size, seq_lens, q_lens, num_splits)
+GPU_CASES = [
+    pytest.param(24, 4, 256, 16, [17, 97, 123, 2000], [4, 1, 3, 4], None, id="g6-d256-odd-auto"),
+    pytest.param(24, 4, 256, 16, [4096, 33, 700], [4, 4, 2], 3, id="g6-d256-splits3"),
+    pytest.param(24, 4, 256, 16, [9, 30], [4, 3], 1, id="g6-d256-one-tile"),
+    pytest.param(32, 8, 128, 16, [1000, 4097], [4, 4], 2, id="g4-d128-splits2"),
+    pytest.param(32, 4, 128, 32, [517, 64], [8, 5], None, id="g8-d128-bs32-q8"),
+    pytest.param(16, 2, 64, 64, [123, 1500, 0 + 65], [8, 7, 1], 5, id="g8-d64-bs64"),
+]
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("hq,hkv,d,bs,seq_lens,q_lens,splits", GPU_CASES)
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_matches_references(hq, hkv, d, bs, seq_lens, q_lens, splits, kv):
+    b = _batch(seq_lens, q_lens, hq=hq, hkv=hkv, d=d, bs=bs, kv=kv, seed=sum(seq_lens) + d, device="cuda")
+    _check(b, num_splits=splits)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_long_and_empty_queries_are_skipped():
+    """q_len above max_query_len: rows untouched (the router runs prefill for them);
+    q_len 0: nothing to write."""
+    b = _batch([300, 200, 150], [4, 6, 0], kv="int8", device="cuda")
+    _check(b, num_splits=2, max_query_len=4, skipped=(1,))
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_stale_slots_never_leak(kv):
+    """Slots past a sequence's end hold NaN bytes (e4m3) or extreme values: outputs stay the
+    same as over a clean cache."""
+    b = _batch([37, 50], [4, 2], kv=kv, device="cuda", seed=3)
+    clean = dh.decode_attention_hopper(*_args(b), num_splits=1)
+    for s, n in enumerate(b.seq_lens.tolist()):
+        blk = b.block_table[s, (n - 1) // 16].item()
+        slot = n % 16
+        if slot:
+            b.cache.value[blk, :, :, slot:].view(torch.uint8).fill_(0x7F)  # e4m3 NaN / int8 127
+            b.cache.key[blk, :, slot:, :].view(torch.uint8).fill_(0x7F)
+            b.cache.value_scale[blk, :, slot:] = float("nan")
+            b.cache.key_scale[blk, :, slot:] = float("nan")
+    dirty = dh.decode_attention_hopper(*_args(b), num_splits=1)
+    torch.cuda.synchronize()
+    assert torch.equal(clean, dirty)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_cuda_graph_replay_matches_eager():
+    b = _batch([2000, 900], [4, 4], kv="int8", device="cuda", seed=5)
+    eager = dh.decode_attention_hopper(*_args(b), num_splits=4)
+    out = torch.empty_like(eager)
+    dh.decode_attention_hopper(*_args(b), out=out, num_splits=4)  # launches built outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dh.decode_attention_hopper(*_args(b), out=out, num_splits=4)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+# --------------------------------------------------------------------------- plans
+def _ran_decode(fn) -> set:
+    """Which decode kernels ``fn()`` launched (a new launch record per launch)."""
+    names = {"_decode_hopper_kernel": "hopper", "_decode_split_kernel": "portable"}
+    before = {k: launches.last(k) for k in names}
+    fn()
+    return {names[k] for k in names if launches.last(k) is not before[k]}
+
+
+def test_plan_routes_to_the_portable_decode_off_sm90():
+    """On the CPU (the interpreter) "auto" plans keep the portable decode kernel, a forced
+    "hopper" is refused at planning with the reason, and a bad name is a ValueError."""
+    b = _batch([40, 17], [4, 2])
+    plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 24)
+    assert plan.decode_kernel == "portable" and plan.decode_hopper is None
+    with pytest.raises(ValueError, match="decode_kernel='hopper' does not apply"):
+        int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 24, decode_kernel="hopper")
+    with pytest.raises(ValueError, match="decode_kernel must be one of"):
+        int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 24, decode_kernel="fast")
+
+
+def test_environment_variable_names_the_decode_kernel(monkeypatch):
+    monkeypatch.setenv("INT8ATTN_DECODE_KERNEL", "nope")
+    with pytest.raises(ValueError, match="INT8ATTN_DECODE_KERNEL"):
+        dh.requested_kernel(None)
+    monkeypatch.setenv("INT8ATTN_DECODE_KERNEL", "hopper")
+    assert dh.requested_kernel(None) == ("hopper", False)
+    b = _batch([40], [4])  # forced by the environment where it cannot run: the portable kernel
+    assert not dh.route(b.cache, 24, 4, None, None, True)
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_plan_runs_multi_token_decode_on_hopper(kv):
+    """A q4 step (24 packed rows) plans onto the Hopper kernel and matches the references;
+    a q1 step stays on the portable kernel; decode_kernel="portable" forces it; plan.run
+    replays under a CUDA graph."""
+    b = _batch([2000, 97, 4100], [4, 3, 4], kv=kv, device="cuda", seed=11)
+    plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 24)
+    assert plan.decode_kernel == "hopper"
+    out = testing.poisoned_like(b.query)
+    assert _ran_decode(lambda: plan.run(*_args(b), out=out)) == {"hopper"}
+    torch.cuda.synchronize()
+    ref_q = reference.attention_reference_quantized(*_args(b), None)
+    testing.assert_close_verbose(out.cpu(), ref_q, rel_l2=TOL_QUANTIZED[kv], name="plan (hopper) vs quantized ref")
+    portable = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 24,
+                                       decode_kernel="portable")
+    assert portable.decode_kernel == "portable"
+    assert _ran_decode(lambda: portable.run(*_args(b))) == {"portable"}
+    graph_out = torch.empty_like(out)
+    plan.run(*_args(b), out=graph_out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(*_args(b), out=graph_out)
+    graph_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, out)
+    q1 = _batch([2000, 97], [1, 1], kv=kv, device="cuda", seed=12)
+    plan1 = int8attn.plan_attention(q1.cache, q1.block_table, q1.seq_lens, q1.query_start_loc, 24)
+    assert plan1.decode_kernel == "portable"
