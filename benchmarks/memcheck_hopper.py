@@ -5,7 +5,7 @@ read found in the in-flight PV schedule) and a stale-slot batch, for every cache
 then the Hopper multi-token decode kernel (:mod:`int8attn.ops.decode_hopper`) over odd
 lengths, one-tile contexts and several split counts, against the portable decode kernel.
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/memcheck_hopper.py
+    compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/memcheck_hopper.py [--decode-only]
 
 Each case is also compared with the portable kernel (rel-L2 printed; NaN or an unwritten
 row fails the script), so a run that reports no memory error also shows the kernel ran.
@@ -38,7 +38,8 @@ DECODE_CASES = {  # name: (hq, hkv, head_dim, block_size, seq_lens, q_lens)
 
 def main() -> int:
     bad = 0
-    for name, (hq, hkv, d, bs, lens, qlens) in CASES.items():
+    prefill_cases = {} if "--decode-only" in sys.argv else CASES
+    for name, (hq, hkv, d, bs, lens, qlens) in prefill_cases.items():
         for kv in ("int8", "fp8", "bf16"):
             ws = hop.warp_specialized_config(kv, d)
             b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,

@@ -104,19 +104,19 @@ def _args(b):
     pytest.param("int8", None, 24, 11, "rows", id="rows-over-64"),
     pytest.param("int8", None, 24, 9, "rows", id="q-over-8"),
 ])
-def test_unsupported_shapes_are_named(kv, pv, hq, max_q, match):
-    b = _batch([40], [1], hq=hq, kv=kv)
+def test_unsupported_shapes_are_named(kv, pv, hq, max_q, match, device):
+    b = _batch([40], [1], hq=hq, kv=kv, device=device)
     reason = dh.unsupported_reason(b.cache, hq, max_q, pv)
     assert reason is not None and match in reason
 
 
-def test_raises_before_any_launch_where_it_does_not_apply():
-    """On the CPU (or any non-sm_90 device) the call is refused with the reason, and nothing
-    is launched."""
-    b = _batch([40, 17], [4, 2])
+def test_raises_before_any_launch_where_it_does_not_apply(device):
+    """Where the kernel does not apply (here: 11 x 6 packed rows; on the CPU or another GPU
+    any shape) the call is refused with the reason, and nothing is launched."""
+    b = _batch([40, 17], [4, 2], device=device)
     before = launches.last("_decode_hopper_kernel")
     with pytest.raises(ValueError, match="Hopper decode kernel does not apply"):
-        dh.decode_attention_hopper(*_args(b), max_query_len=4)
+        dh.decode_attention_hopper(*_args(b), max_query_len=11)
     assert launches.last("_decode_hopper_kernel") is before
 
 
@@ -240,10 +240,11 @@ def _ran_decode(fn) -> set:
     return {names[k] for k in names if launches.last(k) is not before[k]}
 
 
-def test_plan_routes_to_the_portable_decode_off_sm90():
-    """On the CPU (the interpreter) "auto" plans keep the portable decode kernel, a forced
-    "hopper" is refused at planning with the reason, and a bad name is a ValueError."""
-    b = _batch([40, 17], [4, 2])
+def test_plan_routes_to_the_portable_decode_where_hopper_does_not_apply(device):
+    """Where the kernel does not apply (the CPU interpreter, other GPUs; on sm_90 a
+    head_dim of 96) "auto" plans keep the portable decode kernel, a forced "hopper" is
+    refused at planning with the reason, and a bad name is a ValueError."""
+    b = _batch([40, 17], [4, 2], d=96, device=device)
     plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 24)
     assert plan.decode_kernel == "portable" and plan.decode_hopper is None
     with pytest.raises(ValueError, match="decode_kernel='hopper' does not apply"):
@@ -252,13 +253,13 @@ def test_plan_routes_to_the_portable_decode_off_sm90():
         int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 24, decode_kernel="fast")
 
 
-def test_environment_variable_names_the_decode_kernel(monkeypatch):
+def test_environment_variable_names_the_decode_kernel(monkeypatch, device):
     monkeypatch.setenv("INT8ATTN_DECODE_KERNEL", "nope")
     with pytest.raises(ValueError, match="INT8ATTN_DECODE_KERNEL"):
         dh.requested_kernel(None)
     monkeypatch.setenv("INT8ATTN_DECODE_KERNEL", "hopper")
     assert dh.requested_kernel(None) == ("hopper", False)
-    b = _batch([40], [4])  # forced by the environment where it cannot run: the portable kernel
+    b = _batch([40], [4], d=96, device=device)  # forced by the environment where it cannot run: portable
     assert not dh.route(b.cache, 24, 4, None, None, True)
 
 

@@ -337,8 +337,9 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     ``prefill_kernel`` ("auto" | "hopper" | "portable", None: ``INT8ATTN_PREFILL_KERNEL``)
     picks the prefill kernel once, for every run (see :mod:`int8attn.ops.prefill_hopper`);
     ``decode_kernel`` (the same names, None: ``INT8ATTN_DECODE_KERNEL``) the decode kernel
-    (see :func:`int8attn.ops.decode_hopper.route`: "auto" runs multi-token steps whose packed
-    rows exceed 16 on the Hopper kernel, for checked metadata on sm_90).
+    (see :func:`int8attn.ops.decode_hopper.route`: "auto" runs a batch of decode sequences
+    only whose longest query packs more than 16 rows -- GQA group x tokens -- on the Hopper
+    kernel, for checked metadata on sm_90; a mixed batch keeps the portable decode kernel).
     """
     _checks.check_cache(cache)
     if not _checks.is_int(num_q_heads, 1) or num_q_heads % cache.num_kv_heads:
@@ -393,8 +394,12 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
         _decode.check_num_seqs(num_seqs)
         decode_plan = _decode.plan_decode(query_shape, cache, tuple(block_table.shape), pv_mode=pv_mode,
                                           num_splits=num_splits)
+        # the Hopper decode serves pure decode batches: in a mixed batch the longest decode
+        # query is not known on the host (max_query_len is a prefill's), and its q1 rows run
+        # faster on the portable kernel
         decode_q = max(1, min(max_query_len or 1, MAX_DECODE_QUERY_LEN))
-        if _decode_hopper.route(cache, num_q_heads, decode_q, pv_mode, decode_kernel, values_checked):
+        if not has_prefill and _decode_hopper.route(cache, num_q_heads, decode_q, pv_mode, decode_kernel,
+                                                    values_checked):
             decode_kernel_name = "hopper"
             config = _decode_hopper.default_config(cache.kv_dtype, head_dim)
             splits = num_splits or _decode_hopper.choose_splits(num_seqs, cache.num_kv_heads,
