@@ -5,8 +5,10 @@ partials (:func:`int8attn.kernels.decode._decode_merge_kernel`).
 :func:`decode_attention_hopper` takes :func:`int8attn.ops.decode.decode_attention`'s
 arguments for an INT8 or FP8 cache on sm_90 with PV in the cache's precision, and applies
 where a sequence's packed rows fit one warpgroup tile (``GROUP x max_query_len <= 64``).
-It trusts the metadata values (block ids, lengths): call it with checked metadata. The
-launch record (:mod:`int8attn.launches`) names ``_decode_hopper_kernel``.
+The kernel trusts the metadata values (block ids, lengths): a direct call checks them first
+where value checks run (CPU tensors, ``INT8ATTN_CHECK_VALUES=1``), a plan
+(:func:`int8attn.plan_attention`, which routes pure decode batches here, see :func:`route`)
+once at planning. The launch record (:mod:`int8attn.launches`) names ``_decode_hopper_kernel``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 
 import torch
 
-from .. import _checks, launches
+from .. import _checks
 from ..runtime import device_guard, sm_count
 from ._launch import CachedLaunch, remembered
 from .decode import MAX_DECODE_QUERY_LEN, MERGE_MAX_CHUNK, DecodeWorkspace, check_decode_options, merge_columns, \
@@ -221,15 +223,13 @@ def _workspace(num_tokens: int, num_q_heads: int, splits: int, head_dim: int, de
     """Partials [T, Hq, splits, D] and [T, Hq, splits, 2] fp32: one pair per shape and device,
     reused by every call (a stream-ordered scratch, as DecodeWorkspace)."""
     key = (num_tokens, num_q_heads, splits, head_dim, device)
-    ws = _WORKSPACES.get(key)
-    if ws is None:
-        ws = (torch.empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32, device=device),
-              torch.empty((num_tokens, num_q_heads, splits, 2), dtype=torch.float32, device=device))
-        _WORKSPACES[key] = ws
-    return ws
+    return remembered(_WORKSPACES, key, _MAX_WORKSPACES, lambda: (
+        torch.empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32, device=device),
+        torch.empty((num_tokens, num_q_heads, splits, 2), dtype=torch.float32, device=device)))
 
 
 _WORKSPACES: dict = {}
+_MAX_WORKSPACES = 16
 
 
 @functools.lru_cache(maxsize=None)
