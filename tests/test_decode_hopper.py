@@ -294,3 +294,30 @@ def test_gpu_plan_runs_multi_token_decode_on_hopper(kv):
     q1 = _batch([2000, 97], [1, 1], kv=kv, device="cuda", seed=12)
     plan1 = int8attn.plan_attention(q1.cache, q1.block_table, q1.seq_lens, q1.query_start_loc, 24)
     assert plan1.decode_kernel == "portable"
+
+
+def test_plan_wiring_of_the_hopper_route(monkeypatch, device):
+    """What a plan routed to the Hopper decode hands its launch, checked where the kernel
+    cannot run (the launch recorded, not run): its config, split count, the decode query
+    bound, query-code buffers made at planning, a workspace for 2 x splits partials and the
+    portable kernel's splits; a run with a sliding window takes the portable kernel; a mixed
+    batch is never routed."""
+    calls = []
+    monkeypatch.setattr(dh, "unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(dh, "run_decode", lambda *a: calls.append(a))
+    b = _batch([40, 17], [4, 2], device=device)
+    plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 24, num_splits=3)
+    assert plan.decode_kernel == "hopper"
+    config, splits, decode_q, codes = plan.decode_hopper
+    assert (splits, decode_q) == (3, 4) and config == dh.default_config("int8", 256)
+    assert codes[0].shape == b.query.shape and codes[0].dtype == torch.int8
+    assert plan.workspace.max_splits >= max(6, plan.decode_plan.num_splits)
+    out = torch.empty_like(b.query)
+    plan.run(*_args(b), out=out)
+    (args,) = calls
+    assert args[0] == config and args[10:] == (3, 4, plan.workspace, codes) and args[7] is out
+    windowed = plan.run(*_args(b), window=8)  # the portable kernel (no window in the Hopper one)
+    assert len(calls) == 1 and torch.isfinite(windowed.float()).all()
+    mixed = _batch([40, 30], [4, 12], device=device)
+    plan = int8attn.plan_attention(mixed.cache, mixed.block_table, mixed.seq_lens, mixed.query_start_loc, 24)
+    assert plan.decode_kernel == "portable"
