@@ -15,7 +15,7 @@ One program owns one (split, KV head, sequence) and runs three partitions of fou
 
 * a loader (as the prefill kernel's): cp.async of K, V^T and both scale rows of each KV
   tile through the block table into a ``STAGES``-deep ring, guarded by ``ready`` / ``empty``
-  mbarriers;
+  mbarriers, the next ring item's block ids loaded while this item's copies are issued;
 * two consumer warpgroups, each owning the same packed rows (row ``r``: token ``r //
   GROUP``, head ``kv_head * GROUP + r % GROUP``; ``GROUP * q_len <= 64``) and its own
   contiguous run of the program's KV tiles: consumer ``w`` is *virtual split* ``2 * split +
