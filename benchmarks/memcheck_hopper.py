@@ -36,6 +36,18 @@ DECODE_CASES = {  # name: (hq, hkv, head_dim, block_size, seq_lens, q_lens)
 }
 
 
+def _report(out, want, tol: float, label: str) -> bool:
+    """Print one case's verdict: every row written and finite, rel-L2 vs the portable kernel
+    below ``tol``."""
+    torch.cuda.synchronize()
+    finite = bool(torch.isfinite(out.float()).all())
+    err = reference.error_stats(out, want)["rel_l2"]
+    ok = finite and err < tol
+    print(f"{'ok  ' if ok else 'FAIL'} {label}: rel-L2 vs portable {err:.4f}"
+          f"{'' if finite else ' (non-finite or unwritten rows)'}", flush=True)
+    return ok
+
+
 def main() -> int:
     bad = 0
     prefill_cases = {} if "--decode-only" in sys.argv else CASES
@@ -49,13 +61,7 @@ def main() -> int:
             for cfg in (ws, replace(ws, qk_ahead=not ws.qk_ahead)):
                 out = testing.poisoned_like(want)
                 hop.prefill(*args, kernel="hopper", pv_mode=kv, out=out, config=cfg)
-                torch.cuda.synchronize()
-                finite = bool(torch.isfinite(out.float()).all())
-                err = reference.error_stats(out, want)["rel_l2"]
-                ok = finite and err < 0.05
-                bad += not ok
-                print(f"{'ok  ' if ok else 'FAIL'} {name} {kv} qk_ahead={cfg.qk_ahead}: rel-L2 vs portable {err:.4f}"
-                      f"{'' if finite else ' (non-finite or unwritten rows)'}", flush=True)
+                bad += not _report(out, want, 0.05, f"{name} {kv} qk_ahead={cfg.qk_ahead}")
     for name, (hq, hkv, d, bs, lens, qlens) in DECODE_CASES.items():
         for kv in ("int8", "fp8"):
             b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
@@ -65,13 +71,7 @@ def main() -> int:
             for splits in (1, 3, None):
                 out = testing.poisoned_like(want)
                 dh.decode_attention_hopper(*args, out=out, num_splits=splits)
-                torch.cuda.synchronize()
-                finite = bool(torch.isfinite(out.float()).all())
-                err = reference.error_stats(out, want)["rel_l2"]
-                ok = finite and err < 0.07
-                bad += not ok
-                print(f"{'ok  ' if ok else 'FAIL'} decode {name} {kv} splits={splits}: rel-L2 vs portable {err:.4f}"
-                      f"{'' if finite else ' (non-finite or unwritten rows)'}", flush=True)
+                bad += not _report(out, want, 0.07, f"decode {name} {kv} splits={splits}")
     return 1 if bad else 0
 
 

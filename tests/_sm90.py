@@ -112,3 +112,37 @@ def compile_for_sm90(records: list) -> list:
     if proc.returncode != 0:
         raise RuntimeError(f"sm_90 compile subprocess failed: {proc.stderr[-2000:]}")
     return json.loads(proc.stdout)
+
+
+def gluon_facts(ptx: str, sass_text: str) -> dict:
+    """What the Hopper (Gluon) kernel tests check in a compiled kernel: the warpgroup MMA
+    types (PTX) and instruction classes (SASS), the sizes of its cp.async copies, its
+    local-memory instructions, per-partition register budgets (setmaxnreg) and cp.async-tracked
+    mbarrier arrivals. Called inside the compile subprocesses of :func:`run_compile_script`."""
+    import re
+
+    from int8attn.gate import sass
+
+    return {
+        "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.(\w+\.\w+\.\w+)", ptx))),
+        "cp_async_sizes": re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.\w+)*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(\w+)",
+                                     ptx),
+        "sass_classes": sass.summarize(sass_text)["classes"],
+        "local_memory": len(re.findall(r"\b(?:LDL|STL)\b", sass_text)),
+        "setmaxnreg": len(re.findall(r"setmaxnreg\.", ptx)),
+        "cp_async_mbarrier_arrives": len(re.findall(r"cp\.async\.mbarrier\.arrive", ptx)),
+    }
+
+
+def run_compile_script(script: str, spec: dict) -> dict:
+    """Run a compile ``script`` (``python -c``, ``spec`` as JSON in argv[1]) with the
+    interpreter off and ``src`` and ``tests`` importable; returns the JSON object its last
+    output line holds (this session may run Triton's interpreter, the compiles must not)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(here), "src"), here,
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(spec)], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -7,15 +7,11 @@ the float64 references and the portable decode kernel, outputs poisoned first; C
 replay.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import int8attn
+from _sm90 import run_compile_script
 from int8attn import launches, reference, testing
 from int8attn.ops import decode_hopper as dh
 from int8attn.ops.decode import decode_attention
@@ -33,8 +29,9 @@ SPILL_BUDGET = {"3.6": {"int8-d256-g6": 8, "fp8-d256-g6": 128, "fp8-d128-g8": 16
                 None: {"int8-d256-g6": 48, "fp8-d256-g6": 192, "fp8-d128-g8": 80}}
 
 _COMPILE_ALL = r"""
-import json, re, sys
+import json, sys
 import triton
+from _sm90 import gluon_facts
 from int8attn.gate import sass
 from int8attn.ops import decode_hopper as dh
 out = {"triton": triton.__version__, "variants": {}}
@@ -44,16 +41,7 @@ for key, (kv, d, group) in json.loads(sys.argv[1]).items():
     except Exception as e:
         out["variants"][key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         continue
-    ptx, text = c.asm["ptx"], sass.dump_sass(c.asm["cubin"])
-    out["variants"][key] = {
-        "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.(\w+\.\w+\.\w+)", ptx))),
-        "sass_classes": sass.summarize(text)["classes"],
-        "local_memory": len(re.findall(r"\b(?:LDL|STL)\b", text)),
-        "setmaxnreg": len(re.findall(r"setmaxnreg\.", ptx)),
-        "cp_async_mbarrier_arrives": len(re.findall(r"cp\.async\.mbarrier\.arrive", ptx)),
-        "cp_async_sizes": sorted(set(re.findall(
-            r"cp\.async\.c[ag]\.shared\.global(?:\.\w+)*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(\w+)", ptx))),
-    }
+    out["variants"][key] = gluon_facts(c.asm["ptx"], sass.dump_sass(c.asm["cubin"]))
 print(json.dumps(out))
 """
 
@@ -62,14 +50,7 @@ print(json.dumps(out))
 def compiled_variants():
     """Every variant compiled in one subprocess (this session may run Triton's interpreter)."""
     pytest.importorskip("triton.experimental.gluon")
-    spec = {p.id: list(p.values) for p in VARIANTS}
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "src"))
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_ALL, json.dumps(spec)], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_compile_script(_COMPILE_ALL, {p.id: list(p.values) for p in VARIANTS})
 
 
 @pytest.mark.parametrize("kv,d,group", VARIANTS)

@@ -7,15 +7,12 @@ GPU (sm_90): against the float64 reference and the portable kernel at real shape
 poisoned first.
 """
 
-import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
 import torch
 
+from _sm90 import run_compile_script
 from int8attn import _checks, launches, reference, testing
 from int8attn.ops import prefill_hopper as hop
 from int8attn.ops.prefill import prefill_attention
@@ -97,6 +94,7 @@ from dataclasses import replace
 import triton
 from int8attn.ops import prefill_hopper as hop
 from int8attn.gate import sass
+from _sm90 import gluon_facts
 out = {"triton": triton.__version__, "variants": {}}
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
@@ -119,13 +117,7 @@ for key, (kv, pv, d, bs, group, over) in json.loads(sys.argv[1]).items():
     ptx = c.asm["ptx"]
     text = sass.dump_sass(c.asm["cubin"])
     out["variants"][key] = {
-        "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.\w+\.(\w+\.\w+\.\w+)", ptx))),
-        "cp_async_sizes": re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.\w+)*\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(\w+)",
-                                     ptx),
-        "sass_classes": sass.summarize(text)["classes"],
-        "local_memory": len(re.findall(r"\b(?:LDL|STL)\b", text)),
-        "setmaxnreg": len(re.findall(r"setmaxnreg\.", ptx)),
-        "cp_async_mbarrier_arrives": len(re.findall(r"cp\.async\.mbarrier\.arrive", ptx)),
+        **gluon_facts(ptx, text),
         "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
         "sass_wgmma_waits": [int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", text)],
         "wgmma_serialized": "C7511" in ptxas_info(ptx) if os.path.exists(PTXAS) else None,
@@ -138,14 +130,7 @@ print(json.dumps(out))
 def compiled_variants():
     """Compile every variant in one subprocess (this session may run Triton's interpreter)."""
     pytest.importorskip("triton.experimental.gluon")
-    spec = {p.id: list(p.values) for p in VARIANTS}
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    src = os.path.join(os.path.dirname(__file__), "..", "src")
-    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_ALL, json.dumps(spec)], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_compile_script(_COMPILE_ALL, {p.id: list(p.values) for p in VARIANTS})
     print(f"Hopper prefill variants compiled with Triton {result['triton']} for sm_90")
     return result
 

@@ -14,7 +14,6 @@ once at planning. The launch record (:mod:`int8attn.launches`) names ``_decode_h
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import torch
@@ -170,10 +169,9 @@ def run_decode(config, query, cache, block_table, seq_lens, query_start_loc, qk_
         q_quant, q_scale = quantize_query_unchecked(query, cache.kv_dtype, *(codes or (None, None)),
                                                     cache.key_channel_scale)
     q_in = q_quant.view(torch.uint8) if cache.kv_dtype == "fp8" else q_quant
-    if workspace is not None:
-        part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, 2 * num_splits)
-    else:
-        part_acc, part_ml = _workspace(num_tokens, num_q_heads, 2 * num_splits, head_dim, cache.device)
+    if workspace is None:
+        workspace = _scratch(num_tokens, num_q_heads, head_dim, 2 * num_splits, cache.device)
+    part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, 2 * num_splits)
     key, value = cache.key, cache.value
     fixed = (num_splits, max_query_len, q_in.stride(0), q_in.stride(1), q_scale.stride(0), q_scale.stride(1),
              out.stride(0), out.stride(1), *part_acc.stride()[:3], *part_ml.stride()[:3],
@@ -219,25 +217,15 @@ _LAUNCHES: dict = {}
 _MAX_LAUNCHES = 64
 
 
-def _workspace(num_tokens: int, num_q_heads: int, splits: int, head_dim: int, device):
-    """Partials [T, Hq, splits, D] and [T, Hq, splits, 2] fp32: one pair per shape and device,
-    reused by every call (a stream-ordered scratch, as DecodeWorkspace)."""
-    key = (num_tokens, num_q_heads, splits, head_dim, device)
-    return remembered(_WORKSPACES, key, _MAX_WORKSPACES, lambda: (
-        torch.empty((num_tokens, num_q_heads, splits, head_dim), dtype=torch.float32, device=device),
-        torch.empty((num_tokens, num_q_heads, splits, 2), dtype=torch.float32, device=device)))
+def _scratch(num_tokens: int, num_q_heads: int, head_dim: int, splits: int, device) -> DecodeWorkspace:
+    """The partials of direct calls without a workspace: one :class:`DecodeWorkspace` per
+    shape and device, reused by every call (stream-ordered scratch)."""
+    return remembered(_WORKSPACES, (num_tokens, num_q_heads, head_dim, splits, device), _MAX_WORKSPACES,
+                      lambda: DecodeWorkspace(max(num_tokens, 1), num_q_heads, head_dim, splits, device=device))
 
 
 _WORKSPACES: dict = {}
 _MAX_WORKSPACES = 16
-
-
-@functools.lru_cache(maxsize=None)
-def _pointer_types(kv_dtype: str) -> dict:
-    elem = {"int8": "*i8", "fp8": "*fp8e4nv"}[kv_dtype]
-    return dict(q_ptr={"int8": "*i8", "fp8": "*u8"}[kv_dtype], k_ptr=elem, v_ptr=elem, q_scale_ptr="*fp32",
-                k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32", seq_lens_ptr="*i32",
-                query_start_loc_ptr="*i32", out_ptr="*bf16", part_acc_ptr="*fp32", part_ml_ptr="*fp32")
 
 
 def compile_for_sm90(kv_dtype: str, head_dim: int, block_size: int = 16, group: int = 6,
@@ -245,26 +233,13 @@ def compile_for_sm90(kv_dtype: str, head_dim: int, block_size: int = 16, group: 
     """Compile the kernel ahead of time for sm_90 (no GPU needed: ptxas ships with Triton);
     returns Triton's compiled kernel. Pointers and the strides of contiguous tensors are
     assumed 16-byte aligned, as on a real launch."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from ..kernels.decode_hopper import _decode_hopper_kernel
+    from .prefill_hopper import _pointer_types, cache_facts, compile_gluon_for_sm90
 
-    class _Shape:  # the cache facts the constexprs read
-        pass
-
-    cache = _Shape()
-    cache.kv_dtype, cache.head_dim, cache.block_size = kv_dtype, head_dim, block_size
     config = config or default_config(kv_dtype, head_dim)
-    const = constexprs(config, cache, group, kv_dtype)
+    const = constexprs(config, cache_facts(kv_dtype, head_dim, block_size), group, kv_dtype)
     const["BLOCK_Q"] = ROWS // group
-    ptrs = _pointer_types(kv_dtype)
-    names = _decode_hopper_kernel.arg_names
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
-    aligned = [i for i, n in enumerate(names) if n in ptrs or n in (
+    ptrs = dict(_pointer_types(kv_dtype), part_acc_ptr="*fp32", part_ml_ptr="*fp32")
+    return compile_gluon_for_sm90(_decode_hopper_kernel, const, ptrs, (
         "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_pt", "stride_ph", "stride_ps", "stride_cb",
-        "stride_ch", "stride_sb", "stride_sh")]
-    src = GluonASTSource(fn=_decode_hopper_kernel, signature=sig, constexprs=const,
-                         attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options(config))
+        "stride_ch", "stride_sb", "stride_sh"), launch_options(config))

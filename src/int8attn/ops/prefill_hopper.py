@@ -435,24 +435,35 @@ def compile_for_sm90(kv_dtype: str, pv_mode: str, head_dim: int, block_size: int
     """Compile the kernel ahead of time for sm_90 (no GPU needed: ptxas ships with Triton);
     returns Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``). Pointers and the
     strides of a contiguous cache are assumed 16-byte aligned, as on a real launch."""
+    config = config or default_config(kv_dtype, head_dim, pv_mode)
+    config = replace(config, dv=config.dv or default_config(kv_dtype, head_dim, pv_mode).dv)
+    const = constexprs(config, cache_facts(kv_dtype, head_dim, block_size), group, pv_mode)
+    return compile_gluon_for_sm90(kernel_fn(config), const, _pointer_types(kv_dtype), (
+        "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_ch", "stride_sb", "stride_sh"),
+        launch_options(config))
+
+
+def cache_facts(kv_dtype: str, head_dim: int, block_size: int):
+    """A stand-in for a cache with the facts :func:`constexprs` reads (an AOT compile has no
+    cache)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(kv_dtype=kv_dtype, head_dim=head_dim, block_size=block_size)
+
+
+def compile_gluon_for_sm90(fn, const: dict, pointer_types: dict, aligned_ints: tuple, options: dict):
+    """Compile the Gluon kernel ``fn`` for sm_90 with these constexprs: pointer arguments
+    typed by ``pointer_types`` (``qk_scale`` fp32, other arguments i32), every pointer and the
+    integer arguments named in ``aligned_ints`` specialized as 16-byte aligned (divisible by
+    16), as a launch with contiguous tensors specializes them."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    class _Shape:  # the cache facts the constexprs read
-        pass
-
-    cache = _Shape()
-    cache.kv_dtype, cache.head_dim, cache.block_size = kv_dtype, head_dim, block_size
-    config = config or default_config(kv_dtype, head_dim, pv_mode)
-    config = replace(config, dv=config.dv or default_config(kv_dtype, head_dim, pv_mode).dv)
-    const = constexprs(config, cache, group, pv_mode)
-    _prefill_hopper_kernel = kernel_fn(config)
-    ptrs = _pointer_types(kv_dtype)
-    names = _prefill_hopper_kernel.arg_names
-    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in names}
-    aligned = [i for i, n in enumerate(names) if n in ptrs or n in (
-        "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_ch", "stride_sb", "stride_sh")]
-    src = GluonASTSource(fn=_prefill_hopper_kernel, signature=sig, constexprs=const,
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in const else pointer_types.get(n, "fp32" if n == "qk_scale" else "i32")
+           for n in names}
+    aligned = [i for i, n in enumerate(names) if n in pointer_types or n in aligned_ints]
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=const,
                          attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=launch_options(config))
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
