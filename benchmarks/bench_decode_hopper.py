@@ -6,8 +6,9 @@ disjoint pages, as bench_decode.py times decode).
     PYTHONPATH=src python3 benchmarks/bench_decode_hopper.py --out DIR [--splits 1,2,3,4]
 
 Rows (``decode_hopper.jsonl``): kind ``q_sweep`` (graph µs per path and point; ``vs_q1``:
-this path's time over the portable q1 time at the same point), ``split_sweep`` (the
-Hopper kernel's split counts at one point) and ``check`` (rel-L2 of the Hopper output
+this path's time over the portable q1 time at the same point; ``hopper_keys``: the
+keys-on-M kernel, where its 32 rows hold the step), ``split_sweep`` (the Hopper kernels'
+split counts at one point) and ``check`` (rel-L2 of the Hopper output
 against the portable kernel's at the benchmark shapes).
 """
 
@@ -36,12 +37,13 @@ class HopperDecode:
     """The Hopper kernel over rotating block tables, launched as a checked plan would
     (inputs checked on the first call only)."""
 
-    def __init__(self, cache, bs, ctx, q_len, tables, num_splits=None, query=None, config=None):
+    def __init__(self, cache, bs, ctx, q_len, tables, num_splits=None, query=None, config=None, keys_on_m=False):
         t = bs * q_len
         self.cache, self.tables = cache, tables
         self.query = query if query is not None else torch.randn(t, SHAPE["hq"], SHAPE["d"], device=BD.DEV).to(
             torch.bfloat16)
-        self.config = config or dh.default_config(cache.kv_dtype, SHAPE["d"])
+        self.keys_on_m = keys_on_m
+        self.config = config or (dh.keys_on_m_config if keys_on_m else dh.default_config)(cache.kv_dtype, SHAPE["d"])
         self.qq, self.qs = quantize_query(self.query, cache.kv_dtype)
         self.seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=BD.DEV)
         self.qsl = torch.arange(0, t + 1, q_len, dtype=torch.int32, device=BD.DEV)
@@ -53,11 +55,11 @@ class HopperDecode:
         self.qk_scale = dh.qk_scale_of(None, SHAPE["d"])
         dh.decode_attention_hopper(self.query, cache, tables[0], self.seq_lens, self.qsl, out=self.out,
                                    q_quant=self.qq, q_scale=self.qs, num_splits=self.splits, max_query_len=q_len,
-                                   config=self.config)
+                                   config=self.config, keys_on_m=keys_on_m)
 
     def __call__(self):
         dh.run_decode(self.config, self.query, self.cache, next(self._it), self.seq_lens, self.qsl, self.qk_scale,
-                      self.out, self.qq, self.qs, self.splits, self.q_len)
+                      self.out, self.qq, self.qs, self.splits, self.q_len, keys_on_m=self.keys_on_m)
         return self.out
 
 
@@ -85,26 +87,32 @@ def main() -> None:
             for q in q_lens:
                 port = BD.Decode(cache, SHAPE, bs, ctx, q, None, tables=tables)
                 t_port = run.time(port, graph=True)
-                hop = HopperDecode(cache, bs, ctx, q, tables, query=port.query)
-                t_hop = run.time(hop, graph=True)
-                for path, t in (("portable", t_port), ("hopper", t_hop)):
+                hops = {"hopper": HopperDecode(cache, bs, ctx, q, tables, query=port.query)}
+                if dh.unsupported_reason(cache, SHAPE["hq"], q, None, keys_on_m=True) is None:
+                    hops["hopper_keys"] = HopperDecode(cache, bs, ctx, q, tables, query=port.query, keys_on_m=True)
+                times = {"portable": t_port, **{path: run.time(h, graph=True) for path, h in hops.items()}}
+                for path, t in times.items():
                     run.row(kind="q_sweep", path=path, kv_dtype=kv, bs=bs, context=ctx, q_len=q, graph_us=t,
-                            vs_q1=t / q1, num_splits=hop.splits if path == "hopper" else port.plan.num_splits)
-                run.log(f"  q{q}: portable {t_port:.1f} us ({t_port / q1:.2f}x q1), hopper {t_hop:.1f} us "
-                        f"({t_hop / q1:.2f}x q1, {hop.splits} splits)")
-                if bs == 16 and ctx == 8192:  # the two kernels agree at the benchmark shapes (same query)
-                    hop._it, port._it = itertools.cycle(tables), itertools.cycle(tables)
-                    a, b = hop(), port()
-                    torch.cuda.synchronize()
-                    err = reference.error_stats(a.float(), b.float())
-                    run.row(kind="check", kv_dtype=kv, bs=bs, context=ctx, q_len=q, rel_l2_vs_portable=err["rel_l2"])
-                    run.log(f"  q{q} hopper vs portable rel-L2 {err['rel_l2']:.4f}")
+                            vs_q1=t / q1, num_splits=hops[path].splits if path in hops else port.plan.num_splits)
+                run.log(f"  q{q}: " + ", ".join(f"{path} {t:.1f} us ({t / q1:.2f}x q1)" for path, t in times.items()))
+                if bs == 16 and ctx == 8192:  # the kernels agree at the benchmark shapes (same query)
+                    port._it = itertools.cycle(tables)
+                    b = port()
+                    for path, hop in hops.items():
+                        hop._it = itertools.cycle(tables)
+                        a = hop()
+                        torch.cuda.synchronize()
+                        err = reference.error_stats(a.float(), b.float())
+                        run.row(kind="check", path=path, kv_dtype=kv, bs=bs, context=ctx, q_len=q,
+                                rel_l2_vs_portable=err["rel_l2"])
+                        run.log(f"  q{q} {path} vs portable rel-L2 {err['rel_l2']:.4f}")
                 if bs == 16 and ctx == 32768:
-                    for s in (int(x) for x in args.splits.split(",")):
-                        t = run.time(HopperDecode(cache, bs, ctx, q, tables, num_splits=s), graph=True)
-                        run.row(kind="split_sweep", kv_dtype=kv, bs=bs, context=ctx, q_len=q, num_splits=s,
-                                graph_us=t, vs_q1=t / q1)
-                        run.log(f"    splits {s}: {t:.1f} us ({t / q1:.2f}x q1)")
+                    for s, path in itertools.product((int(x) for x in args.splits.split(",")), hops):
+                        t = run.time(HopperDecode(cache, bs, ctx, q, tables, num_splits=s,
+                                                  keys_on_m=path == "hopper_keys"), graph=True)
+                        run.row(kind="split_sweep", path=path, kv_dtype=kv, bs=bs, context=ctx, q_len=q,
+                                num_splits=s, graph_us=t, vs_q1=t / q1)
+                        run.log(f"    {path} splits {s}: {t:.1f} us ({t / q1:.2f}x q1)")
                     for spec in (c for c in args.configs.split(",") if c.startswith(kv + ":")):
                         bn, dv, st = (int(x) for x in spec.split(":")[1:])
                         cfg = dh.HopperPrefillConfig(block_n=bn, dv=dv, stages=st, warp_specialized=True,

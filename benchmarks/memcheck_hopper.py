@@ -3,7 +3,8 @@ lengths, a varlen batch with single-tile programs (the case of the illegal share
 read found in the in-flight PV schedule) and a stale-slot batch, for every cache
 (int8, fp8, bf16) and config ``warp_specialized_config`` offers and the other QK schedule of each;
 then the Hopper multi-token decode kernel (:mod:`int8attn.ops.decode_hopper`) over odd
-lengths, one-tile contexts and several split counts, against the portable decode kernel.
+lengths, one-tile contexts and several split counts (its keys-on-M kernel too, for int8
+caches where the rows fit), against the portable decode kernel.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/memcheck_hopper.py [--decode-only]
 
@@ -13,6 +14,7 @@ row fails the script), so a run that reports no memory error also shows the kern
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import replace
 
@@ -33,6 +35,7 @@ CASES = {  # name: (hq, hkv, head_dim, block_size, seq_lens, q_lens)
 DECODE_CASES = {  # name: (hq, hkv, head_dim, block_size, seq_lens, q_lens)
     "decode-g6-d256": (24, 4, 256, 16, [17, 123, 1000, 9], [4, 1, 3, 4]),
     "decode-g8-d128-bs32": (32, 4, 128, 32, [97, 517], [8, 5]),
+    "decode-g4-d128": (32, 8, 128, 16, [97, 517, 64, 1], [8, 5, 1, 1]),
 }
 
 
@@ -68,10 +71,13 @@ def main() -> int:
                                          kv_dtype=kv, seed=len(name), device="cuda")
             args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
             want = decode_attention(*args)
-            for splits in (1, 3, None):
+            for splits, keys in itertools.product((1, 3, None), (False, True)):
+                if keys and dh.unsupported_reason(b.cache, hq, max(qlens), None, keys_on_m=True):
+                    continue
                 out = testing.poisoned_like(want)
-                dh.decode_attention_hopper(*args, out=out, num_splits=splits)
-                bad += not _report(out, want, 0.07, f"decode {name} {kv} splits={splits}")
+                dh.decode_attention_hopper(*args, out=out, num_splits=splits, keys_on_m=keys,
+                                           max_query_len=max(qlens))
+                bad += not _report(out, want, 0.07, f"decode {name} {kv} splits={splits} keys_on_m={keys}")
     return 1 if bad else 0
 
 

@@ -20,13 +20,16 @@ from int8attn.ops.decode import decode_attention
 VARIANTS = [pytest.param("int8", 256, 6, id="int8-d256-g6"), pytest.param("fp8", 256, 6, id="fp8-d256-g6"),
             pytest.param("int8", 128, 4, id="int8-d128-g4"), pytest.param("fp8", 128, 8, id="fp8-d128-g8"),
             pytest.param("int8", 64, 8, id="int8-d64-g8")]
+#: (kv_dtype, head_dim, group, max_query_len) of the keys-on-M kernel: 32 and 16 packed rows
+KEYS_VARIANTS = [pytest.param("int8", 256, 6, 4, id="keys-int8-d256-g6-q4"),
+                 pytest.param("int8", 64, 8, 2, id="keys-int8-d64-g8-q2")]
 #: Local-memory instructions allowed (a regression guard, not a correctness property): the
 #: consumers hold 232 registers; int8 D256 runs PV in eight 32-column chunks beside the
 #: accumulator, fp8 D256 the 64-key P tiles its accuracy bound needs; the loader (40
 #: registers) holds the next item's block ids. Triton 3.6 (the H200's): int8 D256 4, fp8 D256
 #: 120, fp8 D128 14; other versions more.
-SPILL_BUDGET = {"3.6": {"int8-d256-g6": 8, "fp8-d256-g6": 128, "fp8-d128-g8": 16},
-                None: {"int8-d256-g6": 48, "fp8-d256-g6": 192, "fp8-d128-g8": 80}}
+SPILL_BUDGET = {"3.6": {"int8-d256-g6": 8, "fp8-d256-g6": 128, "fp8-d128-g8": 16, "keys-int8-d256-g6-q4": 16},
+                None: {"int8-d256-g6": 48, "fp8-d256-g6": 192, "fp8-d128-g8": 80, "keys-int8-d256-g6-q4": 64}}
 
 _COMPILE_ALL = r"""
 import json, sys
@@ -35,9 +38,9 @@ from _sm90 import gluon_facts
 from int8attn.gate import sass
 from int8attn.ops import decode_hopper as dh
 out = {"triton": triton.__version__, "variants": {}}
-for key, (kv, d, group) in json.loads(sys.argv[1]).items():
+for key, (kv, d, group, max_q) in json.loads(sys.argv[1]).items():
     try:
-        c = dh.compile_for_sm90(kv, d, group=group)
+        c = dh.compile_for_sm90(kv, d, group=group, keys_on_m=max_q is not None, max_query_len=max_q or 4)
     except Exception as e:
         out["variants"][key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         continue
@@ -50,13 +53,16 @@ print(json.dumps(out))
 def compiled_variants():
     """Every variant compiled in one subprocess (this session may run Triton's interpreter)."""
     pytest.importorskip("triton.experimental.gluon")
-    return run_compile_script(_COMPILE_ALL, {p.id: list(p.values) for p in VARIANTS})
+    variants = {p.id: list(p.values) + [None] for p in VARIANTS}
+    variants.update({p.id: list(p.values) for p in KEYS_VARIANTS})
+    return run_compile_script(_COMPILE_ALL, variants)
 
 
-@pytest.mark.parametrize("kv,d,group", VARIANTS)
+@pytest.mark.parametrize("kv,d,group", VARIANTS + [pytest.param(*p.values[:3], id=p.id) for p in KEYS_VARIANTS])
 def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, d, group):
     """QK and PV on the cache's 8-bit warpgroup MMA (PTX and SASS), 16-byte cp.async into
-    the ring, per-partition register budgets and cp.async-tracked mbarrier arrivals."""
+    the ring, per-partition register budgets and cp.async-tracked mbarrier arrivals (the
+    keys-on-M variants too)."""
     key = request.node.callspec.id
     got = compiled_variants["variants"][key]
     assert "error" not in got, f"Triton {compiled_variants['triton']}: {got.get('error')}"
@@ -84,11 +90,17 @@ def _args(b):
     pytest.param("int8", "bf16", 24, 4, "PV in the cache's precision", id="pv16"),
     pytest.param("int8", None, 24, 11, "rows", id="rows-over-64"),
     pytest.param("int8", None, 24, 9, "rows", id="q-over-8"),
+    pytest.param("fp8", None, 24, 4, "int8 caches only", id="keys-fp8"),
+    pytest.param("int8", None, 24, 6, "keys-on-M kernel: at most 32", id="keys-rows-over-32"),
 ])
-def test_unsupported_shapes_are_named(kv, pv, hq, max_q, match, device):
+def test_unsupported_shapes_are_named(kv, pv, hq, max_q, match, device, request):
     b = _batch([40], [1], hq=hq, kv=kv, device=device)
-    reason = dh.unsupported_reason(b.cache, hq, max_q, pv)
+    keys_on_m = request.node.callspec.id.startswith("keys")
+    reason = dh.unsupported_reason(b.cache, hq, max_q, pv, keys_on_m)
     assert reason is not None and match in reason
+    if keys_on_m:  # a limit of the keys-on-M kernel only
+        other = dh.unsupported_reason(b.cache, hq, max_q, pv)
+        assert other is None or match not in other
 
 
 def test_raises_before_any_launch_where_it_does_not_apply(device):
@@ -123,12 +135,17 @@ TOL_QUANTIZED = {"int8": 0.015, "fp8": 0.035}
 TOL_FLOAT64 = {"int8": 0.02, "fp8": 0.05}
 
 
-def _check(b, *, num_splits=None, max_query_len=None, skipped=()):
+def _kernel_name(keys_on_m: bool) -> str:
+    return "_decode_hopper_swapped_kernel" if keys_on_m else "_decode_hopper_kernel"
+
+
+def _check(b, *, num_splits=None, max_query_len=None, skipped=(), keys_on_m=False):
     kv = b.cache.kv_dtype
     out = testing.poisoned_like(b.query)
-    before = launches.last("_decode_hopper_kernel")
-    ret = dh.decode_attention_hopper(*_args(b), out=out, num_splits=num_splits, max_query_len=max_query_len)
-    assert ret is out and launches.last("_decode_hopper_kernel") is not before
+    before = launches.last(_kernel_name(keys_on_m))
+    ret = dh.decode_attention_hopper(*_args(b), out=out, num_splits=num_splits, max_query_len=max_query_len,
+                                     keys_on_m=keys_on_m)
+    assert ret is out and launches.last(_kernel_name(keys_on_m)) is not before
     torch.cuda.synchronize()
     qsl = b.query_start_loc.tolist()
     out = out.cpu()
@@ -166,6 +183,25 @@ def test_gpu_matches_references(hq, hkv, d, bs, seq_lens, q_lens, splits, kv):
     _check(b, num_splits=splits)
 
 
+#: (Hq, Hkv, head_dim, block_size, seq_lens, q_lens, num_splits, max_query_len) of the
+#: keys-on-M kernel (GROUP x max_query_len <= 32 rows, padded to 16 or 32; 64-key tiles)
+KEYS_GPU_CASES = [
+    pytest.param(24, 4, 256, 16, [17, 97, 123, 2000], [4, 1, 3, 5], None, None, id="g6-d256-odd-auto"),
+    pytest.param(24, 4, 256, 16, [4096, 33, 700], [4, 4, 2], 3, 4, id="g6-d256-splits3"),
+    pytest.param(24, 4, 256, 32, [9, 60, 64, 65], [2, 1, 2, 2], 1, 2, id="g6-d256-bs32-r16"),
+    pytest.param(32, 8, 128, 16, [1000, 4097], [8, 8], 2, None, id="g4-d128-splits2"),
+    pytest.param(16, 2, 64, 64, [123, 1500, 65], [4, 3, 1], 5, None, id="g8-d64-bs64"),
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,seq_lens,q_lens,splits,max_q", KEYS_GPU_CASES)
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_keys_on_m_matches_references(hq, hkv, d, bs, seq_lens, q_lens, splits, max_q):
+    b = _batch(seq_lens, q_lens, hq=hq, hkv=hkv, d=d, bs=bs, kv="int8", seed=sum(seq_lens) + d + 1, device="cuda")
+    _check(b, num_splits=splits, max_query_len=max_q, keys_on_m=True)
+
+
 @pytest.mark.gpu
 @needs_sm90
 def test_gpu_long_and_empty_queries_are_skipped():
@@ -175,14 +211,15 @@ def test_gpu_long_and_empty_queries_are_skipped():
     _check(b, num_splits=2, max_query_len=4, skipped=(1,))
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("kv,keys_on_m", [("int8", False), ("fp8", False), ("int8", True)],
+                         ids=["int8", "fp8", "keys-int8"])
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_stale_slots_never_leak(kv):
+def test_gpu_stale_slots_never_leak(kv, keys_on_m):
     """Slots past a sequence's end hold NaN bytes (e4m3) or extreme values: outputs stay the
     same as over a clean cache."""
     b = _batch([37, 50], [4, 2], kv=kv, device="cuda", seed=3)
-    clean = dh.decode_attention_hopper(*_args(b), num_splits=1)
+    clean = dh.decode_attention_hopper(*_args(b), num_splits=1, keys_on_m=keys_on_m)
     for s, n in enumerate(b.seq_lens.tolist()):
         blk = b.block_table[s, (n - 1) // 16].item()
         slot = n % 16
@@ -191,21 +228,22 @@ def test_gpu_stale_slots_never_leak(kv):
             b.cache.key[blk, :, slot:, :].view(torch.uint8).fill_(0x7F)
             b.cache.value_scale[blk, :, slot:] = float("nan")
             b.cache.key_scale[blk, :, slot:] = float("nan")
-    dirty = dh.decode_attention_hopper(*_args(b), num_splits=1)
+    dirty = dh.decode_attention_hopper(*_args(b), num_splits=1, keys_on_m=keys_on_m)
     torch.cuda.synchronize()
     assert torch.equal(clean, dirty)
 
 
+@pytest.mark.parametrize("keys_on_m", [False, True], ids=["rows-on-m", "keys-on-m"])
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_cuda_graph_replay_matches_eager():
+def test_gpu_cuda_graph_replay_matches_eager(keys_on_m):
     b = _batch([2000, 900], [4, 4], kv="int8", device="cuda", seed=5)
-    eager = dh.decode_attention_hopper(*_args(b), num_splits=4)
+    eager = dh.decode_attention_hopper(*_args(b), num_splits=4, keys_on_m=keys_on_m)
     out = torch.empty_like(eager)
-    dh.decode_attention_hopper(*_args(b), out=out, num_splits=4)  # launches built outside the capture
+    dh.decode_attention_hopper(*_args(b), out=out, num_splits=4, keys_on_m=keys_on_m)  # launches built first
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        dh.decode_attention_hopper(*_args(b), out=out, num_splits=4)
+        dh.decode_attention_hopper(*_args(b), out=out, num_splits=4, keys_on_m=keys_on_m)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -296,7 +334,7 @@ def test_plan_wiring_of_the_hopper_route(monkeypatch, device):
     out = torch.empty_like(b.query)
     plan.run(*_args(b), out=out)
     (args,) = calls
-    assert args[0] == config and args[10:] == (3, 4, plan.workspace, codes) and args[7] is out
+    assert args[0] == config and args[10:] == (3, 4, plan.workspace, codes, False) and args[7] is out
     windowed = plan.run(*_args(b), window=8)  # the portable kernel (no window in the Hopper one)
     assert len(calls) == 1 and torch.isfinite(windowed.float()).all()
     mixed = _batch([40, 30], [4, 12], device=device)

@@ -37,25 +37,53 @@ def default_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig:
     return warp_specialized_config(kv_dtype, head_dim)
 
 
-def unsupported_reason(cache, num_q_heads: int, max_query_len: int, pv_mode: str | None) -> str | None:
-    """Why the kernel does not apply to these shapes (None: it does)."""
+def keys_on_m_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig:
+    """The keys-on-M kernel's config: 64-key tiles (one warpgroup MMA's M), a 4-stage ring."""
+    return dataclasses.replace(default_config(kv_dtype, head_dim), block_n=KEYS_ON_M_BLOCK_N, stages=4)
+
+
+#: Keys per tile of the keys-on-M kernel: the M of one warpgroup MMA.
+KEYS_ON_M_BLOCK_N = 64
+#: Packed rows of the keys-on-M kernel: its [head_dim, rows] accumulator and [64, rows]
+#: scores stay in registers up to 32 rows (sm_90 AOT compile, Triton 3.6, head_dim 256: 12
+#: local-memory instructions at 32 rows, 1133 at 64).
+KEYS_ON_M_ROWS = 32
+
+
+def keys_on_m_rows(rows: int) -> int:
+    """The N of the keys-on-M kernel's MMAs for ``rows`` packed rows: 16, 32 or 64."""
+    return max(16, 1 << (max(1, rows) - 1).bit_length())
+
+
+def unsupported_reason(cache, num_q_heads: int, max_query_len: int, pv_mode: str | None,
+                       keys_on_m: bool = False) -> str | None:
+    """Why the kernel (the keys-on-M kernel with ``keys_on_m``) does not apply to these
+    shapes (None: it does)."""
     if cache.kv_dtype not in ("int8", "fp8"):
         return f"kv_dtype {cache.kv_dtype!r} (8-bit caches only)"
+    if keys_on_m and cache.kv_dtype != "int8":
+        return f"kv_dtype {cache.kv_dtype!r} (the keys-on-M kernel runs int8 caches only)"
     pv = pv_mode or cache.kv_dtype
     if pv != cache.kv_dtype:
         return f"pv_mode {pv!r} (PV in the cache's precision only)"
     group = num_q_heads // cache.num_kv_heads
+    if keys_on_m and group * max_query_len > KEYS_ON_M_ROWS:
+        return f"GQA group {group} x max_query_len {max_query_len} rows (the keys-on-M kernel: at most " \
+               f"{KEYS_ON_M_ROWS})"
     if not 1 <= max_query_len <= MAX_DECODE_QUERY_LEN or group * max_query_len > ROWS:
         return f"GQA group {group} x max_query_len {max_query_len} rows (at most {ROWS}, q_len <= " \
                f"{MAX_DECODE_QUERY_LEN})"
     return _hopper_reason(cache, num_q_heads, pv)
 
 
-def check_config(config: HopperPrefillConfig, cache, group: int) -> HopperPrefillConfig:
+def check_config(config: HopperPrefillConfig, cache, group: int, keys_on_m: bool = False) -> HopperPrefillConfig:
     """A warp-specialized config the prefill kernel would accept (tiles, PV chunks), with a
-    ring of 2..8 stages (the decode ring holds no tile across a softmax)."""
+    ring of 2..8 stages (the decode ring holds no tile across a softmax); 64-key tiles for
+    the keys-on-M kernel."""
     if not isinstance(config, HopperPrefillConfig) or not config.warp_specialized:
         raise ValueError(f"config must be a HopperPrefillConfig(warp_specialized=True), got {config!r}")
+    if keys_on_m and config.block_n != KEYS_ON_M_BLOCK_N:
+        raise ValueError(f"the keys-on-M kernel takes block_n={KEYS_ON_M_BLOCK_N}, got {config.block_n}")
     if not isinstance(config.stages, int) or not 2 <= config.stages <= 8:
         raise ValueError(f"stages={config.stages!r} must be 2..8")
     checked = _check_prefill_config(dataclasses.replace(config, stages=4), cache, group, cache.kv_dtype)
@@ -104,15 +132,16 @@ class DecodeHopperLaunch:
     qk_scale)``. The query's codes (when not given) go to buffers it owns; the partials to the
     plan's workspace (sized for ``2 * num_splits``)."""
 
-    __slots__ = ("config", "num_splits", "max_query_len", "workspace", "codes")
+    __slots__ = ("config", "num_splits", "max_query_len", "workspace", "codes", "keys_on_m")
 
-    def __init__(self, config, num_splits: int, max_query_len: int, workspace: DecodeWorkspace | None, codes):
+    def __init__(self, config, num_splits: int, max_query_len: int, workspace: DecodeWorkspace | None, codes,
+                 keys_on_m: bool = False):
         self.config, self.num_splits, self.max_query_len = config, num_splits, max_query_len
-        self.workspace, self.codes = workspace, codes
+        self.workspace, self.codes, self.keys_on_m = workspace, codes, keys_on_m
 
     def __call__(self, query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale):
         run_decode(self.config, query, cache, block_table, seq_lens, query_start_loc, qk_scale, out, q_quant,
-                   q_scale, self.num_splits, self.max_query_len, self.workspace, self.codes)
+                   q_scale, self.num_splits, self.max_query_len, self.workspace, self.codes, self.keys_on_m)
 
 
 def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, device) -> int:
@@ -125,8 +154,9 @@ def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: i
 
 def decode_attention_hopper(query, cache, block_table, seq_lens, query_start_loc, *, softmax_scale=None, out=None,
                             q_quant=None, q_scale=None, pv_mode=None, num_splits=None, max_query_len=None,
-                            config: HopperPrefillConfig | None = None) -> torch.Tensor:
-    """Multi-token decode on the Hopper kernel; ``max_query_len`` (host int, default
+                            config: HopperPrefillConfig | None = None, keys_on_m: bool = False) -> torch.Tensor:
+    """Multi-token decode on the Hopper kernel (``keys_on_m``: the keys-on-M kernel,
+    :mod:`int8attn.kernels.decode_hopper_swapped`); ``max_query_len`` (host int, default
     MAX_DECODE_QUERY_LEN capped by the rows) bounds every sequence's q_len -- longer ones are
     skipped, as decode_attention skips them. Raises ValueError where it does not apply."""
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
@@ -135,11 +165,12 @@ def decode_attention_hopper(query, cache, block_table, seq_lens, query_start_loc
     num_q_heads = query.shape[1]
     group = num_q_heads // cache.num_kv_heads
     if max_query_len is None:
-        max_query_len = max(1, min(MAX_DECODE_QUERY_LEN, ROWS // group))
-    reason = unsupported_reason(cache, num_q_heads, int(max_query_len), pv_mode)
+        max_query_len = max(1, min(MAX_DECODE_QUERY_LEN, (KEYS_ON_M_ROWS if keys_on_m else ROWS) // group))
+    reason = unsupported_reason(cache, num_q_heads, int(max_query_len), pv_mode, keys_on_m)
     if reason is not None:
         raise ValueError(f"the Hopper decode kernel does not apply: {reason}")
-    config = check_config(config or default_config(cache.kv_dtype, cache.head_dim), cache, group)
+    config = config or (keys_on_m_config if keys_on_m else default_config)(cache.kv_dtype, cache.head_dim)
+    config = check_config(config, cache, group, keys_on_m)
     num_seqs = block_table.shape[0]
     if num_splits is None:
         num_splits = choose_splits(num_seqs, cache.num_kv_heads, block_table.shape[1] * cache.block_size,
@@ -147,12 +178,12 @@ def decode_attention_hopper(query, cache, block_table, seq_lens, query_start_loc
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     return run_decode(config, query, cache, block_table, seq_lens, query_start_loc, qk_scale_of(softmax_scale,
-                      cache.head_dim), out, q_quant, q_scale, num_splits, int(max_query_len))
+                      cache.head_dim), out, q_quant, q_scale, num_splits, int(max_query_len), keys_on_m=keys_on_m)
 
 
 def run_decode(config, query, cache, block_table, seq_lens, query_start_loc, qk_scale: float, out, q_quant, q_scale,
                num_splits: int, max_query_len: int, workspace: DecodeWorkspace | None = None,
-               codes: tuple | None = None) -> torch.Tensor:
+               codes: tuple | None = None, keys_on_m: bool = False) -> torch.Tensor:
     """Launch with checked inputs and config: the kernel, then (more than one virtual split)
     the merge kernel over ``2 * num_splits`` partials (in ``workspace``, else a scratch pair
     per shape). A query without codes is quantized first (into ``codes`` when given)."""
@@ -178,12 +209,12 @@ def run_decode(config, query, cache, block_table, seq_lens, query_start_loc, qk_
              key.stride(0), key.stride(1), cache.key_scale.stride(0), cache.key_scale.stride(1),
              block_table.stride(0))
     with device_guard(cache.device):
-        geometry = (config, cache.kv_dtype, cache.block_size, head_dim, group, cache.num_kv_heads, num_seqs,
-                    num_q_heads, num_tokens, block_table.shape[1], fixed, cache.device)
+        geometry = (config, keys_on_m, cache.kv_dtype, cache.block_size, head_dim, group, cache.num_kv_heads,
+                    num_seqs, num_q_heads, num_tokens, block_table.shape[1], fixed, cache.device)
         kernel, merge = remembered(_LAUNCHES, geometry, _MAX_LAUNCHES,
                                    lambda: _make_launches(config, cache, group, num_seqs, num_q_heads, num_tokens,
                                                           num_splits, max_query_len, block_table.shape[1], fixed,
-                                                          out, part_acc, part_ml))
+                                                          out, part_acc, part_ml, keys_on_m))
         kernel(q_in, q_scale, out, part_acc, part_ml, key, value, cache.key_scale, cache.value_scale, block_table,
                seq_lens, query_start_loc, qk_scale)
         merge(out, part_acc, part_ml, seq_lens, query_start_loc)
@@ -191,14 +222,13 @@ def run_decode(config, query, cache, block_table, seq_lens, query_start_loc, qk_
 
 
 def _make_launches(config, cache, group, num_seqs, num_q_heads, num_tokens, num_splits, max_query_len, max_blocks,
-                   fixed, out, part_acc, part_ml):
+                   fixed, out, part_acc, part_ml, keys_on_m):
     from ..kernels.decode import _decode_merge_kernel
-    from ..kernels.decode_hopper import _decode_hopper_kernel
 
-    const = constexprs(config, cache, group, cache.kv_dtype)
-    const["BLOCK_Q"] = ROWS // group  # both consumer warpgroups hold the same 64 rows
-    kernel = CachedLaunch(_decode_hopper_kernel, (num_splits, cache.num_kv_heads, num_seqs),
-                          {**const, **launch_options(config)}, {"config": config}, fixed_args=fixed)
+    fn, const = _kernel_constexprs(config, cache.kv_dtype, cache.head_dim, cache.block_size, group, max_query_len,
+                                   keys_on_m)
+    kernel = CachedLaunch(fn, (num_splits, cache.num_kv_heads, num_seqs), {**const, **launch_options(config)},
+                          {"config": config, "keys_on_m": keys_on_m}, fixed_args=fixed)
     head_dim = cache.head_dim
     cols = merge_columns(head_dim)
     splits = 2 * num_splits
@@ -210,6 +240,28 @@ def _make_launches(config, cache, group, num_seqs, num_q_heads, num_tokens, num_
                               SPLIT_CHUNK=chunk, BLOCK_D=cols, num_warps=max(1, min(4, chunk * cols // 256))),
                          {"config": config}, fixed_args=merge_args)
     return kernel, merge
+
+
+def _kernel_constexprs(config, kv_dtype: str, head_dim: int, block_size: int, group: int, max_query_len: int,
+                       keys_on_m: bool):
+    """(kernel function, its constexprs): rows on M -- both consumer warpgroups hold the
+    same 64 rows; keys on M -- the packed rows of ``max_query_len`` tokens padded to the
+    MMA's N (:func:`keys_on_m_rows`)."""
+    from .prefill_hopper import cache_facts
+
+    const = constexprs(config, cache_facts(kv_dtype, head_dim, block_size), group, kv_dtype)
+    if not keys_on_m:
+        from ..kernels.decode_hopper import _decode_hopper_kernel
+
+        const["BLOCK_Q"] = ROWS // group
+        return _decode_hopper_kernel, const
+    from ..kernels.decode_hopper_swapped import _decode_hopper_swapped_kernel, swapped_layouts
+
+    rows = keys_on_m_rows(group * max_query_len)
+    names = set(_decode_hopper_swapped_kernel.arg_names)
+    const = {k: v for k, v in const.items() if k in names}
+    const.update(swapped_layouts(rows, config.block_n, head_dim), BLOCK_Q=rows // group)
+    return _decode_hopper_swapped_kernel, const
 
 
 #: Cached launches (kernel, merge) per launch geometry.
@@ -229,17 +281,16 @@ _MAX_WORKSPACES = 16
 
 
 def compile_for_sm90(kv_dtype: str, head_dim: int, block_size: int = 16, group: int = 6,
-                     config: HopperPrefillConfig | None = None):
-    """Compile the kernel ahead of time for sm_90 (no GPU needed: ptxas ships with Triton);
-    returns Triton's compiled kernel. Pointers and the strides of contiguous tensors are
-    assumed 16-byte aligned, as on a real launch."""
-    from ..kernels.decode_hopper import _decode_hopper_kernel
-    from .prefill_hopper import _pointer_types, cache_facts, compile_gluon_for_sm90
+                     config: HopperPrefillConfig | None = None, keys_on_m: bool = False, max_query_len: int = 4):
+    """Compile the kernel (the keys-on-M kernel for ``max_query_len`` tokens with
+    ``keys_on_m``) ahead of time for sm_90 (no GPU needed: ptxas ships with Triton); returns
+    Triton's compiled kernel. Pointers and the strides of contiguous tensors are assumed
+    16-byte aligned, as on a real launch."""
+    from .prefill_hopper import _pointer_types, compile_gluon_for_sm90
 
-    config = config or default_config(kv_dtype, head_dim)
-    const = constexprs(config, cache_facts(kv_dtype, head_dim, block_size), group, kv_dtype)
-    const["BLOCK_Q"] = ROWS // group
+    config = config or (keys_on_m_config if keys_on_m else default_config)(kv_dtype, head_dim)
+    fn, const = _kernel_constexprs(config, kv_dtype, head_dim, block_size, group, max_query_len, keys_on_m)
     ptrs = dict(_pointer_types(kv_dtype), part_acc_ptr="*fp32", part_ml_ptr="*fp32")
-    return compile_gluon_for_sm90(_decode_hopper_kernel, const, ptrs, (
+    return compile_gluon_for_sm90(fn, const, ptrs, (
         "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_pt", "stride_ph", "stride_ps", "stride_cb",
         "stride_ch", "stride_sb", "stride_sh"), launch_options(config))

@@ -1,0 +1,239 @@
+"""EXPERIMENT (not run on a GPU yet): :mod:`int8attn.kernels.decode_hopper` with the
+operands swapped in the consumers -- keys on the MMA's M side, the packed rows (padded to
+``R``) on N: ``S^T = K . Q^T`` [BLOCK_N, R] and ``O^T += V^T . P^T`` [HEAD_DIM, R] in four
+64-channel chunks, P^T through shared memory. The softmax runs down the columns (a
+cross-warp max per tile); the accumulator is [HEAD_DIM, R] (64 fp32 per thread at R = 32)
+instead of [64, HEAD_DIM] (128). int8 caches, int8 PV only.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
+    warpgroup_mma_wait
+
+from . import _gluon_compat as _gc
+from .decode_hopper import _decode_loader, _run
+from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG
+from .prefill_hopper_ws import LOADER_WARPS
+
+DC = gl.constexpr(64)  # output channels per PV chunk (the MMA's M)
+
+
+def swapped_layouts(rows: int, block_n: int, head_dim: int) -> dict:
+    """Layout constexprs of the swapped consumers (one warpgroup each)."""
+    qk = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, rows, 32])
+    pv = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, rows, 32])
+    return dict(QKT_LAYOUT=qk, PVT_LAYOUT=pv, R=rows,
+                QT_SMEM=gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.int8),
+                PT_SMEM=gl.NVMMASharedLayout.get_default_for([rows, block_n], gl.int8),
+                LOAD_QT=gl.BlockedLayout([1, 16], [32 // max(1, min(32, head_dim // 16)), max(1, min(32, head_dim // 16))],
+                                         [4, 1], [1, 0]))
+
+
+@gluon.jit
+def _fold(acc, o, f):
+    """``acc * f + o`` (int32 PV chunk), pinned before the next MMA (see prefill_hopper_ws)."""
+    return warpgroup_mma_wait(0, deps=[acc * f[None, :] + o.to(gl.float32)])
+
+
+@gluon.jit
+def _pv_chunk(v_buf, c: gl.constexpr, pt_smem, zero):
+    return warpgroup_mma(v_buf.slice(c * DC, DC, dim=0), pt_smem.permute((1, 0)), zero, use_acc=False)
+
+
+@gluon.jit
+def _store_t(ptr, acc, c: gl.constexpr, scale, q_start, q_len, kv_head, stride_t, stride_h, GROUP: gl.constexpr,
+             BLOCK_Q: gl.constexpr, R: gl.constexpr, PVT_LAYOUT: gl.constexpr):
+    """Rows of a transposed chunk ``acc`` [DC, R] times ``scale`` [R] to ``ptr`` rows (token,
+    head) at channels ``c * DC ...``."""
+    r = gl.arange(0, R, layout=gl.SliceLayout(0, PVT_LAYOUT))
+    d = c * DC + gl.arange(0, DC, layout=gl.SliceLayout(1, PVT_LAYOUT))
+    tok = r // GROUP
+    valid = (tok < BLOCK_Q) & (tok < q_len) & (r < GROUP * BLOCK_Q)
+    rows = (q_start + tok).to(gl.int64) * stride_t + (kv_head * GROUP + r % GROUP) * stride_h
+    gl.store(ptr + rows[None, :] + d[:, None], (acc * scale[None, :]).to(ptr.dtype.element_ty), mask=valid[None, :])
+
+
+@gluon.jit
+def _swapped_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, pt_bufs, k_ring, v_ring,
+                      ks_ring, vs_ring, ready, empty, kv_head, q_start, q_len, ctx, kv_end, split, n_virtual, lo0,
+                      count0, count1, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
+                      stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                      WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
+                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, QKT_LAYOUT: gl.constexpr,
+                      PVT_LAYOUT: gl.constexpr, LOAD_QT: gl.constexpr):
+    KEY: gl.constexpr = gl.SliceLayout(1, QKT_LAYOUT)
+    COLQ: gl.constexpr = gl.SliceLayout(0, QKT_LAYOUT)
+    COLP: gl.constexpr = gl.SliceLayout(0, PVT_LAYOUT)
+    if WG == 0:
+        lo = lo0
+        count = count0
+    else:
+        lo = lo0 + count0
+        count = count1
+    vsplit = 2 * split + WG
+
+    qr = gl.arange(0, R, layout=gl.SliceLayout(1, LOAD_QT))
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD_QT))
+    q_valid = (qr // GROUP < BLOCK_Q) & (qr // GROUP < q_len) & (qr < GROUP * BLOCK_Q)
+    q_rows = (q_start + qr // GROUP).to(gl.int64) * stride_qt + (kv_head * GROUP + qr % GROUP) * stride_qh
+    q = gl.load(q_ptr + q_rows[:, None] + qd[None, :], mask=q_valid[:, None], other=0)
+    q_smem = q_bufs.index(WG)
+    q_smem.store(q)
+    fence_async_shared()
+    _gc.cta_barrier()
+
+    r = gl.arange(0, R, layout=COLQ)
+    tok = r // GROUP
+    row_valid = (tok < BLOCK_Q) & (tok < q_len) & (r < GROUP * BLOCK_Q)
+    row_scale = gl.load(q_scale_ptr + (q_start + tok).to(gl.int64) * stride_qst
+                        + (kv_head * GROUP + r % GROUP) * stride_qsh, mask=row_valid, other=1.0) * qk_scale
+    full_end = ((ctx + 1) // BLOCK_N) * BLOCK_N
+    row_limit = gl.minimum(ctx + tok, kv_end - 1)
+
+    m_i = gl.full([R], NEG_BIG, gl.float32, COLQ)
+    r_i = gl.full([R], 1.0, gl.float32, COLQ)
+    l_part = gl.zeros([BLOCK_N, R], gl.float32, QKT_LAYOUT)  # per-key sums, reduced once at the end
+    acc0 = gl.zeros([DC, R], gl.float32, PVT_LAYOUT)
+    acc1 = acc0
+    acc2 = acc0
+    acc3 = acc0
+    zero = gl.zeros([DC, R], gl.int32, PVT_LAYOUT)
+
+    for k in range(0, count):
+        i = 2 * k + WG
+        st = i % STAGES
+        start = (lo + k) * BLOCK_N
+        mbarrier.wait(ready.index(st), (i // STAGES) & 1)
+        fence_async_shared()
+        s = warpgroup_mma(k_ring.index(st), q_smem.permute((1, 0)),
+                          gl.full([BLOCK_N, R], MAGIC_I, gl.int32, QKT_LAYOUT), is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s])
+        ks = ks_ring.index(st).load(KEY)
+        vs = vs_ring.index(st).load(KEY)
+        n = start + gl.arange(0, BLOCK_N, layout=KEY)
+        if start + BLOCK_N > kv_end:
+            ks = gl.where(n < kv_end, ks, 0.0)
+            vs = gl.where(n < kv_end, vs, 0.0)
+        t = s.to(gl.float32, bitcast=True) * ks[:, None] + (ks * -MAGIC_F)[:, None]
+        if start + BLOCK_N > full_end:
+            t = gl.where(n[:, None] <= row_limit[None, :], t, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(t, 0) * row_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(t * row_scale[None, :] - m_new[None, :])
+        l_part = l_part * alpha[None, :] + p
+        pv = p * vs[:, None]
+        floor = gl.max(vs, 0) * MIN_REL_STEP
+        r_new = gl.maximum(gl.max(pv, 0), floor) * (1.0 / 127.0)
+        factor = gl.convert_layout(alpha * (r_i / r_new), COLP)
+        u = pv * (1.0 / r_new)[None, :] + MAGIC_F
+        p8 = u.to(gl.int32, bitcast=True).to(gl.int8)
+        # two P^T buffers per consumer: a warp may write tile k + 1's P^T while another
+        # warp's share of tile k's PV MMA still reads the other buffer
+        pt_smem = pt_bufs.index(2 * WG + (k & 1))
+        pt_smem.store(gl.permute(p8, (1, 0)))
+        fence_async_shared()
+        _gc.cta_barrier()  # every warp's P^T rows are in shared memory before the MMA reads them
+        m_i = m_new
+        r_i = r_new
+        v_buf = v_ring.index(st)
+        acc0 = _fold(acc0, _pv_chunk(v_buf, 0, pt_smem, zero), factor)
+        if HEAD_DIM > 64:
+            acc1 = _fold(acc1, _pv_chunk(v_buf, 1, pt_smem, zero), factor)
+        if HEAD_DIM > 128:
+            acc2 = _fold(acc2, _pv_chunk(v_buf, 2, pt_smem, zero), factor)
+            acc3 = _fold(acc3, _pv_chunk(v_buf, 3, pt_smem, zero), factor)
+        mbarrier.arrive(empty.index(st), count=1)
+
+    l_i = gl.sum(l_part, 0)
+    if vsplit < n_virtual:
+        if n_virtual == 1:
+            norm = gl.convert_layout(gl.where(l_i > 0.0, r_i / l_i, 0.0), COLP)
+            _store_chunks(out_ptr, acc0, acc1, acc2, acc3, norm, q_start, q_len, kv_head, stride_ot, stride_oh,
+                          GROUP, HEAD_DIM, BLOCK_Q, R, PVT_LAYOUT)
+        else:
+            ml = part_ml_ptr + vsplit * stride_ms + (q_start + tok).to(gl.int64) * stride_mt \
+                + (kv_head * GROUP + r % GROUP) * stride_mh
+            gl.store(ml, m_i, mask=row_valid)
+            gl.store(ml + 1, l_i, mask=row_valid)
+            _store_chunks(part_acc_ptr + vsplit * stride_ps, acc0, acc1, acc2, acc3, gl.convert_layout(r_i, COLP),
+                          q_start, q_len, kv_head, stride_pt, stride_ph, GROUP, HEAD_DIM, BLOCK_Q, R, PVT_LAYOUT)
+
+
+@gluon.jit
+def _store_chunks(ptr, acc0, acc1, acc2, acc3, scale, q_start, q_len, kv_head, stride_t, stride_h,
+                  GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, R: gl.constexpr,
+                  PVT_LAYOUT: gl.constexpr):
+    _store_t(ptr, acc0, 0, scale, q_start, q_len, kv_head, stride_t, stride_h, GROUP, BLOCK_Q, R, PVT_LAYOUT)
+    if HEAD_DIM > 64:
+        _store_t(ptr, acc1, 1, scale, q_start, q_len, kv_head, stride_t, stride_h, GROUP, BLOCK_Q, R, PVT_LAYOUT)
+    if HEAD_DIM > 128:
+        _store_t(ptr, acc2, 2, scale, q_start, q_len, kv_head, stride_t, stride_h, GROUP, BLOCK_Q, R, PVT_LAYOUT)
+        _store_t(ptr, acc3, 3, scale, q_start, q_len, kv_head, stride_t, stride_h, GROUP, BLOCK_Q, R, PVT_LAYOUT)
+
+
+@gluon.jit
+def _decode_hopper_swapped_kernel(
+    q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
+    block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, num_splits, max_query_len,
+    stride_qt, stride_qh, stride_qst, stride_qsh,
+    stride_ot, stride_oh,
+    stride_pt, stride_ph, stride_ps,
+    stride_mt, stride_mh, stride_ms,
+    stride_cb, stride_ch, stride_sb, stride_sh,
+    stride_bt,
+    GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_Q: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_KIND: gl.constexpr,
+    K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr,
+    R: gl.constexpr, QKT_LAYOUT: gl.constexpr, PVT_LAYOUT: gl.constexpr, QT_SMEM: gl.constexpr,
+    PT_SMEM: gl.constexpr, LOAD_QT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):
+    split = gl.program_id(0)
+    kv_head = gl.program_id(1)
+    seq = gl.program_id(2)
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = gl.load(seq_lens_ptr + seq)
+    if (q_len <= 0) | (q_len > max_query_len) | (seq_len < q_len):
+        return
+    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    n_virtual = gl.minimum(2 * num_splits, num_tiles)
+    if 2 * split >= n_virtual:
+        return
+    lo0, count0 = _run(num_tiles, 2 * split, n_virtual)
+    lo1, count1 = _run(num_tiles, 2 * split + 1, n_virtual)
+    ctx = seq_len - q_len
+    last_page = (seq_len - 1) // PAGE
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+
+    S_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    q_bufs = gl.allocate_shared_memory(gl.int8, [2, R, HEAD_DIM], QT_SMEM)
+    pt_bufs = gl.allocate_shared_memory(gl.int8, [4, R, BLOCK_N], PT_SMEM)
+    k_ring = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
+    v_ring = gl.allocate_shared_memory(gl.int8, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
+    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
+    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=LOADER_WARPS * 32)
+        mbarrier.init(empty.index(i), count=1)
+
+    gl.warp_specialize([
+        (_swapped_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, pt_bufs, k_ring, v_ring,
+                             ks_ring, vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual,
+                             lo0, count0, count1, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
+                             stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                             0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT, PVT_LAYOUT, LOAD_QT)),
+        (_swapped_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, pt_bufs, k_ring, v_ring,
+                             ks_ring, vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual,
+                             lo0, count0, count1, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
+                             stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                             1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT, PVT_LAYOUT, LOAD_QT)),
+        (_decode_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
+                          kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, seq_len, last_page, lo0, count0,
+                          count1, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+                          HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, LOAD_K, LOAD_V, LOAD_S)),
+    ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
