@@ -253,7 +253,8 @@ def test_gpu_cuda_graph_replay_matches_eager(keys_on_m):
 # --------------------------------------------------------------------------- plans
 def _ran_decode(fn) -> set:
     """Which decode kernels ``fn()`` launched (a new launch record per launch)."""
-    names = {"_decode_hopper_kernel": "hopper", "_decode_split_kernel": "portable"}
+    names = {"_decode_hopper_kernel": "hopper", "_decode_hopper_swapped_kernel": "hopper",
+             "_decode_split_kernel": "portable"}
     before = {k: launches.last(k) for k in names}
     fn()
     return {names[k] for k in names if launches.last(k) is not before[k]}
@@ -322,21 +323,39 @@ def test_plan_wiring_of_the_hopper_route(monkeypatch, device):
     portable kernel's splits; a run with a sliding window takes the portable kernel; a mixed
     batch is never routed."""
     calls = []
-    monkeypatch.setattr(dh, "unsupported_reason", lambda *a: None)
+    monkeypatch.setattr(dh, "unsupported_reason", lambda *a, **k: None)
     monkeypatch.setattr(dh, "run_decode", lambda *a: calls.append(a))
     b = _batch([40, 17], [4, 2], device=device)
     plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 24, num_splits=3)
     assert plan.decode_kernel == "hopper"
-    config, splits, decode_q, codes = plan.decode_hopper
-    assert (splits, decode_q) == (3, 4) and config == dh.default_config("int8", 256)
+    config, splits, decode_q, codes, keys_on_m = plan.decode_hopper
+    assert (splits, decode_q, keys_on_m) == (3, 4, True) and config == dh.keys_on_m_config("int8", 256)
     assert codes[0].shape == b.query.shape and codes[0].dtype == torch.int8
     assert plan.workspace.max_splits >= max(6, plan.decode_plan.num_splits)
     out = torch.empty_like(b.query)
     plan.run(*_args(b), out=out)
     (args,) = calls
-    assert args[0] == config and args[10:] == (3, 4, plan.workspace, codes, False) and args[7] is out
+    assert args[0] == config and args[10:] == (3, 4, plan.workspace, codes, True) and args[7] is out
     windowed = plan.run(*_args(b), window=8)  # the portable kernel (no window in the Hopper one)
     assert len(calls) == 1 and torch.isfinite(windowed.float()).all()
     mixed = _batch([40, 30], [4, 12], device=device)
     plan = int8attn.plan_attention(mixed.cache, mixed.block_table, mixed.seq_lens, mixed.query_start_loc, 24)
     assert plan.decode_kernel == "portable"
+
+
+@pytest.mark.parametrize("kv,hq,max_q,want", [
+    pytest.param("int8", 24, 4, True, id="int8-24rows"), pytest.param("int8", 24, 5, True, id="int8-30rows"),
+    pytest.param("int8", 24, 6, False, id="int8-36rows"), pytest.param("fp8", 24, 4, False, id="fp8"),
+])
+def test_plan_launch_takes_keys_on_m_where_it_applies(monkeypatch, kv, hq, max_q, want, device):
+    """A plan's layout: keys on M for int8 caches up to 32 packed rows, else rows on M (each
+    with its config's tiles and the split count for them); the switch turns it off."""
+    monkeypatch.setattr(dh, "_hopper_reason", lambda *a: None)  # as on an sm_90 GPU
+    monkeypatch.setattr(dh, "sm_count", lambda device: 132)
+    b = _batch([40], [1], hq=hq, kv=kv, device=device)
+    config, splits, keys_on_m = dh.plan_launch(b.cache, hq, 16, 2048, max_q, None, None)
+    assert keys_on_m is want
+    assert config == (dh.keys_on_m_config if want else dh.default_config)(kv, 256)
+    assert splits == dh.choose_splits(16, 4, 2048 * 16, config.block_n, b.cache.device)
+    monkeypatch.setattr(dh, "KEYS_ON_M_WHERE_IT_APPLIES", False)
+    assert dh.plan_launch(b.cache, hq, 16, 2048, max_q, None, 5)[1:] == (5, False)

@@ -21,13 +21,13 @@ DC = gl.constexpr(64)  # output channels per PV chunk (the MMA's M)
 
 def swapped_layouts(rows: int, block_n: int, head_dim: int) -> dict:
     """Layout constexprs of the swapped consumers (one warpgroup each)."""
+    lanes_d = max(1, min(32, head_dim // 16))  # lanes along a Q row: 16 bytes each
     qk = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, rows, 32])
     pv = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, rows, 32])
     return dict(QKT_LAYOUT=qk, PVT_LAYOUT=pv, R=rows,
                 QT_SMEM=gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.int8),
                 PT_SMEM=gl.NVMMASharedLayout.get_default_for([rows, block_n], gl.int8),
-                LOAD_QT=gl.BlockedLayout([1, 16], [32 // max(1, min(32, head_dim // 16)), max(1, min(32, head_dim // 16))],
-                                         [4, 1], [1, 0]))
+                LOAD_QT=gl.BlockedLayout([1, 16], [32 // lanes_d, lanes_d], [4, 1], [1, 0]))
 
 
 @gluon.jit
@@ -130,6 +130,11 @@ def _swapped_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_
         p8 = u.to(gl.int32, bitcast=True).to(gl.int8)
         # two P^T buffers per consumer: a warp may write tile k + 1's P^T while another
         # warp's share of tile k's PV MMA still reads the other buffer
+        # every warp of the warpgroup past the column reductions before any P^T byte is
+        # written: without this barrier the H200 ran the PV MMA on wrong P^T bytes (rel-L2
+        # ~1.0 against the portable kernel, benchmarks/notes/decode.md); which shared-memory
+        # access races without it was not identified (the P^T buffers alias no reduction scratch)
+        _gc.cta_barrier()
         pt_smem = pt_bufs.index(2 * WG + (k & 1))
         pt_smem.store(gl.permute(p8, (1, 0)))
         fence_async_shared()

@@ -240,8 +240,8 @@ class AttentionPlan:
         if self.has_decode and self.num_tokens > 0 and self.num_seqs > 0:
             out_strides = out.stride() if out is not None else (self.num_q_heads * self.head_dim, self.head_dim, 1)
             if self.decode_kernel == "hopper" and not win:
-                config, splits, decode_q, codes = self.decode_hopper
-                launch = _decode_hopper.DecodeHopperLaunch(config, splits, decode_q, self.workspace, codes)
+                config, splits, decode_q, codes, keys_on_m = self.decode_hopper
+                launch = _decode_hopper.DecodeHopperLaunch(config, splits, decode_q, self.workspace, codes, keys_on_m)
             else:  # the Hopper kernel has no sliding window: a windowed run takes the portable kernel
                 launch = _decode.DecodeLaunch.for_tensors(self.decode_plan, cache, query, q_quant, q_scale,
                                                           block_table, out_strides, self.workspace, win)
@@ -401,14 +401,12 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
         if not has_prefill and _decode_hopper.route(cache, num_q_heads, decode_q, pv_mode, decode_kernel,
                                                     values_checked):
             decode_kernel_name = "hopper"
-            config = _decode_hopper.default_config(cache.kv_dtype, head_dim)
-            splits = num_splits or _decode_hopper.choose_splits(num_seqs, cache.num_kv_heads,
-                                                               block_table.shape[1] * cache.block_size,
-                                                               config.block_n, dev)
+            config, splits, keys_on_m = _decode_hopper.plan_launch(cache, num_q_heads, num_seqs, block_table.shape[1],
+                                                                   decode_q, pv_mode, num_splits)
             from .producer import query_code_buffers  # made here, outside any capture of the runs
 
             codes = query_code_buffers(num_tokens, num_q_heads, head_dim, cache.kv_dtype, dev)
-            decode_hopper = (config, splits, decode_q, codes)
+            decode_hopper = (config, splits, decode_q, codes, keys_on_m)
             # the portable kernel's splits too: a run with a sliding window takes it
             workspace = _decode.DecodeWorkspace(max(num_tokens, 1), num_q_heads, head_dim,
                                                 max(2 * splits, decode_plan.num_splits), device=dev)

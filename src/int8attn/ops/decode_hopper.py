@@ -8,7 +8,8 @@ where a sequence's packed rows fit one warpgroup tile (``GROUP x max_query_len <
 The kernel trusts the metadata values (block ids, lengths): a direct call checks them first
 where value checks run (CPU tensors, ``INT8ATTN_CHECK_VALUES=1``), a plan
 (:func:`int8attn.plan_attention`, which routes pure decode batches here, see :func:`route`)
-once at planning. The launch record (:mod:`int8attn.launches`) names ``_decode_hopper_kernel``.
+once at planning. The launch record (:mod:`int8attn.launches`) names ``_decode_hopper_kernel``
+(``_decode_hopper_swapped_kernel`` for the keys-on-M kernel, :func:`plan_launch`).
 """
 
 from __future__ import annotations
@@ -142,6 +143,24 @@ class DecodeHopperLaunch:
     def __call__(self, query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale):
         run_decode(self.config, query, cache, block_table, seq_lens, query_start_loc, qk_scale, out, q_quant,
                    q_scale, self.num_splits, self.max_query_len, self.workspace, self.codes, self.keys_on_m)
+
+
+#: Whether "auto" and forced "hopper" plans take the keys-on-M kernel where it applies
+#: (int8 cache, at most KEYS_ON_M_ROWS packed rows): measured faster than the rows-on-M
+#: kernel on the H200 (benchmarks/notes/decode.md, "keys on M").
+KEYS_ON_M_WHERE_IT_APPLIES = True
+
+
+def plan_launch(cache, num_q_heads: int, num_seqs: int, max_blocks: int, max_query_len: int, pv_mode: str | None,
+                num_splits: int | None) -> tuple:
+    """A plan's launch choices: (config, num_splits, keys_on_m) -- the keys-on-M kernel where
+    it applies and KEYS_ON_M_WHERE_IT_APPLIES, its config's tiles, one wave of programs."""
+    keys_on_m = KEYS_ON_M_WHERE_IT_APPLIES and unsupported_reason(cache, num_q_heads, max_query_len, pv_mode,
+                                                                  keys_on_m=True) is None
+    config = (keys_on_m_config if keys_on_m else default_config)(cache.kv_dtype, cache.head_dim)
+    splits = num_splits or choose_splits(num_seqs, cache.num_kv_heads, max_blocks * cache.block_size, config.block_n,
+                                         cache.device)
+    return config, splits, keys_on_m
 
 
 def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, device) -> int:
