@@ -1,9 +1,25 @@
-"""EXPERIMENT (not run on a GPU yet): :mod:`int8attn.kernels.decode_hopper` with the
-operands swapped in the consumers -- keys on the MMA's M side, the packed rows (padded to
-``R``) on N: ``S^T = K . Q^T`` [BLOCK_N, R] and ``O^T += V^T . P^T`` [HEAD_DIM, R] in four
-64-channel chunks, P^T through shared memory. The softmax runs down the columns (a
-cross-warp max per tile); the accumulator is [HEAD_DIM, R] (64 fp32 per thread at R = 32)
-instead of [64, HEAD_DIM] (128). int8 caches, int8 PV only.
+"""Multi-token decode for Hopper with keys on the MMA's M side (the *keys-on-M* kernel):
+:mod:`int8attn.kernels.decode_hopper`'s program, loader and virtual splits with the operands
+of the consumers swapped.
+
+Why. The rows-on-M kernel pads a step's packed rows (GQA group x tokens) to the 64 rows of a
+warpgroup MMA: at 24 real rows its consumers spend most instructions on the [64, head_dim]
+accumulator fold and the 64-row softmax (notes/decode.md). Here the tile's 64 keys are the
+MMA's M and the packed rows, padded to ``R`` = 16 or 32, its N:
+
+* ``S^T = K . Q^T`` [BLOCK_N, R] (int8 x int8 -> int32, K from the ring as the A operand);
+* the online softmax runs down the columns (a max across the four warps per tile);
+* P^T [R, BLOCK_N] is rounded to int8 per column (127 levels, as the other kernels round P
+  per row) and goes through shared memory -- two buffers per consumer, so a warp may write
+  tile ``k + 1``'s P^T while the MMA of tile ``k`` still reads the other;
+* ``O^T += V^T . P^T`` in 64-channel chunks (V^T pages are already K-major A operands);
+  the accumulator is [head_dim, R] (64 fp32 per thread at head_dim 256 and R = 32, half the
+  rows-on-M kernel's).
+
+Applies to int8 caches with PV in int8 and at most 32 packed rows (its accumulator and the
+per-key softmax sums stay in registers up to there); 64-key tiles. Output, partials,
+skipped queries and metadata trust as :mod:`int8attn.kernels.decode_hopper`.
+Tensor layouts and grid: as :mod:`int8attn.kernels.decode_hopper`.
 """
 
 from triton.experimental import gluon
@@ -14,26 +30,20 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from . import _gluon_compat as _gc
 from .decode_hopper import _decode_loader, _run
 from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG
-from .prefill_hopper_ws import LOADER_WARPS
+from .prefill_hopper_ws import LOADER_WARPS, _fold_i32
 
 DC = gl.constexpr(64)  # output channels per PV chunk (the MMA's M)
 
 
 def swapped_layouts(rows: int, block_n: int, head_dim: int) -> dict:
-    """Layout constexprs of the swapped consumers (one warpgroup each)."""
+    """Layout constexprs of the keys-on-M consumers (one warpgroup each) for ``rows`` = R."""
     lanes_d = max(1, min(32, head_dim // 16))  # lanes along a Q row: 16 bytes each
-    qk = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, rows, 32])
-    pv = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, rows, 32])
-    return dict(QKT_LAYOUT=qk, PVT_LAYOUT=pv, R=rows,
+    # S^T [BLOCK_N, R] and each O^T chunk [64, R] are the same MMA shape: one layout for both
+    mma = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, rows, 32])
+    return dict(QKT_LAYOUT=mma, PVT_LAYOUT=mma, R=rows,
                 QT_SMEM=gl.NVMMASharedLayout.get_default_for([rows, head_dim], gl.int8),
                 PT_SMEM=gl.NVMMASharedLayout.get_default_for([rows, block_n], gl.int8),
                 LOAD_QT=gl.BlockedLayout([1, 16], [32 // lanes_d, lanes_d], [4, 1], [1, 0]))
-
-
-@gluon.jit
-def _fold(acc, o, f):
-    """``acc * f + o`` (int32 PV chunk), pinned before the next MMA (see prefill_hopper_ws)."""
-    return warpgroup_mma_wait(0, deps=[acc * f[None, :] + o.to(gl.float32)])
 
 
 @gluon.jit
@@ -125,7 +135,7 @@ def _swapped_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_
         pv = p * vs[:, None]
         floor = gl.max(vs, 0) * MIN_REL_STEP
         r_new = gl.maximum(gl.max(pv, 0), floor) * (1.0 / 127.0)
-        factor = gl.convert_layout(alpha * (r_i / r_new), COLP)
+        factor = gl.convert_layout(alpha * (r_i / r_new), COLP)[None, :]
         u = pv * (1.0 / r_new)[None, :] + MAGIC_F
         p8 = u.to(gl.int32, bitcast=True).to(gl.int8)
         # two P^T buffers per consumer: a warp may write tile k + 1's P^T while another
@@ -142,12 +152,12 @@ def _swapped_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_
         m_i = m_new
         r_i = r_new
         v_buf = v_ring.index(st)
-        acc0 = _fold(acc0, _pv_chunk(v_buf, 0, pt_smem, zero), factor)
+        acc0 = _fold_i32(acc0, _pv_chunk(v_buf, 0, pt_smem, zero), factor)
         if HEAD_DIM > 64:
-            acc1 = _fold(acc1, _pv_chunk(v_buf, 1, pt_smem, zero), factor)
+            acc1 = _fold_i32(acc1, _pv_chunk(v_buf, 1, pt_smem, zero), factor)
         if HEAD_DIM > 128:
-            acc2 = _fold(acc2, _pv_chunk(v_buf, 2, pt_smem, zero), factor)
-            acc3 = _fold(acc3, _pv_chunk(v_buf, 3, pt_smem, zero), factor)
+            acc2 = _fold_i32(acc2, _pv_chunk(v_buf, 2, pt_smem, zero), factor)
+            acc3 = _fold_i32(acc3, _pv_chunk(v_buf, 3, pt_smem, zero), factor)
         mbarrier.arrive(empty.index(st), count=1)
 
     l_i = gl.sum(l_part, 0)
