@@ -113,18 +113,23 @@ def main() -> None:
                         run.row(kind="split_sweep", path=path, kv_dtype=kv, bs=bs, context=ctx, q_len=q,
                                 num_splits=s, graph_us=t, vs_q1=t / q1)
                         run.log(f"    {path} splits {s}: {t:.1f} us ({t / q1:.2f}x q1)")
-                    for spec in (c for c in args.configs.split(",") if c.startswith(kv + ":")):
+                    specs = (c for c in args.configs.split(",") if c.startswith(kv + ":"))
+                    for spec, path in itertools.product(specs, hops):
                         bn, dv, st = (int(x) for x in spec.split(":")[1:])
+                        keys = path == "hopper_keys"
+                        if keys and bn != dh.KEYS_ON_M_BLOCK_N:
+                            continue
                         cfg = dh.HopperPrefillConfig(block_n=bn, dv=dv, stages=st, warp_specialized=True,
                                                      qk_ahead=False)
                         try:
-                            t = run.time(HopperDecode(cache, bs, ctx, q, tables, config=cfg), graph=True)
+                            t = run.time(HopperDecode(cache, bs, ctx, q, tables, config=cfg, keys_on_m=keys),
+                                         graph=True)
                         except Exception as e:  # a config that does not compile or fit: recorded, run goes on
-                            run.log(f"    config {spec}: {type(e).__name__}: {str(e)[:300]}")
+                            run.log(f"    {path} config {spec}: {type(e).__name__}: {str(e)[:300]}")
                             continue
-                        run.row(kind="config_sweep", kv_dtype=kv, bs=bs, context=ctx, q_len=q, block_n=bn, dv=dv,
-                                stages=st, graph_us=t, vs_q1=t / q1)
-                        run.log(f"    config {spec}: {t:.1f} us ({t / q1:.2f}x q1)")
+                        run.row(kind="config_sweep", path=path, kv_dtype=kv, bs=bs, context=ctx, q_len=q, block_n=bn,
+                                dv=dv, stages=st, graph_us=t, vs_q1=t / q1)
+                        run.log(f"    {path} config {spec}: {t:.1f} us ({t / q1:.2f}x q1)")
         del cache
         torch.cuda.empty_cache()
     H.finish(run, "decode_hopper_summary.md", lambda: "\n".join(
