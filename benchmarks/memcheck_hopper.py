@@ -78,7 +78,36 @@ def main() -> int:
                 dh.decode_attention_hopper(*args, out=out, num_splits=splits, keys_on_m=keys,
                                            max_query_len=max(qlens))
                 bad += not _report(out, want, 0.07, f"decode {name} {kv} splits={splits} keys_on_m={keys}")
+    bad += _bad_metadata_cases()
     return 1 if bad else 0
+
+
+def _bad_metadata_cases() -> int:
+    """One sequence's metadata out of range (block ids, lengths, query ranges), value checks
+    off: both decode kernels keep every access in bounds, write NaN rows for it and raise."""
+    import os
+
+    from int8attn.errors import DeviceMetadataError, check_errors
+
+    os.environ["INT8ATTN_CHECK_VALUES"] = "0"
+    b = testing.make_paged_batch([37, 97, 20], [4, 3, 2], num_q_heads=24, num_kv_heads=4, head_dim=256,
+                                 kv_dtype="int8", seed=43, device="cuda")
+    failed = 0
+    for case, (bt, sl, qsl, bad_seq, _) in testing.bad_metadata_cases(b, overrun=2).items():
+        for keys in (False, True):
+            out = dh.decode_attention_hopper(b.query, b.cache, bt, sl, qsl, num_splits=2, max_query_len=4,
+                                             keys_on_m=keys)
+            torch.cuda.synchronize()
+            lo, hi = b.query_start_loc.tolist()[bad_seq:bad_seq + 2]
+            ok = bool(torch.isnan(out[lo:hi].float()).all())
+            try:
+                check_errors("cuda")
+                ok = False  # no flag raised
+            except DeviceMetadataError:
+                pass
+            print(f"{'ok  ' if ok else 'FAIL'} decode bad metadata: {case} keys_on_m={keys}", flush=True)
+            failed += not ok
+    return failed
 
 
 if __name__ == "__main__":

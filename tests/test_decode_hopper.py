@@ -14,6 +14,7 @@ import int8attn
 from _sm90 import run_compile_script
 from int8attn import launches, reference, testing
 from int8attn.ops import decode_hopper as dh
+from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.ops.decode import decode_attention
 
 #: (kv_dtype, head_dim, group)
@@ -250,6 +251,56 @@ def test_gpu_cuda_graph_replay_matches_eager(keys_on_m):
     assert torch.equal(out, eager)
 
 
+#: Out-of-range metadata of one sequence (testing.bad_metadata_cases): case names
+BAD_CASES = ["block id too large", "block id negative", "seq_len beyond table", "seq_len negative",
+             "seq_len below q_len", "query range past num_tokens"]
+
+
+@pytest.mark.parametrize("keys_on_m", [False, True], ids=["rows-on-m", "keys-on-m"])
+@pytest.mark.parametrize("case", BAD_CASES)
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_bad_metadata_gives_nan_rows_and_a_flag(monkeypatch, case, keys_on_m):
+    """With value checks off, one sequence's out-of-range metadata makes its rows NaN (the
+    others equal the run on valid metadata) and raises a device flag naming it; nothing is
+    read outside the cache (benchmarks/memcheck_hopper.py runs these under memcheck)."""
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    b = _batch([37, 97, 20], [4, 3, 2], kv="int8", device="cuda", seed=43)
+    kw = dict(num_splits=2, max_query_len=4, keys_on_m=keys_on_m)
+    good = dh.decode_attention_hopper(*_args(b), **kw)
+    check_errors("cuda")
+    bt, sl, qsl, bad_seq, words = testing.bad_metadata_cases(b, overrun=2)[case]
+    out = dh.decode_attention_hopper(b.query, b.cache, bt, sl, qsl, out=testing.poisoned_like(b.query), **kw)
+    torch.cuda.synchronize()
+    starts = b.query_start_loc.tolist()
+    rows = torch.zeros(out.shape[0], dtype=torch.bool)
+    rows[starts[bad_seq]:starts[bad_seq + 1]] = True
+    out, good = out.cpu(), good.cpu()
+    assert torch.isnan(out[rows].float()).all(), f"{case}: rows of sequence {bad_seq} are not all NaN"
+    assert torch.equal(out[~rows], good[~rows]), f"{case}: other sequences changed"
+    with pytest.raises(DeviceMetadataError, match=f"{words}.*index {bad_seq};"):
+        check_errors("cuda")
+    check_errors("cuda")  # cleared
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_plan_survives_metadata_changed_after_planning():
+    """A plan routed to the Hopper decode whose seq_lens and block table are then changed in
+    place: NaN rows for those sequences, the others unchanged, and an error naming the first."""
+    b = _batch([2000, 97, 300], [4, 4, 4], kv="int8", device="cuda", seed=13)
+    plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 24)
+    assert plan.decode_kernel == "hopper"
+    good = plan.run(*_args(b)).cpu()
+    b.seq_lens[0] = b.block_table.shape[1] * b.cache.block_size + 100
+    b.block_table[2, 0] = -7
+    out = plan.run(*_args(b), out=testing.poisoned_like(b.query)).cpu()
+    assert torch.isnan(out[0:4].float()).all() and torch.isnan(out[8:12].float()).all()
+    assert torch.equal(out[4:8], good[4:8])
+    with pytest.raises(DeviceMetadataError, match="index 0;"):
+        check_errors("cuda")
+
+
 # --------------------------------------------------------------------------- plans
 def _ran_decode(fn) -> set:
     """Which decode kernels ``fn()`` launched (a new launch record per launch)."""
@@ -280,7 +331,7 @@ def test_environment_variable_names_the_decode_kernel(monkeypatch, device):
     monkeypatch.setenv("INT8ATTN_DECODE_KERNEL", "hopper")
     assert dh.requested_kernel(None) == ("hopper", False)
     b = _batch([40], [4], d=96, device=device)  # forced by the environment where it cannot run: portable
-    assert not dh.route(b.cache, 24, 4, None, None, True)
+    assert not dh.route(b.cache, 24, 4, None, None)
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])

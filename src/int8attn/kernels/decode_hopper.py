@@ -32,16 +32,19 @@ max and sum in base 2) to the workspace, and the decode merge kernel
 (:func:`int8attn.kernels.decode._decode_merge_kernel`, launched with ``2 * num_splits``
 splits and this kernel's ``BLOCK_N``) combines them -- the portable kernel's partial format.
 
-Metadata is trusted (pages clamped to the sequence's last page; block ids are not checked):
-the launcher runs this kernel only for metadata whose values were checked on the host.
+Metadata is not trusted (:func:`_checked_program`, as the portable kernel's clamps): a
+query range is clamped into ``[0, num_tokens)``, ``seq_len`` into what the sequence's
+block-table row holds, every block id the loader uses into ``[0, num_blocks)``; a program
+whose sequence has metadata out of range (its own pages' block ids included) writes NaN rows
+(partials) and raises the device error flags (:mod:`int8attn.errors`).
 
 Sequences with ``q_len > max_query_len`` (at most ``BLOCK_Q = 64 // GROUP``) are skipped,
 their rows unwritten, as the portable kernel skips them.
 
 Tensor layouts: q [T, Hq, D] int8 | e4m3 (as uint8) codes, q_scale [T, Hq] fp32; the
 cache as :mod:`int8attn.kernels.prefill_hopper`; out [T, Hq, D] bf16; part_acc [T, Hq, S2,
-D] fp32, part_ml [T, Hq, S2, 2] fp32 with ``S2 >= 2 * num_splits``. Grid: (num_splits,
-Hkv, num_seqs).
+D] fp32, part_ml [T, Hq, S2, 2] fp32 with ``S2 >= 2 * num_splits``; flags [3] int32
+(:func:`int8attn.errors.error_flags`). Grid: (num_splits, Hkv, num_seqs).
 """
 
 from triton.experimental import gluon
@@ -50,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
     warpgroup_mma_wait
 
 from . import _gluon_compat as _gc
+from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN
 from .codes import KIND_BF16, KIND_FP8, PV_INT8
 from .prefill_hopper import NEG_BIG, _issue_rows_at, _issue_v_pages_at, _page_blocks, _pv_8bit, _store_output, \
     _store_rows, _zero_tail_keys
@@ -70,32 +74,82 @@ def _run(num_tiles, v, num_virtual):
 
 
 @gluon.jit
-def _item_blocks(i, lo0, count0, bt_row, last_page, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+def _checked_program(query_start_loc_ptr, seq_lens_ptr, bt_row, flags_ptr, seq, split, num_splits, max_query_len,
+                     num_tokens, num_blocks, max_blocks, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+    """A program's metadata, clamped so that nothing it reads or writes lies outside the
+    query, the output, its block-table row or the cache, whatever the metadata holds (the
+    portable kernel's ``_untrusted_metadata`` rules): a decode query range is clamped into
+    ``[0, num_tokens)``; a ``seq_len`` beyond the row's ``max_blocks`` pages, negative or below
+    its query length into ``[q_len, max_blocks * PAGE]``; the block ids of the program's own
+    pages are scanned (the loader clamps each one it uses). Anything out of range raises the
+    device flags (one record per program) and ``poison``: the program writes NaN rows.
+    Returns (q_start, q_len, seq_len, n_virtual, lo0, count0, count1, poison)."""
+    q_start = gl.load(query_start_loc_ptr + seq)
+    q_end = gl.load(query_start_loc_ptr + seq + 1)
+    q_len = q_end - q_start
+    seq_len = gl.load(seq_lens_ptr + seq)
+    decode = (q_len > 0) & (q_len <= max_query_len)
+    bad_q = (q_len < 0) | (decode & ((q_start < 0) | (q_end > num_tokens) | (q_len > seq_len)))
+    bad_len = decode & ((seq_len < 0) | (seq_len > max_blocks * PAGE))
+    q_start = gl.minimum(gl.maximum(q_start, 0), num_tokens)
+    q_len = gl.where(decode, gl.maximum(gl.minimum(q_end, num_tokens) - q_start, 0), q_len)
+    seq_len = gl.where(bad_q | bad_len, gl.minimum(gl.maximum(seq_len, gl.maximum(q_len, 1)), max_blocks * PAGE),
+                       seq_len)
+    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    n_virtual = gl.minimum(2 * num_splits, num_tiles)
+    lo0, count0 = _run(num_tiles, 2 * split, n_virtual)
+    lo1, count1 = _run(num_tiles, 2 * split + 1, n_virtual)
+    # the pages of this program's tiles (the last tile's pages past the sequence read its last page)
+    SCAN: gl.constexpr = 128
+    ids_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    first_page = lo0 * BLOCK_N // PAGE
+    end_page = (gl.minimum((lo0 + count0 + count1) * BLOCK_N, seq_len) + PAGE - 1) // PAGE
+    bad_ids = 0
+    if decode & (2 * split < n_virtual):
+        for p0 in range(first_page, end_page, SCAN):
+            page = p0 + gl.arange(0, SCAN, layout=ids_layout)
+            ids = gl.load(bt_row + page, mask=page < end_page, other=0)
+            bad_ids += gl.sum(((ids < 0) | (ids >= num_blocks)).to(gl.int32), 0)
+    bits = bad_q.to(gl.int32) * ERR_QUERY_LEN + bad_len.to(gl.int32) * ERR_SEQ_LEN \
+        + (bad_ids > 0).to(gl.int32) * ERR_BLOCK_ID
+    if bits != 0:
+        gl.atomic_or(flags_ptr, bits)
+        gl.atomic_min(flags_ptr + 1, seq)
+        gl.atomic_add(flags_ptr + 2, 1)
+    return q_start, q_len, seq_len, n_virtual, lo0, count0, count1, bits
+
+
+@gluon.jit
+def _item_blocks(i, lo0, count0, bt_row, last_page, num_blocks, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                  LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr):
     """Ring item ``i``'s tile (tile ``i // 2`` of consumer ``i % 2``, whose run follows
     consumer 0's) and its block ids in the layouts of the K rows, the V^T pages and the
-    scales."""
+    scales, clamped into ``[0, num_blocks)`` (an id out of range was found by
+    :func:`_checked_program`: the rows it feeds are NaN)."""
     tile = lo0 + count0 * (i % 2) + i // 2
     kblk = _page_blocks(tile, bt_row, last_page, PAGE, BLOCK_N, gl.SliceLayout(1, LOAD_K))
     vblk = _page_blocks(tile, bt_row, last_page, PAGE, BLOCK_N, gl.SliceLayout(0, LOAD_V))
     sblk = _page_blocks(tile, bt_row, last_page, PAGE, BLOCK_N, LOAD_S)
-    return tile, kblk, vblk, sblk
+    top = num_blocks - 1
+    return (tile, gl.minimum(gl.maximum(kblk, 0), top), gl.minimum(gl.maximum(vblk, 0), top),
+            gl.minimum(gl.maximum(sblk, 0), top))
 
 
 @gluon.jit
 def _decode_loader(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
-                   kv_end, last_page, lo0, count0, count1, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+                   kv_end, last_page, num_blocks, lo0, count0, count1, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
                    HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                    KV_KIND: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr):
     # Two consumers drain the ring, so the loader must issue a tile in half a consumer's
     # tile time: the block ids of item i + 1 are loaded before item i's copies are issued
     # (a block-table round trip per item would otherwise pace the ring).
     n_items = count0 + count1
-    tile, kblk, vblk, sblk = _item_blocks(0, lo0, count0, bt_row, last_page, PAGE, BLOCK_N, LOAD_K, LOAD_V, LOAD_S)
+    tile, kblk, vblk, sblk = _item_blocks(0, lo0, count0, bt_row, last_page, num_blocks, PAGE, BLOCK_N, LOAD_K, LOAD_V,
+                                          LOAD_S)
     for i in range(0, n_items):
         s = i % STAGES
         nxt, kblk_n, vblk_n, sblk_n = _item_blocks(gl.minimum(i + 1, n_items - 1), lo0, count0, bt_row, last_page,
-                                                   PAGE, BLOCK_N, LOAD_K, LOAD_V, LOAD_S)
+                                                   num_blocks, PAGE, BLOCK_N, LOAD_K, LOAD_V, LOAD_S)
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # first pass: phase 1 is done
         _issue_rows_at(tile, kblk, k_ring.index(s), k_ptr, data_head, stride_cb, HEAD_DIM, PAGE, BLOCK_N, LOAD_K)
         _issue_v_pages_at(tile, vblk, v_ring.index(s), v_ptr, data_head, stride_cb, HEAD_DIM, PAGE, BLOCK_N, LOAD_V)
@@ -120,7 +174,7 @@ def _decode_loader(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, sc
 @gluon.jit
 def _decode_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, k_ring, v_ring, ks_ring,
                      vs_ring, ready, empty, kv_head, q_start, q_len, ctx, kv_end, split, n_virtual, lo0, count0,
-                     count1, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
+                     count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
                      stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
                      WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
                      BLOCK_N: gl.constexpr, DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr,
@@ -203,6 +257,7 @@ def _decode_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_b
                 acc3 = _pv_8bit(acc3, p_op, factor, _v_chunk(v_buf, 3, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
         mbarrier.arrive(empty.index(st), count=1)
 
+    r_i = gl.where(poison != 0, float("nan"), r_i)  # metadata out of range: NaN rows (partials)
     if vsplit < n_virtual:
         if n_virtual == 1:
             _store_output(out_ptr, acc0, acc1, acc2, acc3, l_i, r_i, q_start, 0, q_len, kv_head, stride_ot,
@@ -259,7 +314,7 @@ def _decode_hopper_kernel(
     stride_pt, stride_ph, stride_ps,
     stride_mt, stride_mh, stride_ms,
     stride_cb, stride_ch, stride_sb, stride_sh,
-    stride_bt,
+    stride_bt, flags_ptr, num_tokens, num_blocks, max_blocks,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
     KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, STAGES: gl.constexpr,
@@ -274,20 +329,14 @@ def _decode_hopper_kernel(
     split = gl.program_id(0)
     kv_head = gl.program_id(1)
     seq = gl.program_id(2)
-    q_start = gl.load(query_start_loc_ptr + seq)
-    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
-    seq_len = gl.load(seq_lens_ptr + seq)
-    if (q_len <= 0) | (q_len > max_query_len) | (seq_len < q_len):
-        return  # nothing to do, or left to the prefill kernel (max_query_len <= BLOCK_Q)
-    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    n_virtual = gl.minimum(2 * num_splits, num_tiles)
-    if 2 * split >= n_virtual:
-        return
-    lo0, count0 = _run(num_tiles, 2 * split, n_virtual)
-    lo1, count1 = _run(num_tiles, 2 * split + 1, n_virtual)
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+    q_start, q_len, seq_len, n_virtual, lo0, count0, count1, poison = _checked_program(
+        query_start_loc_ptr, seq_lens_ptr, bt_row, flags_ptr, seq, split, num_splits, max_query_len, num_tokens,
+        num_blocks, max_blocks, PAGE, BLOCK_N)
+    if (q_len <= 0) | (q_len > max_query_len) | (2 * split >= n_virtual):
+        return  # nothing to do, left to the prefill kernel (max_query_len <= BLOCK_Q), or no tiles
     ctx = seq_len - q_len
     last_page = (seq_len - 1) // PAGE
-    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
 
     elem = k_ptr.dtype.element_ty
     S_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -305,18 +354,18 @@ def _decode_hopper_kernel(
     gl.warp_specialize([
         (_decode_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, k_ring, v_ring, ks_ring,
                             vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual, lo0,
-                            count0, count1, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
+                            count0, count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
                             stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
                             0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, QK_LAYOUT, PV_LAYOUT,
                             P_LAYOUT, LOAD_Q)),
         (_decode_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, k_ring, v_ring, ks_ring,
                             vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual, lo0,
-                            count0, count1, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
+                            count0, count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
                             stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
                             1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, QK_LAYOUT, PV_LAYOUT,
                             P_LAYOUT, LOAD_Q)),
         (_decode_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
-                          kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, seq_len, last_page, lo0, count0,
-                          count1, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+                          kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, seq_len, last_page, num_blocks, lo0,
+                          count0, count1, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
                           HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, LOAD_K, LOAD_V, LOAD_S)),
     ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])

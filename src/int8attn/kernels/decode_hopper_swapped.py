@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from . import _gluon_compat as _gc
-from .decode_hopper import _decode_loader, _run
+from .decode_hopper import _checked_program, _decode_loader
 from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG
 from .prefill_hopper_ws import LOADER_WARPS, _fold_i32
 
@@ -67,8 +67,8 @@ def _store_t(ptr, acc, c: gl.constexpr, scale, q_start, q_len, kv_head, stride_t
 @gluon.jit
 def _swapped_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, pt_bufs, k_ring, v_ring,
                       ks_ring, vs_ring, ready, empty, kv_head, q_start, q_len, ctx, kv_end, split, n_virtual, lo0,
-                      count0, count1, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
-                      stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                      count0, count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
+                      stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
                       WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, QKT_LAYOUT: gl.constexpr,
                       PVT_LAYOUT: gl.constexpr, LOAD_QT: gl.constexpr):
@@ -161,6 +161,7 @@ def _swapped_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_
         mbarrier.arrive(empty.index(st), count=1)
 
     l_i = gl.sum(l_part, 0)
+    r_i = gl.where(poison != 0, float("nan"), r_i)  # metadata out of range: NaN rows (partials)
     if vsplit < n_virtual:
         if n_virtual == 1:
             norm = gl.convert_layout(gl.where(l_i > 0.0, r_i / l_i, 0.0), COLP)
@@ -198,7 +199,7 @@ def _decode_hopper_swapped_kernel(
     stride_pt, stride_ph, stride_ps,
     stride_mt, stride_mh, stride_ms,
     stride_cb, stride_ch, stride_sb, stride_sh,
-    stride_bt,
+    stride_bt, flags_ptr, num_tokens, num_blocks, max_blocks,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_Q: gl.constexpr,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_KIND: gl.constexpr,
     K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr,
@@ -208,20 +209,14 @@ def _decode_hopper_swapped_kernel(
     split = gl.program_id(0)
     kv_head = gl.program_id(1)
     seq = gl.program_id(2)
-    q_start = gl.load(query_start_loc_ptr + seq)
-    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
-    seq_len = gl.load(seq_lens_ptr + seq)
-    if (q_len <= 0) | (q_len > max_query_len) | (seq_len < q_len):
+    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
+    q_start, q_len, seq_len, n_virtual, lo0, count0, count1, poison = _checked_program(
+        query_start_loc_ptr, seq_lens_ptr, bt_row, flags_ptr, seq, split, num_splits, max_query_len, num_tokens,
+        num_blocks, max_blocks, PAGE, BLOCK_N)
+    if (q_len <= 0) | (q_len > max_query_len) | (2 * split >= n_virtual):
         return
-    num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    n_virtual = gl.minimum(2 * num_splits, num_tiles)
-    if 2 * split >= n_virtual:
-        return
-    lo0, count0 = _run(num_tiles, 2 * split, n_virtual)
-    lo1, count1 = _run(num_tiles, 2 * split + 1, n_virtual)
     ctx = seq_len - q_len
     last_page = (seq_len - 1) // PAGE
-    bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
 
     S_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_bufs = gl.allocate_shared_memory(gl.int8, [2, R, HEAD_DIM], QT_SMEM)
@@ -239,16 +234,16 @@ def _decode_hopper_swapped_kernel(
     gl.warp_specialize([
         (_swapped_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, pt_bufs, k_ring, v_ring,
                              ks_ring, vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual,
-                             lo0, count0, count1, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
-                             stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                             lo0, count0, count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh,
+                             stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
                              0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT, PVT_LAYOUT, LOAD_QT)),
         (_swapped_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, pt_bufs, k_ring, v_ring,
                              ks_ring, vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual,
-                             lo0, count0, count1, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
-                             stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                             lo0, count0, count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh,
+                             stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
                              1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT, PVT_LAYOUT, LOAD_QT)),
         (_decode_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
-                          kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, seq_len, last_page, lo0, count0,
-                          count1, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+                          kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, seq_len, last_page, num_blocks, lo0,
+                          count0, count1, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
                           HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, LOAD_K, LOAD_V, LOAD_S)),
     ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])

@@ -139,7 +139,7 @@ class AttentionPlan:
     pv_mode: str | None = None
     prefill_pv_mode: str | None = None
     #: the decode kernel of the runs: "portable" (:mod:`int8attn.ops.decode`) or "hopper"
-    #: (:mod:`int8attn.ops.decode_hopper`: multi-token steps of checked metadata on sm_90)
+    #: (:mod:`int8attn.ops.decode_hopper`: multi-token steps on sm_90)
     decode_kernel: str = "portable"
     #: the Hopper decode launch's (config, num_splits, max_query_len, query-code buffers)
     decode_hopper: tuple | None = None
@@ -339,7 +339,7 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     ``decode_kernel`` (the same names, None: ``INT8ATTN_DECODE_KERNEL``) the decode kernel
     (see :func:`int8attn.ops.decode_hopper.route`: "auto" runs a batch of decode sequences
     only whose longest query packs more than 16 rows -- GQA group x tokens -- on the Hopper
-    kernel, for checked metadata on sm_90; a mixed batch keeps the portable decode kernel).
+    kernel on sm_90; a mixed batch keeps the portable decode kernel).
     """
     _checks.check_cache(cache)
     if not _checks.is_int(num_q_heads, 1) or num_q_heads % cache.num_kv_heads:
@@ -398,8 +398,7 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
         # query is not known on the host (max_query_len is a prefill's), and its q1 rows run
         # faster on the portable kernel
         decode_q = max(1, min(max_query_len or 1, MAX_DECODE_QUERY_LEN))
-        if not has_prefill and _decode_hopper.route(cache, num_q_heads, decode_q, pv_mode, decode_kernel,
-                                                    values_checked):
+        if not has_prefill and _decode_hopper.route(cache, num_q_heads, decode_q, pv_mode, decode_kernel):
             decode_kernel_name = "hopper"
             config, splits, keys_on_m = _decode_hopper.plan_launch(cache, num_q_heads, num_seqs, block_table.shape[1],
                                                                    decode_q, pv_mode, num_splits)

@@ -5,10 +5,12 @@ partials (:func:`int8attn.kernels.decode._decode_merge_kernel`).
 :func:`decode_attention_hopper` takes :func:`int8attn.ops.decode.decode_attention`'s
 arguments for an INT8 or FP8 cache on sm_90 with PV in the cache's precision, and applies
 where a sequence's packed rows fit one warpgroup tile (``GROUP x max_query_len <= 64``).
-The kernel trusts the metadata values (block ids, lengths): a direct call checks them first
-where value checks run (CPU tensors, ``INT8ATTN_CHECK_VALUES=1``), a plan
-(:func:`int8attn.plan_attention`, which routes pure decode batches here, see :func:`route`)
-once at planning. The launch record (:mod:`int8attn.launches`) names ``_decode_hopper_kernel``
+Metadata values (block ids, lengths, query ranges) are clamped in-kernel as the portable
+kernel clamps them: a sequence out of range gets NaN rows and raises the device error flags
+(:func:`int8attn.check_errors`); value checks on the host run where they run for every call
+(CPU tensors, ``INT8ATTN_CHECK_VALUES=1``, a plan at planning). Plans
+(:func:`int8attn.plan_attention`) route pure decode batches here, see :func:`route`. The
+launch record (:mod:`int8attn.launches`) names ``_decode_hopper_kernel``
 (``_decode_hopper_swapped_kernel`` for the keys-on-M kernel, :func:`plan_launch`).
 """
 
@@ -20,6 +22,7 @@ import os
 import torch
 
 from .. import _checks
+from ..errors import error_flags
 from ..runtime import device_guard, sm_count
 from ._launch import CachedLaunch, remembered
 from .decode import MAX_DECODE_QUERY_LEN, MERGE_MAX_CHUNK, DecodeWorkspace, check_decode_options, merge_columns, \
@@ -109,12 +112,10 @@ def requested_kernel(kernel: str | None) -> tuple[str, bool]:
     return name, forced
 
 
-def route(cache, num_q_heads: int, max_decode_query_len: int, pv_mode: str | None, kernel: str | None,
-          metadata_checked: bool) -> bool:
+def route(cache, num_q_heads: int, max_decode_query_len: int, pv_mode: str | None, kernel: str | None) -> bool:
     """Whether a plan's decode launch runs this kernel: "portable" never; "hopper" wherever
     it applies (forced by argument: ValueError where it does not; by the environment: the
-    portable kernel there); "auto" for checked metadata (this kernel trusts block ids and
-    lengths) whose packed rows reach AUTO_MIN_ROWS."""
+    portable kernel there); "auto" where the packed rows reach AUTO_MIN_ROWS."""
     name, forced = requested_kernel(kernel)
     if name == "portable":
         return False
@@ -124,7 +125,7 @@ def route(cache, num_q_heads: int, max_decode_query_len: int, pv_mode: str | Non
             raise ValueError(f"decode_kernel='hopper' does not apply: {reason}")
         return reason is None
     group = num_q_heads // cache.num_kv_heads
-    return reason is None and metadata_checked and group * max_decode_query_len >= AUTO_MIN_ROWS
+    return reason is None and group * max_decode_query_len >= AUTO_MIN_ROWS
 
 
 class DecodeHopperLaunch:
@@ -226,7 +227,7 @@ def run_decode(config, query, cache, block_table, seq_lens, query_start_loc, qk_
     fixed = (num_splits, max_query_len, q_in.stride(0), q_in.stride(1), q_scale.stride(0), q_scale.stride(1),
              out.stride(0), out.stride(1), *part_acc.stride()[:3], *part_ml.stride()[:3],
              key.stride(0), key.stride(1), cache.key_scale.stride(0), cache.key_scale.stride(1),
-             block_table.stride(0))
+             block_table.stride(0), error_flags(cache.device), num_tokens, cache.num_blocks, block_table.shape[1])
     with device_guard(cache.device):
         geometry = (config, keys_on_m, cache.kv_dtype, cache.block_size, head_dim, group, cache.num_kv_heads,
                     num_seqs, num_q_heads, num_tokens, block_table.shape[1], fixed, cache.device)
@@ -309,7 +310,7 @@ def compile_for_sm90(kv_dtype: str, head_dim: int, block_size: int = 16, group: 
 
     config = config or (keys_on_m_config if keys_on_m else default_config)(kv_dtype, head_dim)
     fn, const = _kernel_constexprs(config, kv_dtype, head_dim, block_size, group, max_query_len, keys_on_m)
-    ptrs = dict(_pointer_types(kv_dtype), part_acc_ptr="*fp32", part_ml_ptr="*fp32")
+    ptrs = dict(_pointer_types(kv_dtype), part_acc_ptr="*fp32", part_ml_ptr="*fp32", flags_ptr="*i32")
     return compile_gluon_for_sm90(fn, const, ptrs, (
         "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_pt", "stride_ph", "stride_ps", "stride_cb",
         "stride_ch", "stride_sb", "stride_sh"), launch_options(config))
