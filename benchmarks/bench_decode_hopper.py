@@ -4,6 +4,7 @@ side in one run (24 q / 4 KV heads, head_dim 256, page 16; rotating block tables
 disjoint pages, as bench_decode.py times decode).
 
     PYTHONPATH=src python3 benchmarks/bench_decode_hopper.py --out DIR [--splits 1,2,3,4]
+        [--configs kv:block_n:dv:stages,...] [--point-configs kv:block_n:dv:stages,...]
 
 Rows (``decode_hopper.jsonl``): kind ``q_sweep`` (graph µs per path and point; ``vs_q1``:
 this path's time over the portable q1 time at the same point; ``hopper_keys``: the
@@ -63,12 +64,18 @@ class HopperDecode:
         return self.out
 
 
+def _config(block_n: int, dv: int, stages: int):
+    return dh.HopperPrefillConfig(block_n=block_n, dv=dv, stages=stages, warp_specialized=True, qk_ahead=False)
+
+
 def main() -> None:
     ap = H.parser("decode_hopper", budget_s=420)
     ap.add_argument("--kv", default="int8,fp8")
     ap.add_argument("--q", default="4")
     ap.add_argument("--splits", default="1,2,3,4", help="split counts swept at bs16 L32k")
     ap.add_argument("--configs", default="", help="configs timed at bs16 L32k: kv:block_n:dv:stages,...")
+    ap.add_argument("--point-configs", default="", help="rows-on-M configs timed at every point beside the "
+                    "default (path hopper_bn{block_n}_s{stages}): kv:block_n:dv:stages,...")
     args = ap.parse_args()
     run = H.Run("decode_hopper", args.out, deadline_s=args.budget_s, interpret=INTERPRET)
     points = [(2, 256)] if SMOKE else POINTS
@@ -88,6 +95,10 @@ def main() -> None:
                 port = BD.Decode(cache, SHAPE, bs, ctx, q, None, tables=tables)
                 t_port = run.time(port, graph=True)
                 hops = {"hopper": HopperDecode(cache, bs, ctx, q, tables, query=port.query)}
+                for spec in (c for c in args.point_configs.split(",") if c.startswith(kv + ":")):
+                    bn, dv, st = (int(x) for x in spec.split(":")[1:])
+                    hops[f"hopper_bn{bn}_s{st}"] = HopperDecode(cache, bs, ctx, q, tables, query=port.query,
+                                                                config=_config(bn, dv, st))
                 if dh.unsupported_reason(cache, SHAPE["hq"], q, None, keys_on_m=True) is None:
                     hops["hopper_keys"] = HopperDecode(cache, bs, ctx, q, tables, query=port.query, keys_on_m=True)
                 times = {"portable": t_port, **{path: run.time(h, graph=True) for path, h in hops.items()}}
@@ -107,20 +118,20 @@ def main() -> None:
                                 rel_l2_vs_portable=err["rel_l2"])
                         run.log(f"  q{q} {path} vs portable rel-L2 {err['rel_l2']:.4f}")
                 if bs == 16 and ctx == 32768:
-                    for s, path in itertools.product((int(x) for x in args.splits.split(",")), hops):
+                    swept = [p for p in hops if p in ("hopper", "hopper_keys")]  # default configs
+                    for s, path in itertools.product((int(x) for x in args.splits.split(",") if x), swept):
                         t = run.time(HopperDecode(cache, bs, ctx, q, tables, num_splits=s,
                                                   keys_on_m=path == "hopper_keys"), graph=True)
                         run.row(kind="split_sweep", path=path, kv_dtype=kv, bs=bs, context=ctx, q_len=q,
                                 num_splits=s, graph_us=t, vs_q1=t / q1)
                         run.log(f"    {path} splits {s}: {t:.1f} us ({t / q1:.2f}x q1)")
                     specs = (c for c in args.configs.split(",") if c.startswith(kv + ":"))
-                    for spec, path in itertools.product(specs, hops):
+                    for spec, path in itertools.product(specs, swept):
                         bn, dv, st = (int(x) for x in spec.split(":")[1:])
                         keys = path == "hopper_keys"
                         if keys and bn != dh.KEYS_ON_M_BLOCK_N:
                             continue
-                        cfg = dh.HopperPrefillConfig(block_n=bn, dv=dv, stages=st, warp_specialized=True,
-                                                     qk_ahead=False)
+                        cfg = _config(bn, dv, st)
                         try:
                             t = run.time(HopperDecode(cache, bs, ctx, q, tables, config=cfg, keys_on_m=keys),
                                          graph=True)
