@@ -141,7 +141,7 @@ class AttentionPlan:
     #: the decode kernel of the runs: "portable" (:mod:`int8attn.ops.decode`) or "hopper"
     #: (:mod:`int8attn.ops.decode_hopper`: multi-token steps on sm_90)
     decode_kernel: str = "portable"
-    #: the Hopper decode launch's (config, num_splits, max_query_len, query-code buffers)
+    #: the Hopper decode launch's (config, num_splits, max_query_len, query-code buffers, keys_on_m)
     decode_hopper: tuple | None = None
     launches: tuple = field(default=())
     #: whether plan_attention checked the metadata values (False: value checks were off)

@@ -41,17 +41,17 @@ def default_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig:
     return warp_specialized_config(kv_dtype, head_dim)
 
 
-def keys_on_m_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig:
-    """The keys-on-M kernel's config: 64-key tiles (one warpgroup MMA's M), a 4-stage ring."""
-    return dataclasses.replace(default_config(kv_dtype, head_dim), block_n=KEYS_ON_M_BLOCK_N, stages=4)
-
-
 #: Keys per tile of the keys-on-M kernel: the M of one warpgroup MMA.
 KEYS_ON_M_BLOCK_N = 64
 #: Packed rows of the keys-on-M kernel: its [head_dim, rows] accumulator and [64, rows]
 #: scores stay in registers up to 32 rows (sm_90 AOT compile, Triton 3.6, head_dim 256: 12
 #: local-memory instructions at 32 rows, 1133 at 64).
 KEYS_ON_M_ROWS = 32
+
+
+def keys_on_m_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig:
+    """The keys-on-M kernel's config: 64-key tiles (one warpgroup MMA's M), a 4-stage ring."""
+    return dataclasses.replace(default_config(kv_dtype, head_dim), block_n=KEYS_ON_M_BLOCK_N, stages=4)
 
 
 def keys_on_m_rows(rows: int) -> int:
@@ -148,7 +148,7 @@ class DecodeHopperLaunch:
 
 #: Whether "auto" and forced "hopper" plans take the keys-on-M kernel where it applies
 #: (int8 cache, at most KEYS_ON_M_ROWS packed rows): measured faster than the rows-on-M
-#: kernel on the H200 (benchmarks/notes/decode.md, "keys on M").
+#: kernel on the H200 at every point timed (benchmarks/notes/decode.md, "Keys on M").
 KEYS_ON_M_WHERE_IT_APPLIES = True
 
 
