@@ -38,14 +38,12 @@ class HopperDecode:
     """The Hopper kernel over rotating block tables, launched as a checked plan would
     (inputs checked on the first call only)."""
 
-    def __init__(self, cache, bs, ctx, q_len, tables, num_splits=None, query=None, config=None, keys_on_m=False,
-                 pv_together=True):
+    def __init__(self, cache, bs, ctx, q_len, tables, num_splits=None, query=None, config=None, keys_on_m=False):
         t = bs * q_len
         self.cache, self.tables = cache, tables
         self.query = query if query is not None else torch.randn(t, SHAPE["hq"], SHAPE["d"], device=BD.DEV).to(
             torch.bfloat16)
-        self.keys_on_m, self.pv_together = keys_on_m, pv_together
-        dh.KEYS_ON_M_PV_TOGETHER = pv_together
+        self.keys_on_m = keys_on_m
         self.config = config or (dh.keys_on_m_config if keys_on_m else dh.default_config)(cache.kv_dtype, SHAPE["d"])
         self.qq, self.qs = quantize_query(self.query, cache.kv_dtype)
         self.seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=BD.DEV)
@@ -61,7 +59,6 @@ class HopperDecode:
                                    config=self.config, keys_on_m=keys_on_m)
 
     def __call__(self):
-        dh.KEYS_ON_M_PV_TOGETHER = self.pv_together  # part of the launch geometry
         dh.run_decode(self.config, self.query, self.cache, next(self._it), self.seq_lens, self.qsl, self.qk_scale,
                       self.out, self.qq, self.qs, self.splits, self.q_len, keys_on_m=self.keys_on_m)
         return self.out
@@ -77,8 +74,6 @@ def main() -> None:
     ap.add_argument("--q", default="4")
     ap.add_argument("--splits", default="1,2,3,4", help="split counts swept at bs16 L32k")
     ap.add_argument("--configs", default="", help="configs timed at bs16 L32k: kv:block_n:dv:stages,...")
-    ap.add_argument("--keys-pv-serial", action="store_true", help="also time the keys-on-M kernel with each "
-                    "PV chunk waited before its fold (KEYS_ON_M_PV_TOGETHER=False)")
     ap.add_argument("--point-configs", default="", help="rows-on-M configs timed at every point beside the "
                     "default (path hopper_bn{block_n}_s{stages}): kv:block_n:dv:stages,...")
     args = ap.parse_args()
@@ -106,9 +101,6 @@ def main() -> None:
                                                                 config=_config(bn, dv, st))
                 if dh.unsupported_reason(cache, SHAPE["hq"], q, None, keys_on_m=True) is None:
                     hops["hopper_keys"] = HopperDecode(cache, bs, ctx, q, tables, query=port.query, keys_on_m=True)
-                    if args.keys_pv_serial:
-                        hops["hopper_keys_pv_serial"] = HopperDecode(cache, bs, ctx, q, tables, query=port.query,
-                                                                     keys_on_m=True, pv_together=False)
                 times = {"portable": t_port, **{path: run.time(h, graph=True) for path, h in hops.items()}}
                 for path, t in times.items():
                     run.row(kind="q_sweep", path=path, kv_dtype=kv, bs=bs, context=ctx, q_len=q, graph_us=t,

@@ -47,10 +47,9 @@ def swapped_layouts(rows: int, block_n: int, head_dim: int) -> dict:
 
 
 @gluon.jit
-def _pv_chunk(v_buf, c: gl.constexpr, pt_smem, zero, is_async: gl.constexpr = False):
-    """``V^T[c * DC:(c + 1) * DC] . P^T``: one output chunk's int32 MMA (from zero)."""
-    return warpgroup_mma(v_buf.slice(c * DC, DC, dim=0), pt_smem.permute((1, 0)), zero, use_acc=False,
-                         is_async=is_async)
+def _pv_chunk(v_buf, c: gl.constexpr, pt_smem, zero):
+    """``V^T[c * DC:(c + 1) * DC] . P^T``: one output chunk's int32 MMA (from zero), waited."""
+    return warpgroup_mma(v_buf.slice(c * DC, DC, dim=0), pt_smem.permute((1, 0)), zero, use_acc=False)
 
 
 @gluon.jit
@@ -73,7 +72,7 @@ def _swapped_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_
                       stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
                       WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
                       BLOCK_N: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, QKT_LAYOUT: gl.constexpr,
-                      PVT_LAYOUT: gl.constexpr, LOAD_QT: gl.constexpr, PV_TOGETHER: gl.constexpr):
+                      PVT_LAYOUT: gl.constexpr, LOAD_QT: gl.constexpr):
     KEY: gl.constexpr = gl.SliceLayout(1, QKT_LAYOUT)
     COLQ: gl.constexpr = gl.SliceLayout(0, QKT_LAYOUT)
     COLP: gl.constexpr = gl.SliceLayout(0, PVT_LAYOUT)
@@ -155,34 +154,12 @@ def _swapped_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_
         m_i = m_new
         r_i = r_new
         v_buf = v_ring.index(st)
-        if PV_TOGETHER:
-            # the chunks' MMAs issued back to back and waited once: one MMA latency per tile
-            # instead of one per chunk, for 16 int32 registers per thread and chunk
-            o0 = _pv_chunk(v_buf, 0, pt_smem, zero, True)
-            if HEAD_DIM > 64:
-                o1 = _pv_chunk(v_buf, 1, pt_smem, zero, True)
-            else:
-                o1 = o0
-            if HEAD_DIM > 128:
-                o2 = _pv_chunk(v_buf, 2, pt_smem, zero, True)
-                o3 = _pv_chunk(v_buf, 3, pt_smem, zero, True)
-            else:
-                o2 = o0
-                o3 = o0
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[o0, o1, o2, o3])
-            acc0 = acc0 * factor + o0.to(gl.float32)
-            if HEAD_DIM > 64:
-                acc1 = acc1 * factor + o1.to(gl.float32)
-            if HEAD_DIM > 128:
-                acc2 = acc2 * factor + o2.to(gl.float32)
-                acc3 = acc3 * factor + o3.to(gl.float32)
-        else:
-            acc0 = _fold_i32(acc0, _pv_chunk(v_buf, 0, pt_smem, zero), factor)
-            if HEAD_DIM > 64:
-                acc1 = _fold_i32(acc1, _pv_chunk(v_buf, 1, pt_smem, zero), factor)
-            if HEAD_DIM > 128:
-                acc2 = _fold_i32(acc2, _pv_chunk(v_buf, 2, pt_smem, zero), factor)
-                acc3 = _fold_i32(acc3, _pv_chunk(v_buf, 3, pt_smem, zero), factor)
+        acc0 = _fold_i32(acc0, _pv_chunk(v_buf, 0, pt_smem, zero), factor)
+        if HEAD_DIM > 64:
+            acc1 = _fold_i32(acc1, _pv_chunk(v_buf, 1, pt_smem, zero), factor)
+        if HEAD_DIM > 128:
+            acc2 = _fold_i32(acc2, _pv_chunk(v_buf, 2, pt_smem, zero), factor)
+            acc3 = _fold_i32(acc3, _pv_chunk(v_buf, 3, pt_smem, zero), factor)
         mbarrier.arrive(empty.index(st), count=1)
 
     l_i = gl.sum(l_part, 0)
@@ -230,7 +207,6 @@ def _decode_hopper_swapped_kernel(
     K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr,
     R: gl.constexpr, QKT_LAYOUT: gl.constexpr, PVT_LAYOUT: gl.constexpr, QT_SMEM: gl.constexpr,
     PT_SMEM: gl.constexpr, LOAD_QT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-    PV_TOGETHER: gl.constexpr,
 ):
     split = gl.program_id(0)
     kv_head = gl.program_id(1)
@@ -262,14 +238,12 @@ def _decode_hopper_swapped_kernel(
                              ks_ring, vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual,
                              lo0, count0, count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh,
                              stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
-                             0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT, PVT_LAYOUT, LOAD_QT,
-                             PV_TOGETHER)),
+                             0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT, PVT_LAYOUT, LOAD_QT)),
         (_swapped_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, pt_bufs, k_ring, v_ring,
                              ks_ring, vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual,
                              lo0, count0, count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh,
                              stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
-                             1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT, PVT_LAYOUT, LOAD_QT,
-                             PV_TOGETHER)),
+                             1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT, PVT_LAYOUT, LOAD_QT)),
         (_decode_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
                           kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, seq_len, last_page, num_blocks, lo0,
                           count0, count1, k_ring, v_ring, ks_ring, vs_ring, ready, empty,

@@ -41,9 +41,6 @@ def default_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig:
     return warp_specialized_config(kv_dtype, head_dim)
 
 
-#: The keys-on-M kernel issues a tile's PV chunk MMAs back to back and waits once (False:
-#: each chunk waited before its fold).
-KEYS_ON_M_PV_TOGETHER = True
 #: Keys per tile of the keys-on-M kernel: the M of one warpgroup MMA.
 KEYS_ON_M_BLOCK_N = 64
 #: Packed rows of the keys-on-M kernel: its [head_dim, rows] accumulator and [64, rows]
@@ -232,7 +229,7 @@ def run_decode(config, query, cache, block_table, seq_lens, query_start_loc, qk_
              key.stride(0), key.stride(1), cache.key_scale.stride(0), cache.key_scale.stride(1),
              block_table.stride(0), error_flags(cache.device), num_tokens, cache.num_blocks, block_table.shape[1])
     with device_guard(cache.device):
-        geometry = (config, keys_on_m and (KEYS_ON_M_PV_TOGETHER,), cache.kv_dtype, cache.block_size, head_dim, group, cache.num_kv_heads,
+        geometry = (config, keys_on_m, cache.kv_dtype, cache.block_size, head_dim, group, cache.num_kv_heads,
                     num_seqs, num_q_heads, num_tokens, block_table.shape[1], fixed, cache.device)
         kernel, merge = remembered(_LAUNCHES, geometry, _MAX_LAUNCHES,
                                    lambda: _make_launches(config, cache, group, num_seqs, num_q_heads, num_tokens,
@@ -283,8 +280,7 @@ def _kernel_constexprs(config, kv_dtype: str, head_dim: int, block_size: int, gr
     rows = keys_on_m_rows(group * max_query_len)
     names = set(_decode_hopper_swapped_kernel.arg_names)
     const = {k: v for k, v in const.items() if k in names}
-    const.update(swapped_layouts(rows, config.block_n, head_dim), BLOCK_Q=rows // group,
-                 PV_TOGETHER=KEYS_ON_M_PV_TOGETHER)
+    const.update(swapped_layouts(rows, config.block_n, head_dim), BLOCK_Q=rows // group)
     return _decode_hopper_swapped_kernel, const
 
 
