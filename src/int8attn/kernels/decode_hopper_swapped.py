@@ -182,6 +182,7 @@ def _swapped_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_
 def _store_chunks(ptr, acc0, acc1, acc2, acc3, scale, q_start, q_len, kv_head, stride_t, stride_h,
                   GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, R: gl.constexpr,
                   PVT_LAYOUT: gl.constexpr):
+    """The head_dim // 64 transposed chunks of a consumer's rows, times ``scale`` per row."""
     _store_t(ptr, acc0, 0, scale, q_start, q_len, kv_head, stride_t, stride_h, GROUP, BLOCK_Q, R, PVT_LAYOUT)
     if HEAD_DIM > 64:
         _store_t(ptr, acc1, 1, scale, q_start, q_len, kv_head, stride_t, stride_h, GROUP, BLOCK_Q, R, PVT_LAYOUT)
