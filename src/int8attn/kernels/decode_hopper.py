@@ -58,8 +58,8 @@ from .codes import KIND_BF16, KIND_FP8, PV_INT8
 from .prefill_hopper import NEG_BIG, _issue_rows_at, _issue_v_pages_at, _page_blocks, _pv_8bit, _store_output, \
     _store_rows, _zero_tail_keys
 from .prefill_hopper_pipe import _softmax_tile
-from .prefill_hopper_ws import LOADER_WARPS, WG_ROWS, _copy_scales_at, _pv_int8_chunks, _qk, _stage_scales, \
-    _v_chunk
+from .prefill_hopper_ws import LOADER_WARPS, WG_ROWS, _alloc_ring, _copy_scales_at, _pv_int8_chunks, _qk, \
+    _stage_scales, _v_chunk
 
 
 @gluon.jit
@@ -338,18 +338,11 @@ def _decode_hopper_kernel(
     ctx = seq_len - q_len
     last_page = (seq_len - 1) // PAGE
 
-    elem = k_ptr.dtype.element_ty
-    S_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    elem: gl.constexpr = k_ptr.dtype.element_ty
     q_bufs = gl.allocate_shared_memory(elem, [2, WG_ROWS, HEAD_DIM], Q_SMEM)
-    k_ring = gl.allocate_shared_memory(elem, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
-    v_ring = gl.allocate_shared_memory(elem, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
-    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
-    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=LOADER_WARPS * 32)
-        mbarrier.init(empty.index(i), count=1)
+    # each ring stage has one reader: the consumer whose virtual split owns its tile
+    k_ring, v_ring, ks_ring, vs_ring, ready, empty = _alloc_ring(elem, STAGES, BLOCK_N, HEAD_DIM, KV_KIND, K_SMEM,
+                                                                 V_SMEM, 1)
 
     gl.warp_specialize([
         (_decode_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, k_ring, v_ring, ks_ring,

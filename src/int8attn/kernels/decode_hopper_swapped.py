@@ -30,7 +30,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from . import _gluon_compat as _gc
 from .decode_hopper import _checked_program, _decode_loader
 from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG
-from .prefill_hopper_ws import LOADER_WARPS, _fold_i32
+from .prefill_hopper_ws import LOADER_WARPS, _alloc_ring, _fold_i32
 
 DC = gl.constexpr(64)  # output channels per PV chunk (the MMA's M)
 
@@ -221,18 +221,11 @@ def _decode_hopper_swapped_kernel(
     ctx = seq_len - q_len
     last_page = (seq_len - 1) // PAGE
 
-    S_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_bufs = gl.allocate_shared_memory(gl.int8, [2, R, HEAD_DIM], QT_SMEM)
     pt_bufs = gl.allocate_shared_memory(gl.int8, [4, R, BLOCK_N], PT_SMEM)
-    k_ring = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
-    v_ring = gl.allocate_shared_memory(gl.int8, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
-    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
-    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=LOADER_WARPS * 32)
-        mbarrier.init(empty.index(i), count=1)
+    # each ring stage has one reader: the consumer whose virtual split owns its tile
+    k_ring, v_ring, ks_ring, vs_ring, ready, empty = _alloc_ring(gl.int8, STAGES, BLOCK_N, HEAD_DIM, KV_KIND, K_SMEM,
+                                                                 V_SMEM, 1)
 
     gl.warp_specialize([
         (_swapped_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, pt_bufs, k_ring, v_ring,

@@ -57,6 +57,30 @@ LOADER_REGS = 40
 KERNEL_MAXNREG = 168
 
 
+@gluon.jit
+def _alloc_ring(elem: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                KV_KIND: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, READERS: gl.constexpr):
+    """The loader's ring: ``STAGES`` K tiles [BLOCK_N, HEAD_DIM], V tiles (V^T [HEAD_DIM,
+    BLOCK_N] for 8-bit caches, row-major for BF16), both scale rows, and the ``ready`` /
+    ``empty`` mbarriers of each stage (``ready``: the loader's cp.async arrivals; ``empty``:
+    one arrival per consumer warpgroup that reads the stage, ``READERS``). Allocated after the
+    caller's own buffers, in this order (the kernels' shared-memory offsets follow it)."""
+    S_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    k_ring = gl.allocate_shared_memory(elem, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
+    if KV_KIND == KIND_BF16:
+        v_ring = gl.allocate_shared_memory(elem, [STAGES, BLOCK_N, HEAD_DIM], V_SMEM)
+    else:
+        v_ring = gl.allocate_shared_memory(elem, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
+    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
+    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=LOADER_WARPS * 32)
+        mbarrier.init(empty.index(i), count=READERS)
+    return k_ring, v_ring, ks_ring, vs_ring, ready, empty
+
+
 def partition_constexprs(pv_in_flight: bool, qk_ahead: bool) -> dict:
     """The constexprs of :func:`_prefill_hopper_ws_kernel` beside those of
     :func:`int8attn.kernels.prefill_hopper.kernel_layouts` (built for 64 rows, 4 warps)."""
@@ -391,21 +415,11 @@ def _prefill_hopper_ws_kernel(
     num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
 
-    elem = k_ptr.dtype.element_ty
-    S_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    elem: gl.constexpr = k_ptr.dtype.element_ty
     q_bufs = gl.allocate_shared_memory(elem, [2, WG_ROWS, HEAD_DIM], Q_SMEM)
-    k_ring = gl.allocate_shared_memory(elem, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
-    if KV_KIND == KIND_BF16:
-        v_ring = gl.allocate_shared_memory(elem, [STAGES, BLOCK_N, HEAD_DIM], V_SMEM)
-    else:
-        v_ring = gl.allocate_shared_memory(elem, [STAGES, HEAD_DIM, BLOCK_N], V_SMEM)
-    ks_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
-    vs_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], S_SMEM)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=LOADER_WARPS * 32)
-        mbarrier.init(empty.index(i), count=2)
+    # both consumer warpgroups read every stage
+    k_ring, v_ring, ks_ring, vs_ring, ready, empty = _alloc_ring(elem, STAGES, BLOCK_N, HEAD_DIM, KV_KIND, K_SMEM,
+                                                                 V_SMEM, 2)
 
     gl.warp_specialize([
         (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
