@@ -15,12 +15,14 @@ row fails the script), so a run that reports no memory error also shows the kern
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 from dataclasses import replace
 
 import torch
 
 from int8attn import reference, testing
+from int8attn.errors import DeviceMetadataError, check_errors
 from int8attn.ops import decode_hopper as dh
 from int8attn.ops import prefill_hopper as hop
 from int8attn.ops.decode import decode_attention
@@ -85,10 +87,6 @@ def main() -> int:
 def _bad_metadata_cases() -> int:
     """One sequence's metadata out of range (block ids, lengths, query ranges), value checks
     off: both decode kernels keep every access in bounds, write NaN rows for it and raise."""
-    import os
-
-    from int8attn.errors import DeviceMetadataError, check_errors
-
     os.environ["INT8ATTN_CHECK_VALUES"] = "0"
     b = testing.make_paged_batch([37, 97, 20], [4, 3, 2], num_q_heads=24, num_kv_heads=4, head_dim=256,
                                  kv_dtype="int8", seed=43, device="cuda")
