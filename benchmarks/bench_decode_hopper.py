@@ -8,7 +8,8 @@ disjoint pages, as bench_decode.py times decode).
 
 Rows (``decode_hopper.jsonl``): kind ``q_sweep`` (graph µs per path and point; ``vs_q1``:
 this path's time over the portable q1 time at the same point; ``hopper_keys``: the
-keys-on-M kernel, where its 32 rows hold the step), ``split_sweep`` (the Hopper kernels'
+keys-on-M kernel, where its 32 rows hold the step, with its default consumer warpgroups;
+``hopper_keys{n}``: with ``n`` consumer warpgroups), ``split_sweep`` (the Hopper kernels'
 split counts at one point) and ``check`` (rel-L2 of the Hopper output
 against the portable kernel's at the benchmark shapes).
 """
@@ -38,12 +39,14 @@ class HopperDecode:
     """The Hopper kernel over rotating block tables, launched as a checked plan would
     (inputs checked on the first call only)."""
 
-    def __init__(self, cache, bs, ctx, q_len, tables, num_splits=None, query=None, config=None, keys_on_m=False):
+    def __init__(self, cache, bs, ctx, q_len, tables, num_splits=None, query=None, config=None, keys_on_m=False,
+                 consumers=None):
         t = bs * q_len
         self.cache, self.tables = cache, tables
         self.query = query if query is not None else torch.randn(t, SHAPE["hq"], SHAPE["d"], device=BD.DEV).to(
             torch.bfloat16)
         self.keys_on_m = keys_on_m
+        self.consumers = dh.consumer_count(keys_on_m, consumers)
         self.config = config or (dh.keys_on_m_config if keys_on_m else dh.default_config)(cache.kv_dtype, SHAPE["d"])
         self.qq, self.qs = quantize_query(self.query, cache.kv_dtype)
         self.seq_lens = torch.full((bs,), ctx, dtype=torch.int32, device=BD.DEV)
@@ -51,16 +54,17 @@ class HopperDecode:
         self.out = torch.empty_like(self.query)
         self.q_len = q_len
         self.splits = num_splits or dh.choose_splits(bs, SHAPE["hkv"], tables[0].shape[1] * SHAPE["page"],
-                                                     self.config.block_n, BD.DEV)
+                                                     self.config.block_n, BD.DEV, self.consumers)
         self._it = itertools.cycle(tables)
         self.qk_scale = dh.qk_scale_of(None, SHAPE["d"])
         dh.decode_attention_hopper(self.query, cache, tables[0], self.seq_lens, self.qsl, out=self.out,
                                    q_quant=self.qq, q_scale=self.qs, num_splits=self.splits, max_query_len=q_len,
-                                   config=self.config, keys_on_m=keys_on_m)
+                                   config=self.config, keys_on_m=keys_on_m, consumers=self.consumers)
 
     def __call__(self):
         dh.run_decode(self.config, self.query, self.cache, next(self._it), self.seq_lens, self.qsl, self.qk_scale,
-                      self.out, self.qq, self.qs, self.splits, self.q_len, keys_on_m=self.keys_on_m)
+                      self.out, self.qq, self.qs, self.splits, self.q_len, keys_on_m=self.keys_on_m,
+                      consumers=self.consumers)
         return self.out
 
 
@@ -101,10 +105,14 @@ def main() -> None:
                                                                 config=_config(bn, dv, st))
                 if dh.unsupported_reason(cache, SHAPE["hq"], q, None, keys_on_m=True) is None:
                     hops["hopper_keys"] = HopperDecode(cache, bs, ctx, q, tables, query=port.query, keys_on_m=True)
+                    for n in sorted(set(dh.REGISTER_BUDGETS) - {dh.KEYS_ON_M_CONSUMERS}):
+                        hops[f"hopper_keys{n}"] = HopperDecode(cache, bs, ctx, q, tables, query=port.query,
+                                                               keys_on_m=True, consumers=n)
                 times = {"portable": t_port, **{path: run.time(h, graph=True) for path, h in hops.items()}}
                 for path, t in times.items():
                     run.row(kind="q_sweep", path=path, kv_dtype=kv, bs=bs, context=ctx, q_len=q, graph_us=t,
-                            vs_q1=t / q1, num_splits=hops[path].splits if path in hops else port.plan.num_splits)
+                            vs_q1=t / q1, num_splits=hops[path].splits if path in hops else port.plan.num_splits,
+                            consumers=hops[path].consumers if path in hops else None)
                 run.log(f"  q{q}: " + ", ".join(f"{path} {t:.1f} us ({t / q1:.2f}x q1)" for path, t in times.items()))
                 if bs == 16 and ctx == 8192:  # the kernels agree at the benchmark shapes (same query)
                     port._it = itertools.cycle(tables)
@@ -118,23 +126,24 @@ def main() -> None:
                                 rel_l2_vs_portable=err["rel_l2"])
                         run.log(f"  q{q} {path} vs portable rel-L2 {err['rel_l2']:.4f}")
                 if bs == 16 and ctx == 32768:
-                    swept = [p for p in hops if p in ("hopper", "hopper_keys")]  # default configs
+                    swept = [p for p in hops if p == "hopper" or p.startswith("hopper_keys")]  # default configs
                     for s, path in itertools.product((int(x) for x in args.splits.split(",") if x), swept):
                         t = run.time(HopperDecode(cache, bs, ctx, q, tables, num_splits=s,
-                                                  keys_on_m=path == "hopper_keys"), graph=True)
+                                                  keys_on_m=hops[path].keys_on_m, consumers=hops[path].consumers),
+                                     graph=True)
                         run.row(kind="split_sweep", path=path, kv_dtype=kv, bs=bs, context=ctx, q_len=q,
                                 num_splits=s, graph_us=t, vs_q1=t / q1)
                         run.log(f"    {path} splits {s}: {t:.1f} us ({t / q1:.2f}x q1)")
                     specs = (c for c in args.configs.split(",") if c.startswith(kv + ":"))
                     for spec, path in itertools.product(specs, swept):
                         bn, dv, st = (int(x) for x in spec.split(":")[1:])
-                        keys = path == "hopper_keys"
+                        keys = hops[path].keys_on_m
                         if keys and bn != dh.KEYS_ON_M_BLOCK_N:
                             continue
                         cfg = _config(bn, dv, st)
                         try:
-                            t = run.time(HopperDecode(cache, bs, ctx, q, tables, config=cfg, keys_on_m=keys),
-                                         graph=True)
+                            t = run.time(HopperDecode(cache, bs, ctx, q, tables, config=cfg, keys_on_m=keys,
+                                                      consumers=hops[path].consumers), graph=True)
                         except Exception as e:  # a config that does not compile or fit: recorded, run goes on
                             run.log(f"    {path} config {spec}: {type(e).__name__}: {str(e)[:300]}")
                             continue

@@ -2,9 +2,12 @@
 lengths, a varlen batch with single-tile programs (the case of the illegal shared-memory
 read found in the in-flight PV schedule) and a stale-slot batch, for every cache
 (int8, fp8, bf16) and config ``warp_specialized_config`` offers and the other QK schedule of each;
-then the Hopper multi-token decode kernel (:mod:`int8attn.ops.decode_hopper`) over odd
-lengths, one-tile contexts and several split counts (its keys-on-M kernel too, for int8
-caches where the rows fit), against the portable decode kernel.
+then the Hopper multi-token decode kernels (:mod:`int8attn.ops.decode_hopper`) over odd
+lengths, one-tile contexts and several split counts (the keys-on-M kernel with two and three
+consumer warpgroups too, for int8 caches where the rows fit), against the portable decode
+kernel; then out-of-range metadata of one sequence (value checks off) on both decode kernels
+and (without ``--decode-only``) on every Hopper prefill kernel: NaN rows for it, a device
+flag, and no access outside any tensor.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/memcheck_hopper.py [--decode-only]
 
@@ -53,6 +56,10 @@ def _report(out, want, tol: float, label: str) -> bool:
     return ok
 
 
+#: The decode kernels: (keys_on_m, consumer warpgroups), None the kernel's default
+KERNELS = ((False, None), (True, 3), (True, 2))
+
+
 def main() -> int:
     bad = 0
     prefill_cases = {} if "--decode-only" in sys.argv else CASES
@@ -73,15 +80,47 @@ def main() -> int:
                                          kv_dtype=kv, seed=len(name), device="cuda")
             args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
             want = decode_attention(*args)
-            for splits, keys in itertools.product((1, 3, None), (False, True)):
+            for splits, (keys, nc) in itertools.product((1, 3, None), KERNELS):
                 if keys and dh.unsupported_reason(b.cache, hq, max(qlens), None, keys_on_m=True):
                     continue
                 out = testing.poisoned_like(want)
-                dh.decode_attention_hopper(*args, out=out, num_splits=splits, keys_on_m=keys,
+                dh.decode_attention_hopper(*args, out=out, num_splits=splits, keys_on_m=keys, consumers=nc,
                                            max_query_len=max(qlens))
-                bad += not _report(out, want, 0.07, f"decode {name} {kv} splits={splits} keys_on_m={keys}")
+                bad += not _report(out, want, 0.07, f"decode {name} {kv} splits={splits} keys_on_m={keys} "
+                                                    f"consumers={nc}")
     bad += _bad_metadata_cases()
+    if prefill_cases:
+        bad += _prefill_bad_metadata_cases()
     return 1 if bad else 0
+
+
+def _raised() -> bool:
+    try:
+        check_errors("cuda")
+    except DeviceMetadataError:
+        return True
+    return False
+
+
+def _prefill_bad_metadata_cases() -> int:
+    """One sequence's metadata out of range, value checks off: the Hopper prefill kernels
+    (warp-specialized for every cache, synchronous, pipelined) read nothing outside their
+    tensors, write NaN rows for it and raise."""
+    os.environ["INT8ATTN_CHECK_VALUES"] = "0"
+    failed = 0
+    for kv, which in (("int8", "ws"), ("fp8", "ws"), ("bf16", "ws"), ("int8", "sync"), ("fp8", "pipe")):
+        b = testing.make_paged_batch([300, 400, 250], [120, 210, 90], num_q_heads=32, num_kv_heads=8, head_dim=128,
+                                     kv_dtype=kv, seed=17, device="cuda")
+        config = {"ws": hop.warp_specialized_config(kv, 128), "sync": hop.default_config(kv, 128, kv),
+                  "pipe": hop.pipelined_config(kv, 128)}[which]
+        for case, (bt, sl, qsl, bad_seq, _) in testing.bad_metadata_cases(b, overrun=50).items():
+            out = hop.prefill_attention_hopper(b.query, b.cache, bt, sl, qsl, pv_mode=kv, config=config)
+            torch.cuda.synchronize()
+            lo, hi = b.query_start_loc.tolist()[bad_seq:bad_seq + 2]
+            ok = bool(torch.isnan(out[lo:hi].float()).all()) and _raised()
+            print(f"{'ok  ' if ok else 'FAIL'} prefill bad metadata: {case} {kv} {which}", flush=True)
+            failed += not ok
+    return failed
 
 
 def _bad_metadata_cases() -> int:
@@ -92,18 +131,14 @@ def _bad_metadata_cases() -> int:
                                  kv_dtype="int8", seed=43, device="cuda")
     failed = 0
     for case, (bt, sl, qsl, bad_seq, _) in testing.bad_metadata_cases(b, overrun=2).items():
-        for keys in (False, True):
+        for keys, nc in KERNELS:
             out = dh.decode_attention_hopper(b.query, b.cache, bt, sl, qsl, num_splits=2, max_query_len=4,
-                                             keys_on_m=keys)
+                                             keys_on_m=keys, consumers=nc)
             torch.cuda.synchronize()
             lo, hi = b.query_start_loc.tolist()[bad_seq:bad_seq + 2]
-            ok = bool(torch.isnan(out[lo:hi].float()).all())
-            try:
-                check_errors("cuda")
-                ok = False  # no flag raised
-            except DeviceMetadataError:
-                pass
-            print(f"{'ok  ' if ok else 'FAIL'} decode bad metadata: {case} keys_on_m={keys}", flush=True)
+            ok = bool(torch.isnan(out[lo:hi].float()).all()) and _raised()
+            print(f"{'ok  ' if ok else 'FAIL'} decode bad metadata: {case} keys_on_m={keys} consumers={nc}",
+                  flush=True)
             failed += not ok
     return failed
 

@@ -7,6 +7,8 @@ the float64 references and the portable decode kernel, outputs poisoned first; C
 replay.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,16 +23,23 @@ from int8attn.ops.decode import decode_attention
 VARIANTS = [pytest.param("int8", 256, 6, id="int8-d256-g6"), pytest.param("fp8", 256, 6, id="fp8-d256-g6"),
             pytest.param("int8", 128, 4, id="int8-d128-g4"), pytest.param("fp8", 128, 8, id="fp8-d128-g8"),
             pytest.param("int8", 64, 8, id="int8-d64-g8")]
-#: (kv_dtype, head_dim, group, max_query_len) of the keys-on-M kernel: 32 and 16 packed rows
-KEYS_VARIANTS = [pytest.param("int8", 256, 6, 4, id="keys-int8-d256-g6-q4"),
-                 pytest.param("int8", 64, 8, 2, id="keys-int8-d64-g8-q2")]
+#: (kv_dtype, head_dim, group, max_query_len, consumers) of the keys-on-M kernel: 32 and 16
+#: packed rows, three consumer warpgroups (the default) and two
+KEYS_VARIANTS = [pytest.param("int8", 256, 6, 4, 3, id="keys-int8-d256-g6-q4"),
+                 pytest.param("int8", 256, 6, 4, 2, id="keys2-int8-d256-g6-q4"),
+                 pytest.param("int8", 64, 8, 2, 3, id="keys-int8-d64-g8-q2")]
 #: Local-memory instructions allowed (a regression guard, not a correctness property): the
-#: consumers hold 232 registers; int8 D256 runs PV in eight 32-column chunks beside the
-#: accumulator, fp8 D256 the 64-key P tiles its accuracy bound needs; the loader (40
-#: registers) holds the next item's block ids. Triton 3.6 (the H200's): int8 D256 6, fp8 D256
-#: 114, fp8 D128 10, keys-on-M int8 D256 0; other versions more.
-SPILL_BUDGET = {"3.6": {"int8-d256-g6": 8, "fp8-d256-g6": 128, "fp8-d128-g8": 16, "keys-int8-d256-g6-q4": 16},
-                None: {"int8-d256-g6": 48, "fp8-d256-g6": 192, "fp8-d128-g8": 80, "keys-int8-d256-g6-q4": 64}}
+#: rows-on-M consumers hold 232 registers; int8 D256 runs PV in eight 32-column chunks beside
+#: the accumulator, fp8 D256 the 64-key P tiles its accuracy bound needs; the loader (40
+#: registers) holds the next item's block ids. Three keys-on-M consumers hold 160 registers
+#: (the loader 32). Triton 3.6 (the H200's): int8 D256 6, fp8 D256 114, fp8 D128 10, keys-on-M
+#: int8 D256 0 (two or three consumers), D64 4; other versions more.
+SPILL_BUDGET = {"3.6": {"int8-d256-g6": 8, "fp8-d256-g6": 128, "fp8-d128-g8": 16, "keys-int8-d256-g6-q4": 16,
+                        "keys2-int8-d256-g6-q4": 16, "keys-int8-d64-g8-q2": 8},
+                None: {"int8-d256-g6": 48, "fp8-d256-g6": 192, "fp8-d128-g8": 80, "keys-int8-d256-g6-q4": 256,
+                       "keys2-int8-d256-g6-q4": 64, "keys-int8-d64-g8-q2": 64}}
+#: Local-memory instructions allowed inside the keys-on-M consumers' tile loops (Triton 3.6: 0)
+LOOP_SPILL_BUDGET = {"3.6": 0, None: 16}
 
 _COMPILE_ALL = r"""
 import json, sys
@@ -39,13 +48,20 @@ from _sm90 import gluon_facts
 from int8attn.gate import sass
 from int8attn.ops import decode_hopper as dh
 out = {"triton": triton.__version__, "variants": {}}
-for key, (kv, d, group, max_q) in json.loads(sys.argv[1]).items():
+for key, (kv, d, group, max_q, consumers) in json.loads(sys.argv[1]).items():
     try:
-        c = dh.compile_for_sm90(kv, d, group=group, keys_on_m=max_q is not None, max_query_len=max_q or 4)
+        c = dh.compile_for_sm90(kv, d, group=group, keys_on_m=max_q is not None, max_query_len=max_q or 4,
+                                consumers=consumers)
     except Exception as e:
         out["variants"][key] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         continue
-    out["variants"][key] = gluon_facts(c.asm["ptx"], sass.dump_sass(c.asm["cubin"]))
+    text = sass.dump_sass(c.asm["cubin"])
+    facts = gluon_facts(c.asm["ptx"], text)
+    # the tile loops: loop bodies with warpgroup MMAs (an outer loop holding them is longer)
+    facts["mma_loops"] = sorted((len(body), sum(o.split(".")[0] in ("LDL", "STL") for o in body))
+                                for body in sass.loops(text) if any("GMMA" in o for o in body))
+    facts["num_warps"], facts["maxnreg"] = c.metadata.num_warps, c.metadata.maxnreg
+    out["variants"][key] = facts
 print(json.dumps(out))
 """
 
@@ -54,7 +70,7 @@ print(json.dumps(out))
 def compiled_variants():
     """Every variant compiled in one subprocess (this session may run Triton's interpreter)."""
     pytest.importorskip("triton.experimental.gluon")
-    variants = {p.id: list(p.values) + [None] for p in VARIANTS}
+    variants = {p.id: list(p.values) + [None, None] for p in VARIANTS}
     variants.update({p.id: list(p.values) for p in KEYS_VARIANTS})
     return run_compile_script(_COMPILE_ALL, variants)
 
@@ -74,6 +90,31 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, d
     assert got["setmaxnreg"] >= 2 and got["cp_async_mbarrier_arrives"] >= 1, got
     version = ".".join(compiled_variants["triton"].split(".")[:2])
     assert got["local_memory"] <= SPILL_BUDGET.get(version, SPILL_BUDGET[None]).get(key, 0), got
+
+
+@pytest.mark.parametrize("kv,d,group,max_q,consumers", KEYS_VARIANTS)
+def test_keys_on_m_consumers_fit_the_register_file(compiled_variants, request, kv, d, group, max_q, consumers):
+    """The keys-on-M launch runs ``consumers`` warpgroups beside the loader under the cap of
+    its register budget, and every consumer's tile loop stays in registers (local memory in
+    the prologue and the output stores is the SPILL_BUDGET's)."""
+    got = compiled_variants["variants"][request.node.callspec.id]
+    assert "error" not in got, got.get("error")
+    assert got["num_warps"] == 4 * (consumers + 1), got
+    assert got["maxnreg"] == dh.REGISTER_BUDGETS[consumers][2], got
+    regs, loader, cap = dh.REGISTER_BUDGETS[consumers]
+    assert consumers * regs + loader <= (consumers + 1) * cap and (consumers + 1) * cap * 128 <= 65536
+    tile_loops = got["mma_loops"][:consumers]  # the shortest loops with MMAs: one per consumer
+    assert len(tile_loops) == consumers, got["mma_loops"]
+    version = ".".join(compiled_variants["triton"].split(".")[:2])
+    assert max(n for _, n in tile_loops) <= LOOP_SPILL_BUDGET.get(version, LOOP_SPILL_BUDGET[None]), got["mma_loops"]
+
+
+def test_consumer_count_rules():
+    assert dh.consumer_count(False) == 2 and dh.consumer_count(False, 2) == 2
+    assert dh.consumer_count(True) == dh.KEYS_ON_M_CONSUMERS and dh.consumer_count(True, 2) == 2
+    for keys, bad in ((False, 3), (True, 4), (True, 1), (True, True)):
+        with pytest.raises(ValueError, match="consumer"):
+            dh.consumer_count(keys, bad)
 
 
 # --------------------------------------------------------------------------- where it applies (CPU)
@@ -122,6 +163,10 @@ def test_choose_splits_fills_one_wave_and_keeps_two_tiles_per_program(monkeypatc
     assert dh.choose_splits(64, 4, 8192, 32, cpu) == 1  # more (sequence, KV head) pairs than SMs
     assert dh.choose_splits(1, 4, 64, 32, cpu) == 1  # two tiles: one program runs both
     assert dh.choose_splits(1, 1, 96, 32, cpu) == 2  # three tiles: at most two per program
+    # three consumers: a virtual split per consumer, at least three tiles per program
+    assert dh.choose_splits(16, 4, 32768, 64, cpu, consumers=3) == 2
+    assert dh.choose_splits(1, 1, 192, 64, cpu, consumers=3) == 1
+    assert dh.choose_splits(1, 1, 256, 64, cpu, consumers=3) == 2
 
 
 # --------------------------------------------------------------------------- GPU (sm_90)
@@ -140,12 +185,12 @@ def _kernel_name(keys_on_m: bool) -> str:
     return "_decode_hopper_swapped_kernel" if keys_on_m else "_decode_hopper_kernel"
 
 
-def _check(b, *, num_splits=None, max_query_len=None, skipped=(), keys_on_m=False):
+def _check(b, *, num_splits=None, max_query_len=None, skipped=(), keys_on_m=False, consumers=None, config=None):
     kv = b.cache.kv_dtype
     out = testing.poisoned_like(b.query)
     before = launches.last(_kernel_name(keys_on_m))
     ret = dh.decode_attention_hopper(*_args(b), out=out, num_splits=num_splits, max_query_len=max_query_len,
-                                     keys_on_m=keys_on_m)
+                                     keys_on_m=keys_on_m, consumers=consumers, config=config)
     assert ret is out and launches.last(_kernel_name(keys_on_m)) is not before
     torch.cuda.synchronize()
     qsl = b.query_start_loc.tolist()
@@ -195,12 +240,18 @@ KEYS_GPU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("consumers,stages", [(3, None), (2, None), (3, 6), (2, 6)],
+                         ids=["3wg", "2wg", "3wg-6stages", "2wg-6stages"])
 @pytest.mark.parametrize("hq,hkv,d,bs,seq_lens,q_lens,splits,max_q", KEYS_GPU_CASES)
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_keys_on_m_matches_references(hq, hkv, d, bs, seq_lens, q_lens, splits, max_q):
+def test_gpu_keys_on_m_matches_references(hq, hkv, d, bs, seq_lens, q_lens, splits, max_q, consumers, stages):
+    """Against the references, with the default ring of each consumer count and another."""
     b = _batch(seq_lens, q_lens, hq=hq, hkv=hkv, d=d, bs=bs, kv="int8", seed=sum(seq_lens) + d + 1, device="cuda")
-    _check(b, num_splits=splits, max_query_len=max_q, keys_on_m=True)
+    config = None
+    if stages is not None:
+        config = dataclasses.replace(dh.keys_on_m_config("int8", d), stages=stages)
+    _check(b, num_splits=splits, max_query_len=max_q, keys_on_m=True, consumers=consumers, config=config)
 
 
 @pytest.mark.gpu
@@ -370,7 +421,7 @@ def test_gpu_plan_runs_multi_token_decode_on_hopper(kv):
 def test_plan_wiring_of_the_hopper_route(monkeypatch, device):
     """What a plan routed to the Hopper decode hands its launch, checked where the kernel
     cannot run (the launch recorded, not run): its config, split count, the decode query
-    bound, query-code buffers made at planning, a workspace for 2 x splits partials and the
+    bound, query-code buffers made at planning, a workspace for consumers x splits partials and the
     portable kernel's splits; a run with a sliding window takes the portable kernel; a mixed
     batch is never routed."""
     calls = []
@@ -379,14 +430,15 @@ def test_plan_wiring_of_the_hopper_route(monkeypatch, device):
     b = _batch([40, 17], [4, 2], device=device)
     plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 24, num_splits=3)
     assert plan.decode_kernel == "hopper"
-    config, splits, decode_q, codes, keys_on_m = plan.decode_hopper
-    assert (splits, decode_q, keys_on_m) == (3, 4, True) and config == dh.keys_on_m_config("int8", 256)
+    config, splits, decode_q, codes, keys_on_m, consumers = plan.decode_hopper
+    assert (splits, decode_q, keys_on_m, consumers) == (3, 4, True, dh.KEYS_ON_M_CONSUMERS)
+    assert config == dh.keys_on_m_config("int8", 256)
     assert codes[0].shape == b.query.shape and codes[0].dtype == torch.int8
-    assert plan.workspace.max_splits >= max(6, plan.decode_plan.num_splits)
+    assert plan.workspace.max_splits >= max(3 * consumers, plan.decode_plan.num_splits)
     out = torch.empty_like(b.query)
     plan.run(*_args(b), out=out)
     (args,) = calls
-    assert args[0] == config and args[10:] == (3, 4, plan.workspace, codes, True) and args[7] is out
+    assert args[0] == config and args[10:] == (3, 4, plan.workspace, codes, True, consumers) and args[7] is out
     windowed = plan.run(*_args(b), window=8)  # the portable kernel (no window in the Hopper one)
     assert len(calls) == 1 and torch.isfinite(windowed.float()).all()
     mixed = _batch([40, 30], [4, 12], device=device)
@@ -404,9 +456,9 @@ def test_plan_launch_takes_keys_on_m_where_it_applies(monkeypatch, kv, hq, max_q
     monkeypatch.setattr(dh, "_hopper_reason", lambda *a: None)  # as on an sm_90 GPU
     monkeypatch.setattr(dh, "sm_count", lambda device: 132)
     b = _batch([40], [1], hq=hq, kv=kv, device=device)
-    config, splits, keys_on_m = dh.plan_launch(b.cache, hq, 16, 2048, max_q, None, None)
-    assert keys_on_m is want
+    config, splits, keys_on_m, consumers = dh.plan_launch(b.cache, hq, 16, 2048, max_q, None, None)
+    assert keys_on_m is want and consumers == (dh.KEYS_ON_M_CONSUMERS if want else 2)
     assert config == (dh.keys_on_m_config if want else dh.default_config)(kv, 256)
-    assert splits == dh.choose_splits(16, 4, 2048 * 16, config.block_n, b.cache.device)
+    assert splits == dh.choose_splits(16, 4, 2048 * 16, config.block_n, b.cache.device, consumers)
     monkeypatch.setattr(dh, "KEYS_ON_M_WHERE_IT_APPLIES", False)
-    assert dh.plan_launch(b.cache, hq, 16, 2048, max_q, None, 5)[1:] == (5, False)
+    assert dh.plan_launch(b.cache, hq, 16, 2048, max_q, None, 5)[1:] == (5, False, 2)

@@ -197,10 +197,8 @@ def test_auto_routes_by_measured_routes(device, pv, monkeypatch):
         assert not applies
     want = "hopper" if applies and ("int8", resolved, 64) in hop.AUTO_ROUTES else "portable"
     assert hop.choose(b.cache, 4, resolved) == want
-    # an unplanned call's metadata is checked on the host only where value checks run (CPU
-    # tensors, or INT8ATTN_CHECK_VALUES=1): elsewhere "auto" keeps the portable kernel
-    if not _checks.value_checks_enabled(device):
-        want = "portable"
+    # value checks on or off: the Hopper kernels clamp metadata in-kernel as the portable one does
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
     out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=device))
     assert _ran(lambda: hop.prefill(*_args(b), kernel="auto", pv_mode=pv, out=out)) == want
     if want == "portable":
@@ -558,25 +556,67 @@ def test_plan_records_the_prefill_kernel(monkeypatch, device):
 @pytest.mark.parametrize("kv", ["fp8", "bf16"])
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_auto_takes_hopper_only_for_checked_metadata(kv, monkeypatch):
-    """"auto" on an AUTO_ROUTES route: a plan (metadata values checked once) runs the
-    Hopper kernel, with the portable kernel's result; an unplanned call with value checks
-    off (the GPU default) the portable kernel, which validates metadata on the device."""
+def test_gpu_auto_takes_hopper_for_plans_and_unplanned_calls(kv, monkeypatch):
+    """"auto" on an AUTO_ROUTES route runs the Hopper kernel for a plan and for an unplanned
+    call with value checks off (the GPU default: its metadata is clamped in-kernel), with the
+    portable kernel's result."""
     import int8attn
 
     monkeypatch.delenv(hop.KERNEL_ENV, raising=False)
     monkeypatch.delenv("INT8ATTN_CHECK_VALUES", raising=False)
+    assert not _checks.value_checks_enabled("cuda")
     assert (kv, kv, 128) in hop.AUTO_ROUTES
     b = _batch([40, 300, 2000], [4, 300, 333], hq=32, hkv=8, d=128, kv=kv, seed=9, device="cuda")
     plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 32, pv_mode=kv)
     assert plan.prefill_kernel == "hopper"
     out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
     assert _ran(lambda: plan.run(*_args(b), out=out)) == "hopper"
-    want = int8attn.attention(*_args(b), pv_mode=kv)
-    assert _ran(lambda: int8attn.attention(*_args(b), pv_mode=kv)) == "portable"
+    unplanned = testing.poisoned_like(out)
+    assert _ran(lambda: int8attn.attention(*_args(b), pv_mode=kv, out=unplanned)) == "hopper"
+    want = int8attn.attention(*_args(b), pv_mode=kv, prefill_kernel="portable")
     torch.cuda.synchronize()
-    assert torch.isfinite(out.float()).all()
+    assert torch.isfinite(out.float()).all() and torch.equal(out, unplanned)
     testing.assert_close_verbose(out, want, rel_l2=2 * TOL_QUANTIZED[(kv, kv)], name="hopper vs portable")
+
+
+#: The Hopper prefill kernels and caches of the bad-metadata test: (kv, config name)
+BAD_METADATA_KERNELS = [pytest.param("int8", "ws", id="int8-ws"), pytest.param("fp8", "ws", id="fp8-ws"),
+                        pytest.param("bf16", "ws", id="bf16-ws"), pytest.param("int8", "sync", id="int8-sync"),
+                        pytest.param("fp8", "pipe", id="fp8-pipe")]
+
+
+@pytest.mark.parametrize("kv,which", BAD_METADATA_KERNELS)
+@pytest.mark.parametrize("case", list(testing.bad_metadata_cases(
+    _batch([30, 40, 25], [12, 21, 9], hq=4, hkv=2, d=64), overrun=50)))
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_bad_metadata_gives_nan_rows_and_a_flag(case, kv, which, monkeypatch):
+    """With value checks off, one sequence's out-of-range metadata (block ids, lengths, query
+    ranges) makes exactly its rows NaN -- every row of its clamped query range, over several
+    query tiles -- leaves the other rows bit-identical to the run on valid metadata, and
+    raises a device flag naming it (benchmarks/memcheck_hopper.py runs these under memcheck)."""
+    from int8attn.errors import DeviceMetadataError, check_errors
+
+    monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
+    b = _batch([300, 400, 250], [120, 210, 90], hq=32, hkv=8, d=128, kv=kv, seed=17, device="cuda")
+    config = {"ws": hop.warp_specialized_config(kv, 128), "sync": hop.default_config(kv, 128, kv),
+              "pipe": hop.pipelined_config(kv, 128)}[which]
+    kw = dict(pv_mode=kv, config=config)
+    good = hop.prefill_attention_hopper(*_args(b), **kw)
+    check_errors("cuda")
+    bt, sl, qsl, bad_seq, words = testing.bad_metadata_cases(b, overrun=50)[case]
+    out = testing.poisoned_like(good)
+    hop.prefill_attention_hopper(b.query, b.cache, bt, sl, qsl, out=out, **kw)
+    torch.cuda.synchronize()
+    starts = b.query_start_loc.tolist()
+    rows = torch.zeros(out.shape[0], dtype=torch.bool)
+    rows[starts[bad_seq]:starts[bad_seq + 1]] = True
+    out, good = out.cpu(), good.cpu()
+    assert torch.isnan(out[rows].float()).all(), f"{case}: rows of sequence {bad_seq} are not all NaN"
+    assert torch.equal(out[~rows], good[~rows]), f"{case}: other sequences changed"
+    with pytest.raises(DeviceMetadataError, match=f"{words}.*index {bad_seq};"):
+        check_errors("cuda")
+    check_errors("cuda")  # cleared
 
 
 @pytest.mark.parametrize("how", ["argument", "plan", "environment-op"])

@@ -55,8 +55,8 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 from . import _gluon_compat as _gc
 from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN
 from .codes import KIND_BF16, KIND_FP8, PV_INT8
-from .prefill_hopper import NEG_BIG, _issue_rows_at, _issue_v_pages_at, _page_blocks, _pv_8bit, _store_output, \
-    _store_rows, _zero_tail_keys
+from .prefill_hopper import NEG_BIG, _bad_block_ids, _issue_rows_at, _issue_v_pages_at, _page_blocks, _pv_8bit, \
+    _raise_flags, _store_output, _store_rows, _zero_tail_keys
 from .prefill_hopper_pipe import _softmax_tile
 from .prefill_hopper_ws import LOADER_WARPS, WG_ROWS, _alloc_ring, _copy_scales_at, _pv_int8_chunks, _qk, \
     _stage_scales, _v_chunk
@@ -65,17 +65,19 @@ from .prefill_hopper_ws import LOADER_WARPS, WG_ROWS, _alloc_ring, _copy_scales_
 @gluon.jit
 def _run(num_tiles, v, num_virtual):
     """Tiles ``[lo, lo + count)`` of virtual split ``v`` of ``num_virtual`` (the portable
-    kernel's ``_split_tiles`` with no window)."""
+    kernel's ``_split_tiles`` with no window); ``count`` is 0 for ``v >= num_virtual``, whose
+    ``lo`` is ``num_tiles`` at ``v == num_virtual``."""
     base = num_tiles // num_virtual
     rem = num_tiles % num_virtual
     lo = v * base + gl.minimum(v, rem)
-    count = base + (v < rem).to(gl.int32)
+    count = gl.where(v < num_virtual, base + (v < rem).to(gl.int32), 0)
     return lo, count
 
 
 @gluon.jit
 def _checked_program(query_start_loc_ptr, seq_lens_ptr, bt_row, flags_ptr, seq, split, num_splits, max_query_len,
-                     num_tokens, num_blocks, max_blocks, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+                     num_tokens, num_blocks, max_blocks, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NC: gl.constexpr):
     """A program's metadata, clamped so that nothing it reads or writes lies outside the
     query, the output, its block-table row or the cache, whatever the metadata holds (the
     portable kernel's ``_untrusted_metadata`` rules): a decode query range is clamped into
@@ -83,7 +85,9 @@ def _checked_program(query_start_loc_ptr, seq_lens_ptr, bt_row, flags_ptr, seq, 
     its query length into ``[q_len, max_blocks * PAGE]``; the block ids of the program's own
     pages are scanned (the loader clamps each one it uses). Anything out of range raises the
     device flags (one record per program) and ``poison``: the program writes NaN rows.
-    Returns (q_start, q_len, seq_len, n_virtual, lo0, count0, count1, poison)."""
+    The program runs virtual splits ``NC * split ... NC * split + NC - 1`` of ``n_virtual``
+    (one per consumer warpgroup), its ``n_items`` tiles from tile ``lo``.
+    Returns (q_start, q_len, seq_len, num_tiles, n_virtual, lo, n_items, poison)."""
     q_start = gl.load(query_start_loc_ptr + seq)
     q_end = gl.load(query_start_loc_ptr + seq + 1)
     q_len = q_end - q_start
@@ -96,37 +100,30 @@ def _checked_program(query_start_loc_ptr, seq_lens_ptr, bt_row, flags_ptr, seq, 
     seq_len = gl.where(bad_q | bad_len, gl.minimum(gl.maximum(seq_len, gl.maximum(q_len, 1)), max_blocks * PAGE),
                        seq_len)
     num_tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    n_virtual = gl.minimum(2 * num_splits, num_tiles)
-    lo0, count0 = _run(num_tiles, 2 * split, n_virtual)
-    lo1, count1 = _run(num_tiles, 2 * split + 1, n_virtual)
+    n_virtual = gl.minimum(NC * num_splits, num_tiles)
+    lo, _ = _run(num_tiles, gl.minimum(NC * split, n_virtual), n_virtual)
+    hi, _ = _run(num_tiles, gl.minimum(NC * split + NC, n_virtual), n_virtual)
+    n_items = hi - lo
     # the pages of this program's tiles (the last tile's pages past the sequence read its last page)
-    SCAN: gl.constexpr = 128
-    ids_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    first_page = lo0 * BLOCK_N // PAGE
-    end_page = (gl.minimum((lo0 + count0 + count1) * BLOCK_N, seq_len) + PAGE - 1) // PAGE
-    bad_ids = 0
-    if decode & (2 * split < n_virtual):
-        for p0 in range(first_page, end_page, SCAN):
-            page = p0 + gl.arange(0, SCAN, layout=ids_layout)
-            ids = gl.load(bt_row + page, mask=page < end_page, other=0)
-            bad_ids += gl.sum(((ids < 0) | (ids >= num_blocks)).to(gl.int32), 0)
-    bits = bad_q.to(gl.int32) * ERR_QUERY_LEN + bad_len.to(gl.int32) * ERR_SEQ_LEN \
-        + (bad_ids > 0).to(gl.int32) * ERR_BLOCK_ID
-    if bits != 0:
-        gl.atomic_or(flags_ptr, bits)
-        gl.atomic_min(flags_ptr + 1, seq)
-        gl.atomic_add(flags_ptr + 2, 1)
-    return q_start, q_len, seq_len, n_virtual, lo0, count0, count1, bits
+    first_page = lo * BLOCK_N // PAGE
+    end_page = (gl.minimum(hi * BLOCK_N, seq_len) + PAGE - 1) // PAGE
+    bits = bad_q.to(gl.int32) * ERR_QUERY_LEN + bad_len.to(gl.int32) * ERR_SEQ_LEN
+    if decode & (NC * split < n_virtual):
+        bits += (_bad_block_ids(bt_row, first_page, end_page, num_blocks) > 0).to(gl.int32) * ERR_BLOCK_ID
+    _raise_flags(flags_ptr, bits, seq)
+    return q_start, q_len, seq_len, num_tiles, n_virtual, lo, n_items, bits
 
 
 @gluon.jit
-def _item_blocks(i, lo0, count0, bt_row, last_page, num_blocks, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
-                 LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr):
-    """Ring item ``i``'s tile (tile ``i // 2`` of consumer ``i % 2``, whose run follows
-    consumer 0's) and its block ids in the layouts of the K rows, the V^T pages and the
-    scales, clamped into ``[0, num_blocks)`` (an id out of range was found by
+def _item_blocks(i, num_tiles, n_virtual, first_v, bt_row, last_page, num_blocks, PAGE: gl.constexpr,
+                 BLOCK_N: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr,
+                 NC: gl.constexpr):
+    """Ring item ``i``'s tile (tile ``i // NC`` of consumer ``i % NC``, the run of virtual
+    split ``first_v + i % NC``) and its block ids in the layouts of the K rows, the V^T pages
+    and the scales, clamped into ``[0, num_blocks)`` (an id out of range was found by
     :func:`_checked_program`: the rows it feeds are NaN)."""
-    tile = lo0 + count0 * (i % 2) + i // 2
+    lo, _ = _run(num_tiles, first_v + i % NC, n_virtual)
+    tile = lo + i // NC
     kblk = _page_blocks(tile, bt_row, last_page, PAGE, BLOCK_N, gl.SliceLayout(1, LOAD_K))
     vblk = _page_blocks(tile, bt_row, last_page, PAGE, BLOCK_N, gl.SliceLayout(0, LOAD_V))
     sblk = _page_blocks(tile, bt_row, last_page, PAGE, BLOCK_N, LOAD_S)
@@ -137,19 +134,20 @@ def _item_blocks(i, lo0, count0, bt_row, last_page, num_blocks, PAGE: gl.constex
 
 @gluon.jit
 def _decode_loader(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
-                   kv_end, last_page, num_blocks, lo0, count0, count1, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
-                   HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                   KV_KIND: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr):
-    # Two consumers drain the ring, so the loader must issue a tile in half a consumer's
+                   kv_end, last_page, num_blocks, num_tiles, n_virtual, first_v, n_items, k_ring, v_ring, ks_ring,
+                   vs_ring, ready, empty, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, KV_KIND: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
+                   LOAD_S: gl.constexpr, NC: gl.constexpr):
+    # NC consumers drain the ring, so the loader must issue a tile in 1 / NC of a consumer's
     # tile time: the block ids of item i + 1 are loaded before item i's copies are issued
     # (a block-table round trip per item would otherwise pace the ring).
-    n_items = count0 + count1
-    tile, kblk, vblk, sblk = _item_blocks(0, lo0, count0, bt_row, last_page, num_blocks, PAGE, BLOCK_N, LOAD_K, LOAD_V,
-                                          LOAD_S)
+    tile, kblk, vblk, sblk = _item_blocks(0, num_tiles, n_virtual, first_v, bt_row, last_page, num_blocks, PAGE,
+                                          BLOCK_N, LOAD_K, LOAD_V, LOAD_S, NC)
     for i in range(0, n_items):
         s = i % STAGES
-        nxt, kblk_n, vblk_n, sblk_n = _item_blocks(gl.minimum(i + 1, n_items - 1), lo0, count0, bt_row, last_page,
-                                                   num_blocks, PAGE, BLOCK_N, LOAD_K, LOAD_V, LOAD_S)
+        nxt, kblk_n, vblk_n, sblk_n = _item_blocks(gl.minimum(i + 1, n_items - 1), num_tiles, n_virtual, first_v,
+                                                   bt_row, last_page, num_blocks, PAGE, BLOCK_N, LOAD_K, LOAD_V,
+                                                   LOAD_S, NC)
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # first pass: phase 1 is done
         _issue_rows_at(tile, kblk, k_ring.index(s), k_ptr, data_head, stride_cb, HEAD_DIM, PAGE, BLOCK_N, LOAD_K)
         _issue_v_pages_at(tile, vblk, v_ring.index(s), v_ptr, data_head, stride_cb, HEAD_DIM, PAGE, BLOCK_N, LOAD_V)
@@ -173,8 +171,8 @@ def _decode_loader(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, sc
 
 @gluon.jit
 def _decode_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, k_ring, v_ring, ks_ring,
-                     vs_ring, ready, empty, kv_head, q_start, q_len, ctx, kv_end, split, n_virtual, lo0, count0,
-                     count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
+                     vs_ring, ready, empty, kv_head, q_start, q_len, ctx, kv_end, split, num_tiles, n_virtual,
+                     poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
                      stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
                      WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
                      BLOCK_N: gl.constexpr, DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr,
@@ -185,13 +183,8 @@ def _decode_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_b
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV_LAYOUT)
     NUM_DV: gl.constexpr = HEAD_DIM // DV
     BLOCK_M: gl.constexpr = WG_ROWS
-    if WG == 0:
-        lo = lo0
-        count = count0
-    else:
-        lo = lo0 + count0
-        count = count1
     vsplit = 2 * split + WG
+    lo, count = _run(num_tiles, vsplit, n_virtual)
 
     # ---- the packed rows' Q codes into this warpgroup's tile
     qm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD_Q))
@@ -330,9 +323,9 @@ def _decode_hopper_kernel(
     kv_head = gl.program_id(1)
     seq = gl.program_id(2)
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-    q_start, q_len, seq_len, n_virtual, lo0, count0, count1, poison = _checked_program(
+    q_start, q_len, seq_len, num_tiles, n_virtual, lo, n_items, poison = _checked_program(
         query_start_loc_ptr, seq_lens_ptr, bt_row, flags_ptr, seq, split, num_splits, max_query_len, num_tokens,
-        num_blocks, max_blocks, PAGE, BLOCK_N)
+        num_blocks, max_blocks, PAGE, BLOCK_N, 2)
     if (q_len <= 0) | (q_len > max_query_len) | (2 * split >= n_virtual):
         return  # nothing to do, left to the prefill kernel (max_query_len <= BLOCK_Q), or no tiles
     ctx = seq_len - q_len
@@ -346,19 +339,19 @@ def _decode_hopper_kernel(
 
     gl.warp_specialize([
         (_decode_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, k_ring, v_ring, ks_ring,
-                            vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual, lo0,
-                            count0, count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
+                            vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, num_tiles,
+                            n_virtual, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
                             stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
                             0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, QK_LAYOUT, PV_LAYOUT,
                             P_LAYOUT, LOAD_Q)),
         (_decode_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, k_ring, v_ring, ks_ring,
-                            vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual, lo0,
-                            count0, count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
+                            vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, num_tiles,
+                            n_virtual, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
                             stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
                             1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, QK_LAYOUT, PV_LAYOUT,
                             P_LAYOUT, LOAD_Q)),
         (_decode_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
-                          kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, seq_len, last_page, num_blocks, lo0,
-                          count0, count1, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
-                          HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, LOAD_K, LOAD_V, LOAD_S)),
+                          kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, seq_len, last_page, num_blocks,
+                          num_tiles, n_virtual, 2 * split, n_items, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+                          HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, LOAD_K, LOAD_V, LOAD_S, 2)),
     ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])

@@ -16,10 +16,15 @@ MMA's M and the packed rows, padded to ``R`` = 16 or 32, its N:
   the accumulator is [head_dim, R] (64 fp32 per thread at head_dim 256 and R = 32, half the
   rows-on-M kernel's).
 
+The program stages Q and its row scales in shared memory once, before the partitions fork
+(:func:`_stage_query`), and runs ``CONSUMERS`` = 2 or 3 consumer warpgroups: consumer ``w``
+is virtual split ``CONSUMERS * split + w``, ring item ``CONSUMERS * k + w`` its tile ``k``.
+
 Applies to int8 caches with PV in int8 and at most 32 packed rows (its accumulator and the
 per-key softmax sums stay in registers up to there); 64-key tiles. Output, partials,
-skipped queries and metadata trust as :mod:`int8attn.kernels.decode_hopper`.
-Tensor layouts and grid: as :mod:`int8attn.kernels.decode_hopper`.
+skipped queries and metadata clamps as :mod:`int8attn.kernels.decode_hopper` (partials of
+``CONSUMERS * num_splits`` virtual splits). Tensor layouts and grid: as
+:mod:`int8attn.kernels.decode_hopper`.
 """
 
 from triton.experimental import gluon
@@ -28,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
     warpgroup_mma_wait
 
 from . import _gluon_compat as _gc
-from .decode_hopper import _checked_program, _decode_loader
+from .decode_hopper import _checked_program, _decode_loader, _run
 from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG
 from .prefill_hopper_ws import LOADER_WARPS, _alloc_ring, _fold_i32
 
@@ -47,9 +52,12 @@ def swapped_layouts(rows: int, block_n: int, head_dim: int) -> dict:
 
 
 @gluon.jit
-def _pv_chunk(v_buf, c: gl.constexpr, pt_smem, zero):
-    """``V^T[c * DC:(c + 1) * DC] . P^T``: one output chunk's int32 MMA (from zero), waited."""
-    return warpgroup_mma(v_buf.slice(c * DC, DC, dim=0), pt_smem.permute((1, 0)), zero, use_acc=False)
+def _pv_chunk(v_buf, c: gl.constexpr, pt_smem, dead):
+    """``V^T[c * DC:(c + 1) * DC] . P^T``: one output chunk's int32 MMA (from zero), waited.
+    ``dead`` [DC, R] int32 is a tensor no longer used: the MMA ignores its values
+    (``use_acc=False``) and writes the chunk into its registers, so no zero tile lives
+    across the loop."""
+    return warpgroup_mma(v_buf.slice(c * DC, DC, dim=0), pt_smem.permute((1, 0)), dead, use_acc=False)
 
 
 @gluon.jit
@@ -66,41 +74,38 @@ def _store_t(ptr, acc, c: gl.constexpr, scale, q_start, q_len, kv_head, stride_t
 
 
 @gluon.jit
-def _swapped_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, pt_bufs, k_ring, v_ring,
-                      ks_ring, vs_ring, ready, empty, kv_head, q_start, q_len, ctx, kv_end, split, n_virtual, lo0,
-                      count0, count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot,
-                      stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
-                      WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
-                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, R: gl.constexpr, QKT_LAYOUT: gl.constexpr,
-                      PVT_LAYOUT: gl.constexpr, LOAD_QT: gl.constexpr):
+def _stage_query(q_ptr, q_scale_ptr, q_smem, rs_smem, kv_head, q_start, q_len, qk_scale, stride_qt, stride_qh,
+                 stride_qst, stride_qsh, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
+                 R: gl.constexpr, LOAD_QT: gl.constexpr):
+    """The packed rows' Q codes and score scales (``sQ * qk_scale``) into shared memory, once
+    per program before the partitions fork: every consumer reads them (the scales per tile:
+    an [R] vector held across the tile loop costs R / 4 registers per thread)."""
+    qr = gl.arange(0, R, layout=gl.SliceLayout(1, LOAD_QT))
+    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD_QT))
+    tok = qr // GROUP
+    valid = (tok < BLOCK_Q) & (tok < q_len) & (qr < GROUP * BLOCK_Q)
+    rows = (q_start + tok).to(gl.int64) * stride_qt + (kv_head * GROUP + qr % GROUP) * stride_qh
+    q_smem.store(gl.load(q_ptr + rows[:, None] + qd[None, :], mask=valid[:, None], other=0))
+    rs_smem.store(gl.load(q_scale_ptr + (q_start + tok).to(gl.int64) * stride_qst
+                          + (kv_head * GROUP + qr % GROUP) * stride_qsh, mask=valid, other=1.0) * qk_scale)
+    fence_async_shared()  # the Q codes are a wgmma operand (async proxy)
+    _gc.cta_barrier()
+
+
+@gluon.jit
+def _swapped_consumer(out_ptr, part_acc_ptr, part_ml_ptr, q_smem, rs_smem, pt_bufs, k_ring, v_ring, ks_ring,
+                      vs_ring, ready, empty, kv_head, q_start, q_len, ctx, kv_end, split, num_tiles, n_virtual,
+                      poison, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
+                      GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, R: gl.constexpr, QKT_LAYOUT: gl.constexpr, PVT_LAYOUT: gl.constexpr,
+                      NC: gl.constexpr, WG: gl.constexpr):
+    gl.static_assert(BLOCK_N == DC, "S^T [BLOCK_N, R] is the first PV chunk's register tile")
     KEY: gl.constexpr = gl.SliceLayout(1, QKT_LAYOUT)
     COLQ: gl.constexpr = gl.SliceLayout(0, QKT_LAYOUT)
     COLP: gl.constexpr = gl.SliceLayout(0, PVT_LAYOUT)
-    if WG == 0:
-        lo = lo0
-        count = count0
-    else:
-        lo = lo0 + count0
-        count = count1
-    vsplit = 2 * split + WG
-
-    qr = gl.arange(0, R, layout=gl.SliceLayout(1, LOAD_QT))
-    qd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD_QT))
-    q_valid = (qr // GROUP < BLOCK_Q) & (qr // GROUP < q_len) & (qr < GROUP * BLOCK_Q)
-    q_rows = (q_start + qr // GROUP).to(gl.int64) * stride_qt + (kv_head * GROUP + qr % GROUP) * stride_qh
-    q = gl.load(q_ptr + q_rows[:, None] + qd[None, :], mask=q_valid[:, None], other=0)
-    q_smem = q_bufs.index(WG)
-    q_smem.store(q)
-    fence_async_shared()
-    _gc.cta_barrier()
-
-    r = gl.arange(0, R, layout=COLQ)
-    tok = r // GROUP
-    row_valid = (tok < BLOCK_Q) & (tok < q_len) & (r < GROUP * BLOCK_Q)
-    row_scale = gl.load(q_scale_ptr + (q_start + tok).to(gl.int64) * stride_qst
-                        + (kv_head * GROUP + r % GROUP) * stride_qsh, mask=row_valid, other=1.0) * qk_scale
+    vsplit = NC * split + WG
+    lo, count = _run(num_tiles, vsplit, n_virtual)
     full_end = ((ctx + 1) // BLOCK_N) * BLOCK_N
-    row_limit = gl.minimum(ctx + tok, kv_end - 1)
 
     m_i = gl.full([R], NEG_BIG, gl.float32, COLQ)
     r_i = gl.full([R], 1.0, gl.float32, COLQ)
@@ -109,10 +114,9 @@ def _swapped_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_
     acc1 = acc0
     acc2 = acc0
     acc3 = acc0
-    zero = gl.zeros([DC, R], gl.int32, PVT_LAYOUT)
 
     for k in range(0, count):
-        i = 2 * k + WG
+        i = NC * k + WG
         st = i % STAGES
         start = (lo + k) * BLOCK_N
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
@@ -128,7 +132,10 @@ def _swapped_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_
             vs = gl.where(n < kv_end, vs, 0.0)
         t = s.to(gl.float32, bitcast=True) * ks[:, None] + (ks * -MAGIC_F)[:, None]
         if start + BLOCK_N > full_end:
+            # each query token's last key (recomputed here: no [R] vector lives across the loop)
+            row_limit = gl.minimum(ctx + gl.arange(0, R, layout=COLQ) // GROUP, kv_end - 1)
             t = gl.where(n[:, None] <= row_limit[None, :], t, float("-inf"))
+        row_scale = rs_smem.load(COLQ)
         m_new = gl.maximum(m_i, gl.max(t, 0) * row_scale)
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(t * row_scale[None, :] - m_new[None, :])
@@ -154,15 +161,22 @@ def _swapped_consumer(q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_
         m_i = m_new
         r_i = r_new
         v_buf = v_ring.index(st)
-        acc0 = _fold_i32(acc0, _pv_chunk(v_buf, 0, pt_smem, zero), factor)
+        o = _pv_chunk(v_buf, 0, pt_smem, s)  # S^T [BLOCK_N = DC, R] is dead past the softmax
+        acc0 = _fold_i32(acc0, o, factor)
         if HEAD_DIM > 64:
-            acc1 = _fold_i32(acc1, _pv_chunk(v_buf, 1, pt_smem, zero), factor)
+            o = _pv_chunk(v_buf, 1, pt_smem, o)
+            acc1 = _fold_i32(acc1, o, factor)
         if HEAD_DIM > 128:
-            acc2 = _fold_i32(acc2, _pv_chunk(v_buf, 2, pt_smem, zero), factor)
-            acc3 = _fold_i32(acc3, _pv_chunk(v_buf, 3, pt_smem, zero), factor)
+            o = _pv_chunk(v_buf, 2, pt_smem, o)
+            acc2 = _fold_i32(acc2, o, factor)
+            o = _pv_chunk(v_buf, 3, pt_smem, o)
+            acc3 = _fold_i32(acc3, o, factor)
         mbarrier.arrive(empty.index(st), count=1)
 
     l_i = gl.sum(l_part, 0)
+    r = gl.arange(0, R, layout=COLQ)
+    tok = r // GROUP
+    row_valid = (tok < BLOCK_Q) & (tok < q_len) & (r < GROUP * BLOCK_Q)
     r_i = gl.where(poison != 0, float("nan"), r_i)  # metadata out of range: NaN rows (partials)
     if vsplit < n_virtual:
         if n_virtual == 1:
@@ -207,39 +221,73 @@ def _decode_hopper_swapped_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, KV_KIND: gl.constexpr,
     K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr,
     R: gl.constexpr, QKT_LAYOUT: gl.constexpr, PVT_LAYOUT: gl.constexpr, QT_SMEM: gl.constexpr,
-    PT_SMEM: gl.constexpr, LOAD_QT: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    PT_SMEM: gl.constexpr, LOAD_QT: gl.constexpr, CONSUMERS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    LOADER_REGS: gl.constexpr,
 ):
+    gl.static_assert((CONSUMERS == 2) | (CONSUMERS == 3), "two or three consumer warpgroups")
+    NC: gl.constexpr = CONSUMERS
     split = gl.program_id(0)
     kv_head = gl.program_id(1)
     seq = gl.program_id(2)
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
-    q_start, q_len, seq_len, n_virtual, lo0, count0, count1, poison = _checked_program(
+    q_start, q_len, seq_len, num_tiles, n_virtual, lo, n_items, poison = _checked_program(
         query_start_loc_ptr, seq_lens_ptr, bt_row, flags_ptr, seq, split, num_splits, max_query_len, num_tokens,
-        num_blocks, max_blocks, PAGE, BLOCK_N)
-    if (q_len <= 0) | (q_len > max_query_len) | (2 * split >= n_virtual):
+        num_blocks, max_blocks, PAGE, BLOCK_N, NC)
+    if (q_len <= 0) | (q_len > max_query_len) | (NC * split >= n_virtual):
         return
     ctx = seq_len - q_len
     last_page = (seq_len - 1) // PAGE
 
-    q_bufs = gl.allocate_shared_memory(gl.int8, [2, R, HEAD_DIM], QT_SMEM)
-    pt_bufs = gl.allocate_shared_memory(gl.int8, [4, R, BLOCK_N], PT_SMEM)
+    # Q and its scales once for every consumer (the partitions fork after these stores)
+    q_smem = gl.allocate_shared_memory(gl.int8, [R, HEAD_DIM], QT_SMEM)
+    rs_smem = gl.allocate_shared_memory(gl.float32, [R], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    _stage_query(q_ptr, q_scale_ptr, q_smem, rs_smem, kv_head, q_start, q_len, qk_scale, stride_qt, stride_qh,
+                 stride_qst, stride_qsh, GROUP, HEAD_DIM, BLOCK_Q, R, LOAD_QT)
+    pt_bufs = gl.allocate_shared_memory(gl.int8, [2 * NC, R, BLOCK_N], PT_SMEM)
     # each ring stage has one reader: the consumer whose virtual split owns its tile
     k_ring, v_ring, ks_ring, vs_ring, ready, empty = _alloc_ring(gl.int8, STAGES, BLOCK_N, HEAD_DIM, KV_KIND, K_SMEM,
                                                                  V_SMEM, 1)
-
-    gl.warp_specialize([
-        (_swapped_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, pt_bufs, k_ring, v_ring,
-                             ks_ring, vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual,
-                             lo0, count0, count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh,
-                             stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
-                             0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT, PVT_LAYOUT, LOAD_QT)),
-        (_swapped_consumer, (q_ptr, q_scale_ptr, out_ptr, part_acc_ptr, part_ml_ptr, q_bufs, pt_bufs, k_ring, v_ring,
-                             ks_ring, vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, n_virtual,
-                             lo0, count0, count1, poison, qk_scale, stride_qt, stride_qh, stride_qst, stride_qsh,
-                             stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt, stride_mh, stride_ms,
-                             1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT, PVT_LAYOUT, LOAD_QT)),
-        (_decode_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
-                          kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, seq_len, last_page, num_blocks, lo0,
-                          count0, count1, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
-                          HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, LOAD_K, LOAD_V, LOAD_S)),
-    ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+    data_head = kv_head.to(gl.int64) * stride_ch
+    scale_head = kv_head.to(gl.int64) * stride_sh
+    # consumer 0 is the default partition (the kernel's four warps); the other consumers and
+    # the loader are workers. (The entries are spelled out: a tuple of arguments bound to a
+    # name or concatenated loses its constexprs in Triton 3.6.)
+    if NC == 2:
+        gl.warp_specialize([
+            (_swapped_consumer, (out_ptr, part_acc_ptr, part_ml_ptr, q_smem, rs_smem, pt_bufs, k_ring, v_ring, ks_ring,
+                                 vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, num_tiles,
+                                 n_virtual, poison, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt,
+                                 stride_mh, stride_ms, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT,
+                                 PVT_LAYOUT, NC, 0)),
+            (_swapped_consumer, (out_ptr, part_acc_ptr, part_ml_ptr, q_smem, rs_smem, pt_bufs, k_ring, v_ring, ks_ring,
+                                 vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, num_tiles,
+                                 n_virtual, poison, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt,
+                                 stride_mh, stride_ms, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT,
+                                 PVT_LAYOUT, NC, 1)),
+            (_decode_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb,
+                              stride_sb, seq_len, last_page, num_blocks, num_tiles, n_virtual, NC * split, n_items,
+                              k_ring, v_ring, ks_ring, vs_ring, ready, empty, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND,
+                              LOAD_K, LOAD_V, LOAD_S, NC)),
+        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_swapped_consumer, (out_ptr, part_acc_ptr, part_ml_ptr, q_smem, rs_smem, pt_bufs, k_ring, v_ring, ks_ring,
+                                 vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, num_tiles,
+                                 n_virtual, poison, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt,
+                                 stride_mh, stride_ms, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT,
+                                 PVT_LAYOUT, NC, 0)),
+            (_swapped_consumer, (out_ptr, part_acc_ptr, part_ml_ptr, q_smem, rs_smem, pt_bufs, k_ring, v_ring, ks_ring,
+                                 vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, num_tiles,
+                                 n_virtual, poison, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt,
+                                 stride_mh, stride_ms, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT,
+                                 PVT_LAYOUT, NC, 1)),
+            (_swapped_consumer, (out_ptr, part_acc_ptr, part_ml_ptr, q_smem, rs_smem, pt_bufs, k_ring, v_ring, ks_ring,
+                                 vs_ring, ready, empty, kv_head, q_start, q_len, ctx, seq_len, split, num_tiles,
+                                 n_virtual, poison, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_mt,
+                                 stride_mh, stride_ms, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, STAGES, R, QKT_LAYOUT,
+                                 PVT_LAYOUT, NC, 2)),
+            (_decode_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb,
+                              stride_sb, seq_len, last_page, num_blocks, num_tiles, n_virtual, NC * split, n_items,
+                              k_ring, v_ring, ks_ring, vs_ring, ready, empty, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND,
+                              LOAD_K, LOAD_V, LOAD_S, NC)),
+        ], [4, 4, LOADER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

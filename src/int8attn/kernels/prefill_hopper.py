@@ -37,8 +37,15 @@ Tensor layouts as :mod:`int8attn.kernels.prefill` with the query pre-quantized: 
 [T, Hq, D] int8 | e4m3 (as uint8), q_scale [T, Hq] fp32; key [num_blocks, Hkv, PAGE, D]; value
 [num_blocks, Hkv, D, PAGE]; key_scale / value_scale [num_blocks, Hkv, PAGE] fp32;
 block_table [num_seqs, max_blocks] int32; seq_lens [num_seqs], query_start_loc
-[num_seqs + 1] int32; out [T, Hq, D] bf16. Grid: (T // BLOCK_Q + num_seqs, Hkv), tiles
-numbered as in vLLM's unified attention and taken longest first (see the portable kernel).
+[num_seqs + 1] int32; flags [3] int32 (:func:`int8attn.errors.error_flags`); out [T, Hq, D]
+bf16. Grid: (T // BLOCK_Q + num_seqs, Hkv), tiles numbered as in vLLM's unified attention
+and taken longest first (see the portable kernel).
+
+Metadata is not trusted (:func:`_checked_tile`, the portable kernel's rules): a sequence
+whose query range leaves ``[0, num_tokens]`` or exceeds its ``seq_len``, whose ``seq_len``
+is negative or beyond its block-table row, or whose block ids below ``seq_len`` leave
+``[0, num_blocks)`` reads no key, gets NaN rows (within its clamped query range) and raises
+the device error flags naming it.
 
 Layouts (register and shared) are built on the host by :func:`kernel_layouts` and passed
 as constexprs, so the kernel source holds no version-specific layout code.
@@ -50,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                                 warpgroup_mma)
 
 from . import _gluon_compat as _gc
+from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
 
 MAGIC_F = gl.constexpr(12582912.0)
@@ -173,16 +181,76 @@ def _issue_v_pages_at(j, vblk, v_buf, v_ptr, data_head, stride_cb, HEAD_DIM: gl.
 
 
 @gluon.jit
-def _program_tile(query_start_loc_ptr, num_seqs, num_tiles, BLOCK_Q: gl.constexpr):
-    """The (query tile, KV head) of this program, longest tiles first: its KV head, sequence,
-    the sequence's first query token, the tile's index within the sequence and q_len."""
+def _raise_flags(flags_ptr, bits, seq):
+    """Raise the device error ``bits`` for sequence ``seq`` (nothing when ``bits`` is 0):
+    the flags of :func:`int8attn.errors.error_flags` -- the bits, the lowest sequence index,
+    a count of raising programs."""
+    if bits != 0:
+        gl.atomic_or(flags_ptr, bits)
+        gl.atomic_min(flags_ptr + 1, seq)
+        gl.atomic_add(flags_ptr + 2, 1)
+
+
+@gluon.jit
+def _bad_block_ids(bt_row, first_page, end_page, num_blocks):
+    """How many block ids of pages ``[first_page, end_page)`` of a block-table row leave
+    ``[0, num_blocks)`` (128 ids per load, the calling partition's warps)."""
+    SCAN: gl.constexpr = 128
+    ids_layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    bad = 0
+    for p0 in range(first_page, end_page, SCAN):
+        page = p0 + gl.arange(0, SCAN, layout=ids_layout)
+        ids = gl.load(bt_row + page, mask=page < end_page, other=0)
+        bad += gl.sum(((ids < 0) | (ids >= num_blocks)).to(gl.int32), 0)
+    return bad
+
+
+@gluon.jit
+def _checked_tile(query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, num_seqs, num_tiles, num_tokens,
+                  num_blocks, max_blocks, min_query_len, stride_bt, BLOCK_Q: gl.constexpr, PAGE: gl.constexpr):
+    """The (query tile, KV head) of this program, longest tiles first, with its metadata
+    clamped so that nothing it reads or writes lies outside the query, the output, its
+    block-table row or the cache, whatever the metadata holds (the portable kernel's rules):
+    the query range is clamped into ``[0, num_tokens]``; a range that leaves it, decreases or
+    exceeds ``seq_len``, a ``seq_len`` negative or beyond the row's ``max_blocks`` pages, or a
+    block id of the sequence's pages below ``seq_len`` outside ``[0, num_blocks)`` makes the
+    sequence *bad*: its programs write NaN rows (:func:`_store_nan_rows`) and read no key, and
+    raise the device flags. Every program of a sequence scans the same ids, so its rows agree.
+    Returns (run, kv_head, seq, q_start, q_tile, q_len, seq_len, bad): ``run`` false for a
+    program with no rows to write (it returns at once)."""
     tile = num_tiles - 1 - gl.program_id(0)
     kv_head = gl.program_id(1)
-    seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
+    seq = gl.maximum(_find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q), 0)
     q_start = gl.load(query_start_loc_ptr + seq)
+    q_end = gl.load(query_start_loc_ptr + seq + 1)
+    seq_len = gl.load(seq_lens_ptr + seq)
     q_tile = tile - (q_start // BLOCK_Q + seq)
-    q_len = gl.load(query_start_loc_ptr + seq + 1) - q_start
-    return kv_head, seq, q_start, q_tile, q_len
+    bad_q = (q_start < 0) | (q_end < q_start) | (q_end > num_tokens) | (q_end - q_start > seq_len)
+    bad_len = (seq_len < 0) | (seq_len > max_blocks * PAGE)
+    q_start = gl.minimum(gl.maximum(q_start, 0), num_tokens)
+    q_len = gl.maximum(gl.minimum(q_end, num_tokens) - q_start, 0)
+    run = (q_len > min_query_len) & (q_tile >= 0) & (q_tile * BLOCK_Q < q_len)
+    bits = bad_q.to(gl.int32) * ERR_QUERY_LEN + bad_len.to(gl.int32) * ERR_SEQ_LEN
+    if run & (bits == 0):
+        bad_ids = _bad_block_ids(block_table_ptr + seq.to(gl.int64) * stride_bt, 0, (seq_len + PAGE - 1) // PAGE,
+                                 num_blocks)
+        bits += (bad_ids > 0).to(gl.int32) * ERR_BLOCK_ID
+    _raise_flags(flags_ptr, bits, seq)
+    return run, kv_head, seq, q_start, q_tile, q_len, seq_len, bits != 0
+
+
+@gluon.jit
+def _store_nan_rows(out_ptr, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh, GROUP: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """NaN in every output row of the program's tile (a sequence whose metadata is out of range)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    tok = q_tile * BLOCK_Q + offs_m // GROUP
+    valid = (offs_m // GROUP < BLOCK_Q) & (tok < q_len)
+    rows = (q_start + tok).to(gl.int64) * stride_ot + (kv_head * GROUP + offs_m % GROUP) * stride_oh
+    nan = gl.full([BLOCK_M, HEAD_DIM], float("nan"), out_ptr.dtype.element_ty, layout)
+    gl.store(out_ptr + rows[:, None] + offs_d[None, :], nan, mask=valid[:, None])
 
 
 @gluon.jit
@@ -306,7 +374,7 @@ def _prefill_hopper_kernel(
     stride_qt, stride_qh, stride_qst, stride_qsh,
     stride_ot, stride_oh,
     stride_cb, stride_ch, stride_sb, stride_sh,
-    stride_bt,
+    stride_bt, flags_ptr, num_tokens, num_blocks, max_blocks,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
     KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, STAGES: gl.constexpr,
@@ -319,10 +387,15 @@ def _prefill_hopper_kernel(
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV_LAYOUT)
     NUM_DV: gl.constexpr = HEAD_DIM // DV
 
-    kv_head, seq, q_start, q_tile, q_len = _program_tile(query_start_loc_ptr, num_seqs, num_tiles, BLOCK_Q)
-    if (q_len <= min_query_len) | (q_tile * BLOCK_Q >= q_len):
+    run, kv_head, seq, q_start, q_tile, q_len, seq_len, bad = _checked_tile(
+        query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, num_seqs, num_tiles, num_tokens, num_blocks,
+        max_blocks, min_query_len, stride_bt, BLOCK_Q, PAGE)
+    if not run:
         return
-    seq_len = gl.load(seq_lens_ptr + seq)
+    if bad:
+        _store_nan_rows(out_ptr, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_Q,
+                        HEAD_DIM)
+        return
     ctx = seq_len - q_len
     q_smem, tok, row_scale = _load_q_tile(q_ptr, q_scale_ptr, k_ptr, q_start, q_tile, q_len, kv_head, qk_scale,
                                           stride_qt, stride_qh, stride_qst, stride_qsh,

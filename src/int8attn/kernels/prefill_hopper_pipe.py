@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 from . import _gluon_compat as _gc
 from .codes import KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
 from .prefill_hopper import (MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _issue_tile, _kv_range, _load_q_tile,
-                             _program_tile, _start_ring, _store_output, _zero_tail_keys)
+                             _checked_tile, _start_ring, _store_nan_rows, _store_output, _zero_tail_keys)
 
 
 @gluon.jit
@@ -152,7 +152,7 @@ def _prefill_hopper_pipe_kernel(
     stride_qt, stride_qh, stride_qst, stride_qsh,
     stride_ot, stride_oh,
     stride_cb, stride_ch, stride_sb, stride_sh,
-    stride_bt,
+    stride_bt, flags_ptr, num_tokens, num_blocks, max_blocks,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
     KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, STAGES: gl.constexpr,
@@ -167,10 +167,15 @@ def _prefill_hopper_pipe_kernel(
     gl.static_assert(STAGES >= 3, "the pipelined kernel keeps three KV tiles live")
     gl.static_assert(PV_KIND != PV_BF16, "the pipelined kernel runs 8-bit PV only")
 
-    kv_head, seq, q_start, q_tile, q_len = _program_tile(query_start_loc_ptr, num_seqs, num_tiles, BLOCK_Q)
-    if (q_len <= min_query_len) | (q_tile * BLOCK_Q >= q_len):
+    run, kv_head, seq, q_start, q_tile, q_len, seq_len, bad = _checked_tile(
+        query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, num_seqs, num_tiles, num_tokens, num_blocks,
+        max_blocks, min_query_len, stride_bt, BLOCK_Q, PAGE)
+    if not run:
         return
-    seq_len = gl.load(seq_lens_ptr + seq)
+    if bad:
+        _store_nan_rows(out_ptr, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_Q,
+                        HEAD_DIM)
+        return
     ctx = seq_len - q_len
     q_smem, tok, row_scale = _load_q_tile(q_ptr, q_scale_ptr, k_ptr, q_start, q_tile, q_len, kv_head, qk_scale,
                                           stride_qt, stride_qh, stride_qst, stride_qsh,

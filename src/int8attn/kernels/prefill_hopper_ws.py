@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 from . import _gluon_compat as _gc
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
 from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _issue_rows, _issue_tile, _page_blocks, \
-    _program_tile, _pv_8bit, _store_output, _zero_tail_keys
+    _checked_tile, _pv_8bit, _store_nan_rows, _store_output, _zero_tail_keys
 from .prefill_hopper_pipe import _issue_pv, _online_softmax, _softmax_tile, _wait_and_fold
 
 #: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).
@@ -391,7 +391,7 @@ def _prefill_hopper_ws_kernel(
     stride_qt, stride_qh, stride_qst, stride_qsh,
     stride_ot, stride_oh,
     stride_cb, stride_ch, stride_sb, stride_sh,
-    stride_bt,
+    stride_bt, flags_ptr, num_tokens, num_blocks, max_blocks,
     GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
     KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, STAGES: gl.constexpr,
@@ -406,10 +406,16 @@ def _prefill_hopper_ws_kernel(
     gl.static_assert((PV_KIND != PV_BF16) or (KV_KIND == KIND_BF16),
                      "the warp-specialized kernel runs PV in the cache's precision")
 
-    kv_head, seq, q_start, q_tile, q_len = _program_tile(query_start_loc_ptr, num_seqs, num_tiles, BLOCK_Q)
-    if (q_len <= min_query_len) | (q_tile * BLOCK_Q >= q_len):
+    run, kv_head, seq, q_start, q_tile, q_len, seq_len, bad = _checked_tile(
+        query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, num_seqs, num_tiles, num_tokens, num_blocks,
+        max_blocks, min_query_len, stride_bt, BLOCK_Q, PAGE)
+    if not run:
         return
-    ctx = gl.load(seq_lens_ptr + seq) - q_len
+    if bad:
+        _store_nan_rows(out_ptr, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_Q,
+                        HEAD_DIM)
+        return
+    ctx = seq_len - q_len
     kv_end = ctx + gl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q)  # one past the last row's key
     last_page = (kv_end - 1) // PAGE
     num_kv_tiles = (kv_end + BLOCK_N - 1) // BLOCK_N

@@ -76,11 +76,10 @@ def _checked_default_config(kv_dtype: str, head_dim: int, pv_mode: str, group: i
 
 
 def _prefill_route(cache: PagedKVCache, pv_mode: str, num_q_heads: int, kernel: str | None,
-                   metadata_checked: bool, window: int = 0) -> tuple:
+                   window: int = 0) -> tuple:
     """(kernel, checked config) of this batch's prefill launch: "hopper" or "portable"
     (``window``: a checked sliding window, which only the portable kernel implements)."""
-    if _hopper.choose(cache, num_q_heads, pv_mode, kernel, metadata_checked=metadata_checked,
-                      window=window) == "hopper":
+    if _hopper.choose(cache, num_q_heads, pv_mode, kernel, window=window) == "hopper":
         return "hopper", _hopper.route_config(cache, num_q_heads, pv_mode)
     return "portable", _prefill_config(cache, pv_mode, num_q_heads // cache.num_kv_heads)
 
@@ -141,7 +140,8 @@ class AttentionPlan:
     #: the decode kernel of the runs: "portable" (:mod:`int8attn.ops.decode`) or "hopper"
     #: (:mod:`int8attn.ops.decode_hopper`: multi-token steps on sm_90)
     decode_kernel: str = "portable"
-    #: the Hopper decode launch's (config, num_splits, max_query_len, query-code buffers, keys_on_m)
+    #: the Hopper decode launch's (config, num_splits, max_query_len, query-code buffers, keys_on_m,
+    #: consumer warpgroups)
     decode_hopper: tuple | None = None
     launches: tuple = field(default=())
     #: whether plan_attention checked the metadata values (False: value checks were off)
@@ -240,8 +240,9 @@ class AttentionPlan:
         if self.has_decode and self.num_tokens > 0 and self.num_seqs > 0:
             out_strides = out.stride() if out is not None else (self.num_q_heads * self.head_dim, self.head_dim, 1)
             if self.decode_kernel == "hopper" and not win:
-                config, splits, decode_q, codes, keys_on_m = self.decode_hopper
-                launch = _decode_hopper.DecodeHopperLaunch(config, splits, decode_q, self.workspace, codes, keys_on_m)
+                config, splits, decode_q, codes, keys_on_m, consumers = self.decode_hopper
+                launch = _decode_hopper.DecodeHopperLaunch(config, splits, decode_q, self.workspace, codes, keys_on_m,
+                                                           consumers)
             else:  # the Hopper kernel has no sliding window: a windowed run takes the portable kernel
                 launch = _decode.DecodeLaunch.for_tensors(self.decode_plan, cache, query, q_quant, q_scale,
                                                           block_table, out_strides, self.workspace, win)
@@ -249,7 +250,7 @@ class AttentionPlan:
             self._launch_by_layout.clear()
         prefill = (self.prefill_kernel, self.prefill_config)
         if win and self.has_prefill:
-            prefill = _prefill_route(cache, self.prefill_pv_mode, self.num_q_heads, "portable", True, win)
+            prefill = _prefill_route(cache, self.prefill_pv_mode, self.num_q_heads, "portable", win)
         key = (_layout(query), _layout(out), _layout(q_quant), _layout(q_scale), scale_strides, type(window), window)
         self._launch_by_layout[key] = entry = (launch, win, prefill)
         return entry
@@ -400,15 +401,16 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
         decode_q = max(1, min(max_query_len or 1, MAX_DECODE_QUERY_LEN))
         if not has_prefill and _decode_hopper.route(cache, num_q_heads, decode_q, pv_mode, decode_kernel):
             decode_kernel_name = "hopper"
-            config, splits, keys_on_m = _decode_hopper.plan_launch(cache, num_q_heads, num_seqs, block_table.shape[1],
-                                                                   decode_q, pv_mode, num_splits)
+            config, splits, keys_on_m, consumers = _decode_hopper.plan_launch(cache, num_q_heads, num_seqs,
+                                                                              block_table.shape[1], decode_q, pv_mode,
+                                                                              num_splits)
             from .producer import query_code_buffers  # made here, outside any capture of the runs
 
             codes = query_code_buffers(num_tokens, num_q_heads, head_dim, cache.kv_dtype, dev)
-            decode_hopper = (config, splits, decode_q, codes, keys_on_m)
+            decode_hopper = (config, splits, decode_q, codes, keys_on_m, consumers)
             # the portable kernel's splits too: a run with a sliding window takes it
             workspace = _decode.DecodeWorkspace(max(num_tokens, 1), num_q_heads, head_dim,
-                                                max(2 * splits, decode_plan.num_splits), device=dev)
+                                                max(consumers * splits, decode_plan.num_splits), device=dev)
         elif decode_plan.num_splits > 1:
             workspace = _decode.DecodeWorkspace(max(num_tokens, 1), num_q_heads, head_dim,
                                                 decode_plan.num_splits, device=dev)
@@ -419,9 +421,7 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     if has_prefill:
         prefill_pv = _prefill.resolve_pv_mode(cache.kv_dtype, pv_mode)
         _prefill.check_prefill_options(cache, None, 0, max_query_len)
-        # plan runs use checked metadata (runs with other metadata tensors are checked in full)
-        prefill_kernel_name, prefill_config = _prefill_route(cache, prefill_pv, num_q_heads, prefill_kernel,
-                                                             values_checked)
+        prefill_kernel_name, prefill_config = _prefill_route(cache, prefill_pv, num_q_heads, prefill_kernel)
     else:
         _hopper.requested_kernel(prefill_kernel)  # a bad name fails here too
     launches = tuple(name for name, used in (("decode", has_decode), ("prefill", has_prefill)) if used)
@@ -532,7 +532,7 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     check_values = _checks.value_checks_enabled(cache.device)
     prefill = None
     if num_tokens > MAX_DECODE_QUERY_LEN:
-        prefill = (*_prefill_route(cache, prefill_pv, query.shape[1], prefill_kernel, check_values, win), prefill_pv)
+        prefill = (*_prefill_route(cache, prefill_pv, query.shape[1], prefill_kernel, win), prefill_pv)
     _decode.check_num_seqs(num_seqs)
     out_strides = out.stride() if out is not None else (query.shape[1] * query.shape[2], query.shape[2], 1)
     launch = _decode.reused_launch(decode_plan, cache, query, q_quant, q_scale, block_table, out_strides, None, win)

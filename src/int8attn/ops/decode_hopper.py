@@ -49,8 +49,34 @@ KEYS_ON_M_BLOCK_N = 64
 KEYS_ON_M_ROWS = 32
 
 
+#: Consumer warpgroups of the keys-on-M kernel: 2 or 3 (``consumers=``). Three fit the
+#: register file beside the loader (REGISTER_BUDGETS) but did not pay on the H200: 2% faster
+#: at bs16 L32k q4, 5% slower at bs16 L8k and 15% at bs1 L32k (benchmarks/notes/decode.md,
+#: "Three consumers"): each consumer's tile slows down as consumers are added.
+KEYS_ON_M_CONSUMERS = 2
+#: Registers per thread for a given number of consumer warpgroups: (consumer, loader, the
+#: launch cap that splits them); ``NC x 128 x consumer + 128 x loader <= 128 x (NC + 1) x cap
+#: <= 64K``, one program per SM. Three keys-on-M consumers hold their loop in 160 (sm_90,
+#: Triton 3.6: no local memory in the consumer loops); the rows-on-M kernel runs two.
+REGISTER_BUDGETS = {2: (232, 40, 168), 3: (160, 32, 128)}
+
+
+def consumer_count(keys_on_m: bool, consumers: int | None = None) -> int:
+    """Consumer warpgroups of a launch: 2 on the rows-on-M kernel; ``consumers`` (default
+    KEYS_ON_M_CONSUMERS) on the keys-on-M kernel."""
+    if not keys_on_m:
+        if consumers not in (None, 2):
+            raise ValueError(f"the rows-on-M kernel runs two consumer warpgroups, got consumers={consumers!r}")
+        return 2
+    n = KEYS_ON_M_CONSUMERS if consumers is None else consumers
+    if isinstance(n, bool) or n not in REGISTER_BUDGETS:
+        raise ValueError(f"consumers must be one of {sorted(REGISTER_BUDGETS)}, got {n!r}")
+    return n
+
+
 def keys_on_m_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig:
-    """The keys-on-M kernel's config: 64-key tiles (one warpgroup MMA's M), a 4-stage ring."""
+    """The keys-on-M kernel's config: 64-key tiles (one warpgroup MMA's M), a 4-stage ring
+    (with two or three consumers, rings of 4-6 stages time within 2% on the H200)."""
     return dataclasses.replace(default_config(kv_dtype, head_dim), block_n=KEYS_ON_M_BLOCK_N, stages=4)
 
 
@@ -132,18 +158,19 @@ class DecodeHopperLaunch:
     """A plan's decode launch on this kernel, called as :class:`int8attn.ops.decode.DecodeLaunch`
     is: ``(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out,
     qk_scale)``. The query's codes (when not given) go to buffers it owns; the partials to the
-    plan's workspace (sized for ``2 * num_splits``)."""
+    plan's workspace (sized for ``consumers * num_splits``)."""
 
-    __slots__ = ("config", "num_splits", "max_query_len", "workspace", "codes", "keys_on_m")
+    __slots__ = ("config", "num_splits", "max_query_len", "workspace", "codes", "keys_on_m", "consumers")
 
     def __init__(self, config, num_splits: int, max_query_len: int, workspace: DecodeWorkspace | None, codes,
-                 keys_on_m: bool = False):
+                 keys_on_m: bool = False, consumers: int = 2):
         self.config, self.num_splits, self.max_query_len = config, num_splits, max_query_len
-        self.workspace, self.codes, self.keys_on_m = workspace, codes, keys_on_m
+        self.workspace, self.codes, self.keys_on_m, self.consumers = workspace, codes, keys_on_m, consumers
 
     def __call__(self, query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale):
         run_decode(self.config, query, cache, block_table, seq_lens, query_start_loc, qk_scale, out, q_quant,
-                   q_scale, self.num_splits, self.max_query_len, self.workspace, self.codes, self.keys_on_m)
+                   q_scale, self.num_splits, self.max_query_len, self.workspace, self.codes, self.keys_on_m,
+                   self.consumers)
 
 
 #: Whether "auto" and forced "hopper" plans take the keys-on-M kernel where it applies
@@ -154,29 +181,35 @@ KEYS_ON_M_WHERE_IT_APPLIES = True
 
 def plan_launch(cache, num_q_heads: int, num_seqs: int, max_blocks: int, max_query_len: int, pv_mode: str | None,
                 num_splits: int | None) -> tuple:
-    """A plan's launch choices: (config, num_splits, keys_on_m) -- the keys-on-M kernel where
-    it applies and KEYS_ON_M_WHERE_IT_APPLIES, its config's tiles, one wave of programs."""
+    """A plan's launch choices: (config, num_splits, keys_on_m, consumers) -- the keys-on-M
+    kernel where it applies and KEYS_ON_M_WHERE_IT_APPLIES, its config's tiles and consumer
+    warpgroups, one wave of programs."""
     keys_on_m = KEYS_ON_M_WHERE_IT_APPLIES and unsupported_reason(cache, num_q_heads, max_query_len, pv_mode,
                                                                   keys_on_m=True) is None
+    consumers = consumer_count(keys_on_m)
     config = (keys_on_m_config if keys_on_m else default_config)(cache.kv_dtype, cache.head_dim)
     splits = num_splits or choose_splits(num_seqs, cache.num_kv_heads, max_blocks * cache.block_size, config.block_n,
-                                         cache.device)
-    return config, splits, keys_on_m
+                                         cache.device, consumers)
+    return config, splits, keys_on_m, consumers
 
 
-def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, device) -> int:
+def choose_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, device,
+                  consumers: int = 2) -> int:
     """Programs per (sequence, KV head): enough for one wave over the SMs (one program
-    each), no more than half the tiles (each program runs two virtual splits)."""
+    each), at most one per ``consumers`` tiles (each program runs a virtual split per
+    consumer warpgroup)."""
     slots = PROGRAMS_PER_SM * sm_count(device)
     tiles = max(1, -(-max_context // block_n))
-    return max(1, min(max(1, slots // max(1, num_seqs * num_kv_heads)), -(-tiles // 2)))
+    return max(1, min(max(1, slots // max(1, num_seqs * num_kv_heads)), -(-tiles // consumers)))
 
 
 def decode_attention_hopper(query, cache, block_table, seq_lens, query_start_loc, *, softmax_scale=None, out=None,
                             q_quant=None, q_scale=None, pv_mode=None, num_splits=None, max_query_len=None,
-                            config: HopperPrefillConfig | None = None, keys_on_m: bool = False) -> torch.Tensor:
+                            config: HopperPrefillConfig | None = None, keys_on_m: bool = False,
+                            consumers: int | None = None) -> torch.Tensor:
     """Multi-token decode on the Hopper kernel (``keys_on_m``: the keys-on-M kernel,
-    :mod:`int8attn.kernels.decode_hopper_swapped`); ``max_query_len`` (host int, default
+    :mod:`int8attn.kernels.decode_hopper_swapped`, with ``consumers`` warpgroups, default
+    KEYS_ON_M_CONSUMERS); ``max_query_len`` (host int, default
     MAX_DECODE_QUERY_LEN capped by the rows) bounds every sequence's q_len -- longer ones are
     skipped, as decode_attention skips them. Raises ValueError where it does not apply."""
     _checks.check_attention_inputs(query, cache, block_table, seq_lens, query_start_loc, out=out,
@@ -189,24 +222,26 @@ def decode_attention_hopper(query, cache, block_table, seq_lens, query_start_loc
     reason = unsupported_reason(cache, num_q_heads, int(max_query_len), pv_mode, keys_on_m)
     if reason is not None:
         raise ValueError(f"the Hopper decode kernel does not apply: {reason}")
+    consumers = consumer_count(keys_on_m, consumers)
     config = config or (keys_on_m_config if keys_on_m else default_config)(cache.kv_dtype, cache.head_dim)
     config = check_config(config, cache, group, keys_on_m)
     num_seqs = block_table.shape[0]
     if num_splits is None:
         num_splits = choose_splits(num_seqs, cache.num_kv_heads, block_table.shape[1] * cache.block_size,
-                                   config.block_n, cache.device)
+                                   config.block_n, cache.device, consumers)
     if not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     return run_decode(config, query, cache, block_table, seq_lens, query_start_loc, qk_scale_of(softmax_scale,
-                      cache.head_dim), out, q_quant, q_scale, num_splits, int(max_query_len), keys_on_m=keys_on_m)
+                      cache.head_dim), out, q_quant, q_scale, num_splits, int(max_query_len), keys_on_m=keys_on_m,
+                      consumers=consumers)
 
 
 def run_decode(config, query, cache, block_table, seq_lens, query_start_loc, qk_scale: float, out, q_quant, q_scale,
                num_splits: int, max_query_len: int, workspace: DecodeWorkspace | None = None,
-               codes: tuple | None = None, keys_on_m: bool = False) -> torch.Tensor:
+               codes: tuple | None = None, keys_on_m: bool = False, consumers: int = 2) -> torch.Tensor:
     """Launch with checked inputs and config: the kernel, then (more than one virtual split)
-    the merge kernel over ``2 * num_splits`` partials (in ``workspace``, else a scratch pair
-    per shape). A query without codes is quantized first (into ``codes`` when given)."""
+    the merge kernel over ``consumers * num_splits`` partials (in ``workspace``, else a scratch
+    pair per shape). A query without codes is quantized first (into ``codes`` when given)."""
     from .producer import quantize_query_unchecked
 
     num_tokens, num_q_heads, head_dim = query.shape
@@ -221,20 +256,20 @@ def run_decode(config, query, cache, block_table, seq_lens, query_start_loc, qk_
                                                     cache.key_channel_scale)
     q_in = q_quant.view(torch.uint8) if cache.kv_dtype == "fp8" else q_quant
     if workspace is None:
-        workspace = _scratch(num_tokens, num_q_heads, head_dim, 2 * num_splits, cache.device)
-    part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, 2 * num_splits)
+        workspace = _scratch(num_tokens, num_q_heads, head_dim, consumers * num_splits, cache.device)
+    part_acc, part_ml = workspace.views(num_tokens, num_q_heads, head_dim, consumers * num_splits)
     key, value = cache.key, cache.value
     fixed = (num_splits, max_query_len, q_in.stride(0), q_in.stride(1), q_scale.stride(0), q_scale.stride(1),
              out.stride(0), out.stride(1), *part_acc.stride()[:3], *part_ml.stride()[:3],
              key.stride(0), key.stride(1), cache.key_scale.stride(0), cache.key_scale.stride(1),
              block_table.stride(0), error_flags(cache.device), num_tokens, cache.num_blocks, block_table.shape[1])
     with device_guard(cache.device):
-        geometry = (config, keys_on_m, cache.kv_dtype, cache.block_size, head_dim, group, cache.num_kv_heads,
+        geometry = (config, keys_on_m, consumers, cache.kv_dtype, cache.block_size, head_dim, group, cache.num_kv_heads,
                     num_seqs, num_q_heads, num_tokens, block_table.shape[1], fixed, cache.device)
         kernel, merge = remembered(_LAUNCHES, geometry, _MAX_LAUNCHES,
                                    lambda: _make_launches(config, cache, group, num_seqs, num_q_heads, num_tokens,
                                                           num_splits, max_query_len, block_table.shape[1], fixed,
-                                                          out, part_acc, part_ml, keys_on_m))
+                                                          out, part_acc, part_ml, keys_on_m, consumers))
         kernel(q_in, q_scale, out, part_acc, part_ml, key, value, cache.key_scale, cache.value_scale, block_table,
                seq_lens, query_start_loc, qk_scale)
         merge(out, part_acc, part_ml, seq_lens, query_start_loc)
@@ -242,16 +277,16 @@ def run_decode(config, query, cache, block_table, seq_lens, query_start_loc, qk_
 
 
 def _make_launches(config, cache, group, num_seqs, num_q_heads, num_tokens, num_splits, max_query_len, max_blocks,
-                   fixed, out, part_acc, part_ml, keys_on_m):
+                   fixed, out, part_acc, part_ml, keys_on_m, consumers):
     from ..kernels.decode import _decode_merge_kernel
 
-    fn, const = _kernel_constexprs(config, cache.kv_dtype, cache.head_dim, cache.block_size, group, max_query_len,
-                                   keys_on_m)
-    kernel = CachedLaunch(fn, (num_splits, cache.num_kv_heads, num_seqs), {**const, **launch_options(config)},
-                          {"config": config, "keys_on_m": keys_on_m}, fixed_args=fixed)
+    fn, const, options = _kernel_constexprs(config, cache.kv_dtype, cache.head_dim, cache.block_size, group,
+                                            max_query_len, keys_on_m, consumers)
+    kernel = CachedLaunch(fn, (num_splits, cache.num_kv_heads, num_seqs), {**const, **options},
+                          {"config": config, "keys_on_m": keys_on_m, "consumers": consumers}, fixed_args=fixed)
     head_dim = cache.head_dim
     cols = merge_columns(head_dim)
-    splits = 2 * num_splits
+    splits = consumers * num_splits
     chunk = min(MERGE_MAX_CHUNK, 1 << (splits - 1).bit_length())
     merge_args = (splits, out.stride(0), out.stride(1), *part_acc.stride()[:3], *part_ml.stride()[:3], num_tokens,
                   max_blocks)
@@ -263,25 +298,28 @@ def _make_launches(config, cache, group, num_seqs, num_q_heads, num_tokens, num_
 
 
 def _kernel_constexprs(config, kv_dtype: str, head_dim: int, block_size: int, group: int, max_query_len: int,
-                       keys_on_m: bool):
-    """(kernel function, its constexprs): rows on M -- both consumer warpgroups hold the
-    same 64 rows; keys on M -- the packed rows of ``max_query_len`` tokens padded to the
-    MMA's N (:func:`keys_on_m_rows`)."""
+                       keys_on_m: bool, consumers: int = 2):
+    """(kernel function, its constexprs, launch options): rows on M -- both consumer
+    warpgroups hold the same 64 rows; keys on M -- ``consumers`` warpgroups, the packed rows
+    of ``max_query_len`` tokens padded to the MMA's N (:func:`keys_on_m_rows`)."""
     from .prefill_hopper import cache_facts
 
     const = constexprs(config, cache_facts(kv_dtype, head_dim, block_size), group, kv_dtype)
+    options = launch_options(config)
     if not keys_on_m:
         from ..kernels.decode_hopper import _decode_hopper_kernel
 
         const["BLOCK_Q"] = ROWS // group
-        return _decode_hopper_kernel, const
+        return _decode_hopper_kernel, const, options
     from ..kernels.decode_hopper_swapped import _decode_hopper_swapped_kernel, swapped_layouts
 
     rows = keys_on_m_rows(group * max_query_len)
     names = set(_decode_hopper_swapped_kernel.arg_names)
     const = {k: v for k, v in const.items() if k in names}
-    const.update(swapped_layouts(rows, config.block_n, head_dim), BLOCK_Q=rows // group)
-    return _decode_hopper_swapped_kernel, const
+    consumer_regs, loader_regs, cap = REGISTER_BUDGETS[consumers]
+    const.update(swapped_layouts(rows, config.block_n, head_dim), BLOCK_Q=rows // group, CONSUMERS=consumers,
+                 CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
+    return _decode_hopper_swapped_kernel, const, dict(options, maxnreg=cap)
 
 
 #: Cached launches (kernel, merge) per launch geometry.
@@ -301,16 +339,19 @@ _MAX_WORKSPACES = 16
 
 
 def compile_for_sm90(kv_dtype: str, head_dim: int, block_size: int = 16, group: int = 6,
-                     config: HopperPrefillConfig | None = None, keys_on_m: bool = False, max_query_len: int = 4):
-    """Compile the kernel (the keys-on-M kernel for ``max_query_len`` tokens with
-    ``keys_on_m``) ahead of time for sm_90 (no GPU needed: ptxas ships with Triton); returns
-    Triton's compiled kernel. Pointers and the strides of contiguous tensors are assumed
-    16-byte aligned, as on a real launch."""
+                     config: HopperPrefillConfig | None = None, keys_on_m: bool = False, max_query_len: int = 4,
+                     consumers: int | None = None):
+    """Compile the kernel (the keys-on-M kernel for ``max_query_len`` tokens and ``consumers``
+    warpgroups with ``keys_on_m``) ahead of time for sm_90 (no GPU needed: ptxas ships with
+    Triton); returns Triton's compiled kernel. Pointers and the strides of contiguous tensors
+    are assumed 16-byte aligned, as on a real launch."""
     from .prefill_hopper import _pointer_types, compile_gluon_for_sm90
 
+    consumers = consumer_count(keys_on_m, consumers)
     config = config or (keys_on_m_config if keys_on_m else default_config)(kv_dtype, head_dim)
-    fn, const = _kernel_constexprs(config, kv_dtype, head_dim, block_size, group, max_query_len, keys_on_m)
+    fn, const, options = _kernel_constexprs(config, kv_dtype, head_dim, block_size, group, max_query_len, keys_on_m,
+                                            consumers)
     ptrs = dict(_pointer_types(kv_dtype), part_acc_ptr="*fp32", part_ml_ptr="*fp32", flags_ptr="*i32")
     return compile_gluon_for_sm90(fn, const, ptrs, (
         "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_pt", "stride_ph", "stride_ps", "stride_cb",
-        "stride_ch", "stride_sb", "stride_sh"), launch_options(config))
+        "stride_ch", "stride_sb", "stride_sh"), options)

@@ -18,10 +18,11 @@ variable (same values; default "auto"). "portable" always runs the Triton kernel
 "hopper" runs the Hopper kernel wherever :func:`unsupported_reason` allows (forced by
 argument: a clear ValueError where it does not apply; by the environment: the portable
 kernel there); "auto" runs it only on the routes of :data:`AUTO_ROUTES`, those measured
-correct and faster than the portable kernel on the H200 (each with its config), and only
-for metadata whose values were checked on the host (a plan, or value checks on): the
-Hopper kernels trust ``block_table`` / ``seq_lens`` / ``query_start_loc``, where the
-portable kernel clamps bad values, writes NaN rows and raises a device error flag. The launch record
+correct and faster than the portable kernel on the H200 (each with its config), whether or
+not the metadata values were checked on the host: like the portable kernel, the Hopper
+kernels clamp ``block_table`` / ``seq_lens`` / ``query_start_loc`` in-kernel -- a sequence
+out of range reads no key, gets NaN rows and raises a device error flag
+(:func:`int8attn.kernels.prefill_hopper._checked_tile`). The launch record
 (:mod:`int8attn.launches`) names the kernel that ran: ``_prefill_hopper_kernel``,
 ``_prefill_hopper_pipe_kernel``, ``_prefill_hopper_ws_kernel`` (warp-specialized: a
 ``HopperPrefillConfig(warp_specialized=True)``, e.g. :func:`warp_specialized_config`) or
@@ -39,6 +40,7 @@ import torch
 
 from .. import _checks
 from .. import launches
+from ..errors import error_flags
 from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
 from ..runtime import capturing, device_guard, interpret_mode
 from . import prefill as _portable
@@ -146,12 +148,10 @@ def requested_kernel(kernel: str | None = None) -> tuple[str, bool]:
     return kernel, forced
 
 
-def choose(cache, num_q_heads: int, pv_mode: str, kernel: str | None = None, *,
-           metadata_checked: bool = True, window: int = 0) -> str:
+def choose(cache, num_q_heads: int, pv_mode: str, kernel: str | None = None, *, window: int = 0) -> str:
     """"hopper" or "portable" for a prefill launch of this cache / heads / resolved PV mode
-    (see the module docstring; ``metadata_checked``: the metadata values were checked on
-    the host, which "auto" requires; ``window``: a sliding window, which only the portable
-    kernel implements); ValueError where ``kernel="hopper"`` cannot run."""
+    (see the module docstring; ``window``: a sliding window, which only the portable kernel
+    implements); ValueError where ``kernel="hopper"`` cannot run."""
     kernel, forced = requested_kernel(kernel)
     if kernel == "portable":
         return "portable"
@@ -160,7 +160,7 @@ def choose(cache, num_q_heads: int, pv_mode: str, kernel: str | None = None, *,
         if kernel == "hopper" and forced:
             raise ValueError(f"the Hopper prefill kernel does not apply: {reason}")
         return "portable"
-    if kernel == "hopper" or (metadata_checked and (cache.kv_dtype, pv_mode, cache.head_dim) in AUTO_ROUTES):
+    if kernel == "hopper" or (cache.kv_dtype, pv_mode, cache.head_dim) in AUTO_ROUTES:
         return "hopper"
     return "portable"
 
@@ -352,7 +352,7 @@ def run_prefill(config, pv_mode, query, cache, block_table, seq_lens, query_star
              q_in.stride(0), q_in.stride(1), q_scale.stride(0), q_scale.stride(1),
              out.stride(0), out.stride(1),
              key.stride(0), key.stride(1), key_scale.stride(0), key_scale.stride(1),
-             block_table.stride(0))
+             block_table.stride(0), error_flags(cache.device), num_tokens, cache.num_blocks, block_table.shape[1])
     args = (q_in, q_scale, out, key, value, key_scale, value_scale, block_table, seq_lens, query_start_loc, qk_scale)
     with device_guard(cache.device):
         if not CACHED_LAUNCH:
@@ -397,9 +397,7 @@ def prefill(query, cache, block_table, seq_lens, query_start_loc, *, kernel: str
             pv_mode = _portable.resolve_pv_mode(cache.kv_dtype, kwargs.get("pv_mode"))
         except (ValueError, AttributeError):
             pv_mode = None  # the launcher raises the clear error
-        which = "portable" if pv_mode is None and kernel != "hopper" else \
-            choose(cache, query.shape[1], pv_mode, kernel,
-                   metadata_checked=_checks.value_checks_enabled(cache.device))
+        which = "portable" if pv_mode is None and kernel != "hopper" else choose(cache, query.shape[1], pv_mode, kernel)
     if which == "hopper":
         return prefill_attention_hopper(query, cache, block_table, seq_lens, query_start_loc, config=config,
                                         **kwargs)
@@ -427,7 +425,7 @@ def _pointer_types(kv_dtype: str) -> dict:
     elem = {"int8": "*i8", "fp8": "*fp8e4nv", "bf16": "*bf16"}[kv_dtype]
     return dict(q_ptr={"int8": "*i8", "fp8": "*u8", "bf16": "*bf16"}[kv_dtype], k_ptr=elem, v_ptr=elem,
                 q_scale_ptr="*fp32", k_scale_ptr="*fp32", v_scale_ptr="*fp32", block_table_ptr="*i32", seq_lens_ptr="*i32",
-                query_start_loc_ptr="*i32", out_ptr="*bf16")
+                query_start_loc_ptr="*i32", out_ptr="*bf16", flags_ptr="*i32")
 
 
 def compile_for_sm90(kv_dtype: str, pv_mode: str, head_dim: int, block_size: int = 16, group: int = 4,
