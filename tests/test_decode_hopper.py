@@ -109,6 +109,13 @@ def test_keys_on_m_consumers_fit_the_register_file(compiled_variants, request, k
     assert max(n for _, n in tile_loops) <= LOOP_SPILL_BUDGET.get(version, LOOP_SPILL_BUDGET[None]), got["mma_loops"]
 
 
+def test_two_consumers_take_the_warp_specialized_prefill_budget():
+    pytest.importorskip("triton.experimental.gluon")
+    from int8attn.kernels import prefill_hopper_ws as ws
+
+    assert dh.REGISTER_BUDGETS[2] == (ws.CONSUMER_REGS, ws.LOADER_REGS, ws.KERNEL_MAXNREG)
+
+
 def test_consumer_count_rules():
     assert dh.consumer_count(False) == 2 and dh.consumer_count(False, 2) == 2
     assert dh.consumer_count(True) == dh.KEYS_ON_M_CONSUMERS and dh.consumer_count(True, 2) == 2

@@ -6,9 +6,8 @@ a CUDA device, in unplanned calls only with ``INT8ATTN_CHECK_VALUES=1`` (never u
 CUDA-graph capture). The kernels never trust that metadata: every block id, length, slot
 and position is clamped or masked in-kernel before it forms an address, the output of a
 sequence whose metadata is out of range is NaN (a bad slot is skipped), and the kernel
-raises a flag here (``INT8ATTN_DECODE_SAFE=0`` takes the decode kernel's clamps out; the
-Hopper prefill kernel, which trusts metadata, runs only on checked metadata unless
-forced). Nothing is read back until the host asks:
+raises a flag here (``INT8ATTN_DECODE_SAFE=0`` takes the portable decode kernel's clamps
+out). Nothing is read back until the host asks:
 :func:`check_errors` (also called by ``plan_attention`` and by every call that runs its
 value checks) turns a raised flag into :class:`DeviceMetadataError` naming the first
 sequence (or token) and what was wrong, and clears the flags.

@@ -475,7 +475,7 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
         prefill_kernel: "auto" | "hopper" | "portable" (None: ``INT8ATTN_PREFILL_KERNEL``,
             default "auto"): the prefill kernel, see :mod:`int8attn.ops.prefill_hopper`
             ("hopper" where it cannot run raises ValueError before any launch; "auto"
-            takes the Hopper kernel only for metadata checked on the host, e.g. a plan's).
+            takes the Hopper kernel on the routes measured faster, ``AUTO_ROUTES``).
             With a plan, pass it to :func:`plan_attention`.
         window: sliding window (None: full causal attention), per call: each query token
             sees only the ``window`` most recent positions up to its own, its own included
@@ -498,10 +498,9 @@ def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scal
     affected sequences' rows are NaN and a device error flag is raised, which
     :func:`int8attn.check_errors` (or the next plan) turns into
     :class:`int8attn.DeviceMetadataError` (``INT8ATTN_DECODE_SAFE=0`` builds decode
-    launches without their clamps, for callers that check every batch themselves). The
-    Hopper prefill kernel trusts metadata, so "auto" takes it only for checked metadata. Decode and prefill take any
-    head_dim that is a multiple of 16 from 16 to 256 (a tile padded to the next power of
-    two, the padding channels masked).
+    launches without their clamps, for callers that check every batch themselves). Decode
+    and prefill take any head_dim that is a multiple of 16 from 16 to 256 (a tile padded to
+    the next power of two, the padding channels masked).
     """
     if plan is not None:
         if not isinstance(plan, AttentionPlan):

@@ -56,8 +56,9 @@ KEYS_ON_M_ROWS = 32
 KEYS_ON_M_CONSUMERS = 2
 #: Registers per thread for a given number of consumer warpgroups: (consumer, loader, the
 #: launch cap that splits them); ``NC x 128 x consumer + 128 x loader <= 128 x (NC + 1) x cap
-#: <= 64K``, one program per SM. Three keys-on-M consumers hold their loop in 160 (sm_90,
-#: Triton 3.6: no local memory in the consumer loops); the rows-on-M kernel runs two.
+#: <= 64K``, one program per SM. Two: the warp-specialized prefill kernel's budget
+#: (``kernels.prefill_hopper_ws``; the rows-on-M kernel always runs two). Three keys-on-M
+#: consumers hold their loop in 160 (sm_90, Triton 3.6: no local memory in the consumer loops).
 REGISTER_BUDGETS = {2: (232, 40, 168), 3: (160, 32, 128)}
 
 
