@@ -1,4 +1,5 @@
-"""One launch of a Hopper decode kernel to profile with Nsight Compute (sm_90): the
+"""One launch of a Hopper decode kernel to profile with Nsight Compute (sm_90; the portable
+decode kernel's is ``ncu_decode.py``): the
 keys-on-M kernel with two or three consumer warpgroups, or the rows-on-M kernel, at one
 benchmark point of ``bench_decode_hopper.py`` (24 q / 4 KV, D256, page 16, q4).
 
@@ -10,7 +11,7 @@ bandwidth and bank conflicts, barrier stalls, issue slots, the MMA pipe). One ca
     for n in 2 3; do ncu --clock-control none --kernel-name regex:_decode_hopper_swapped \\
         --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats \\
         --section SchedulerStats --section MemoryWorkloadAnalysis_Tables --section InstructionStats \\
-        python3 benchmarks/profile_decode_hopper.py --consumers $n > $OUT/ncu_$n.txt 2>&1; done
+        python3 benchmarks/ncu_decode_hopper.py --consumers $n > $OUT/ncu_$n.txt 2>&1; done
 
 (PYTHONPATH=src:benchmarks.) The script warms the launch up three times (compile, first
 launches), then makes the profiled launch and prints its graph-free event time.
