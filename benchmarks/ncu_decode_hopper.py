@@ -1,7 +1,7 @@
 """One launch of a Hopper decode kernel to profile with Nsight Compute (sm_90; the portable
-decode kernel's is ``ncu_decode.py``): the
-keys-on-M kernel with two or three consumer warpgroups, or the rows-on-M kernel, at one
-benchmark point of ``bench_decode_hopper.py`` (24 q / 4 KV, D256, page 16, q4).
+decode kernel's workload is ``ncu_decode.py``): the keys-on-M kernel with two or three
+consumer warpgroups, or the rows-on-M kernel, at one benchmark point of
+``bench_decode_hopper.py`` (24 q / 4 KV, D256, page 16, q4).
 
 Why. Three keys-on-M consumers per SM slow each consumer's tile almost in proportion
 (benchmarks/notes/decode.md, "Three consumers"): the consumers share a per-SM limit that two
