@@ -5,13 +5,18 @@ consumer warpgroups, or the rows-on-M kernel, at one benchmark point of
 
 Why. Three keys-on-M consumers per SM slow each consumer's tile almost in proportion
 (benchmarks/notes/decode.md, "Three consumers"): the consumers share a per-SM limit that two
-already nearly fill. Comparing the counters of the two launches names it (shared-memory
-bandwidth and bank conflicts, barrier stalls, issue slots, the MMA pipe). One call::
+already nearly fill, or the loader's copies are the limit (every q4 variant streams about the
+same bytes per µs). Comparing the counters of the two launches names it (shared-memory
+bandwidth and bank conflicts, barrier stalls, issue slots, the MMA pipe, memory). One call::
 
     for n in 2 3; do ncu --clock-control none --kernel-name regex:_decode_hopper_swapped \\
         --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats \\
         --section SchedulerStats --section MemoryWorkloadAnalysis_Tables --section InstructionStats \\
-        python3 benchmarks/ncu_decode_hopper.py --consumers $n > $OUT/ncu_$n.txt 2>&1; done
+        --section SourceCounters python3 benchmarks/ncu_decode_hopper.py --consumers $n \\
+        > $OUT/ncu_$n.txt 2>&1; done
+
+(SourceCounters ranks the SASS by stall: consumers stalled at the ``ready`` mbarrier wait
+mean the loader is the limit, stalls at their own barriers and MMA waits mean the consumers.)
 
 (PYTHONPATH=src:benchmarks.) The script warms the launch up three times (compile, first
 launches), then makes the profiled launch and prints its graph-free event time.
