@@ -1,7 +1,10 @@
 """How the 8-bit P step is chosen, emulated in float64 on a CPU: the kernels' rule (each row's
 step per KV tile from that row's largest ``P * sV``, so the largest maps to exactly 127 or
 448) against a step shared by the tile's rows (the tile's largest V scale, P relative to each
-row's maximum in the tile), which would save a row maximum and a multiply per score.
+row's maximum in the tile), which would save a row maximum and a multiply per score, and
+against steps held across tiles (``held``: one step for all rows, the largest V scale seen so
+far, P relative to the running row maximum; ``held-row``: each row's step only growing), which
+would let the int8 PV accumulate in int32 across tiles and convert it only when a step grows.
 
 One head, causal mask off, 64-key tiles, keys with four outlier channels (x20), V rounded to
 INT8 per token (both modes use the same codes); printed: rel-L2 of the output against
@@ -38,6 +41,8 @@ def p_step_error(mode: str, fmt: str, n_q=256, n_k=4096, d=128, tile=64, sink=0.
     m = torch.full((n_q,), -1e30, dtype=torch.float64)
     l_sum = torch.zeros(n_q, dtype=torch.float64)
     acc = torch.zeros(n_q, d, dtype=torch.float64)
+    vmax = torch.zeros((), dtype=torch.float64)
+    r_held = torch.zeros(n_q, dtype=torch.float64)
     for j in range(0, n_k, tile):
         t, vsj = s[:, j:j + tile], vs[j:j + tile]
         m_tile = t.amax(1)
@@ -47,6 +52,22 @@ def p_step_error(mode: str, fmt: str, n_q=256, n_k=4096, d=128, tile=64, sink=0.
             p = torch.exp(t - m_new[:, None])
             pv = p * vsj[None, :]
             r = pv.amax(1) / LEVELS[fmt]
+            x = pv / r[:, None]
+        elif mode == "held":  # one step for every row and tile until it must grow: P relative to
+            # the running row maximum (<= 1), sV to the largest V scale seen so far -- an integer
+            # accumulator could then run across tiles, converted only when the step or a row's
+            # maximum changes
+            vmax = torch.maximum(vmax, vsj.max())
+            p = torch.exp(t - m_new[:, None])
+            r = torch.full((n_q,), vmax.item() / LEVELS[fmt], dtype=torch.float64)
+            x = p * (vsj / r[0])[None, :]
+        elif mode == "held-row":  # each row's step held until the row's largest P * sV outgrows it
+            # (in the units of the running maximum): the kernels' rule made monotone, so an integer
+            # accumulator would be converted only on the tiles where some row's step grows
+            p = torch.exp(t - m_new[:, None])
+            pv = p * vsj[None, :]
+            r = torch.maximum(r_held * alpha, pv.amax(1) / LEVELS[fmt])
+            r_held = r
             x = pv / r[:, None]
         else:  # one step per tile: P relative to the row's tile maximum, sV to the tile's largest
             p = torch.exp(t - m_tile[:, None])
@@ -65,10 +86,11 @@ def p_step_error(mode: str, fmt: str, n_q=256, n_k=4096, d=128, tile=64, sink=0.
 def main() -> None:
     cases = {"default": {}, "sharp (x3)": dict(temp=3.0), "sink +8": dict(sink=8.0), "d256": dict(d=256),
              "16k keys, sink +10": dict(n_k=16384, sink=10.0)}
-    print(f"{'case':<20} {'row int8':>9} {'tile int8':>9} {'row fp8':>9} {'tile fp8':>9}")
+    modes = ("row", "tile", "held", "held-row")
+    print(f"{'case':<20} " + " ".join(f"{m + ' ' + f:>14}" for f in ("int8", "fp8") for m in modes))
     for name, kw in cases.items():
-        e = [p_step_error(mode, fmt, **kw) for fmt in ("int8", "fp8") for mode in ("row", "tile")]
-        print(f"{name:<20} " + " ".join(f"{x:9.5f}" for x in e))
+        e = [p_step_error(mode, fmt, **kw) for fmt in ("int8", "fp8") for mode in modes]
+        print(f"{name:<20} " + " ".join(f"{x:14.5f}" for x in e))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,16 @@ def test_the_per_row_p_step_beats_a_step_shared_by_the_tile(fmt):
     assert row < 0.01
 
 
+@pytest.mark.parametrize("mode", ["held", "held-row"])
+def test_a_p_step_held_across_tiles_loses_to_the_per_tile_step(mode):
+    """An int8 P step held across KV tiles (an int32 PV accumulator converted only when the
+    step grows) rounds the tiles far from a row's maximum coarsely: several times the
+    kernels' per-tile error."""
+    kw = dict(n_q=64, n_k=1024, d=64, seed=3)
+    row, held = emulate_p_step.p_step_error("row", "int8", **kw), emulate_p_step.p_step_error(mode, "int8", **kw)
+    assert held > 2 * row, (row, held)
+
+
 def test_prefill_table_prints_eager_and_graph_ratios(capsys):
     rows = [dict(shape="s", prefix=0, kv_dtype="int8", pv_mode="int8", kernel="portable", us=200.0, graph_us=150.0,
                  tops=10.0),
