@@ -4,7 +4,10 @@
 #   2. benchmarks/memcheck_hopper.py --decode-only under compute-sanitizer memcheck
 #   3. benchmarks/bench_decode_hopper.py (BENCH_ARGS, default: int8 q4 and q2, splits 2 and 4)
 #   4. the launched kernels' SASS (cuobjdump of the cubins in the Triton cache): MMA counts
-# Writes under $OUT: env.log, tests.log, memcheck.log, bench.log, sass.log, decode_hopper.jsonl.
+#   5. with NCU=1: Nsight Compute of one keys-on-M launch with two and three consumers
+#      (benchmarks/ncu_decode_hopper.py; <= NCU_LIMIT s each)
+# Writes under $OUT: env.log, tests.log, memcheck.log, bench.log, sass.log, decode_hopper.jsonl
+# (and ncu_2.txt, ncu_3.txt).
 # Usage (repo root): OUT=/some/dir bash benchmarks/decode_hopper_gpu.sh
 set -u
 OUT=${OUT:-$PWD/decode_hopper_out}
@@ -31,3 +34,11 @@ for f in $(find "$TRITON_CACHE_DIR" -name "_decode_hopper*.cubin"); do
   cuobjdump --dump-sass "$f" | grep -cE "\b(LDL|STL)\b" | sed 's/^/local-memory instructions: /'
 done > "$OUT/sass.log" 2>&1
 cat "$OUT/sass.log"
+[ "${NCU:-0}" = 1 ] || exit 0
+for n in 2 3; do
+  timeout ${NCU_LIMIT:-120} ncu --clock-control none --kernel-name regex:_decode_hopper_swapped --launch-skip 3 \
+      --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+      --section MemoryWorkloadAnalysis_Tables --section InstructionStats --section SourceCounters \
+      python3 benchmarks/ncu_decode_hopper.py --consumers $n > "$OUT/ncu_$n.txt" 2>&1
+  echo "ncu consumers=$n rc=$?"; grep -E "Duration|Issue Slots Busy|No Eligible|Stall|Shared" "$OUT/ncu_$n.txt" | head -20
+done

@@ -18,7 +18,8 @@ bandwidth and bank conflicts, barrier stalls, issue slots, the MMA pipe, memory)
 (SourceCounters ranks the SASS by stall: consumers stalled at the ``ready`` mbarrier wait
 mean the loader is the limit, stalls at their own barriers and MMA waits mean the consumers.)
 
-(PYTHONPATH=src:benchmarks.) The script warms the launch up three times (compile, first
+(PYTHONPATH=src:benchmarks; ``NCU=1 bash benchmarks/decode_hopper_gpu.sh`` runs it after the
+tests and the benchmark.) The script warms the launch up three times (compile, first
 launches), then makes the profiled launch and prints its graph-free event time.
 """
 
