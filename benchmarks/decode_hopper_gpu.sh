@@ -40,5 +40,6 @@ for n in 2 3; do
       --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
       --section MemoryWorkloadAnalysis_Tables --section InstructionStats --section SourceCounters \
       python3 benchmarks/ncu_decode_hopper.py --consumers $n > "$OUT/ncu_$n.txt" 2>&1
-  echo "ncu consumers=$n rc=$?"; grep -E "Duration|Issue Slots Busy|No Eligible|Stall|Shared" "$OUT/ncu_$n.txt" | head -20
+  echo "ncu consumers=$n rc=$?"
+  grep -E "Duration|Issue Slots Busy|No Eligible|Stall|Shared" "$OUT/ncu_$n.txt" | head -20
 done
