@@ -206,18 +206,21 @@ def _bad_block_ids(bt_row, first_page, end_page, num_blocks):
 
 
 @gluon.jit
-def _checked_tile(query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, num_seqs, num_tiles, num_tokens,
-                  num_blocks, max_blocks, min_query_len, stride_bt, BLOCK_Q: gl.constexpr, PAGE: gl.constexpr):
+def _checked_tile(query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, out_ptr, num_seqs, num_tiles,
+                  num_tokens, num_blocks, max_blocks, min_query_len, stride_bt, stride_ot, stride_oh,
+                  GROUP: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  PAGE: gl.constexpr):
     """The (query tile, KV head) of this program, longest tiles first, with its metadata
     clamped so that nothing it reads or writes lies outside the query, the output, its
     block-table row or the cache, whatever the metadata holds (the portable kernel's rules):
     the query range is clamped into ``[0, num_tokens]``; a range that leaves it, decreases or
     exceeds ``seq_len``, a ``seq_len`` negative or beyond the row's ``max_blocks`` pages, or a
     block id of the sequence's pages below ``seq_len`` outside ``[0, num_blocks)`` makes the
-    sequence *bad*: its programs write NaN rows (:func:`_store_nan_rows`) and read no key, and
-    raise the device flags. Every program of a sequence scans the same ids, so its rows agree.
-    Returns (run, kv_head, seq, q_start, q_tile, q_len, seq_len, bad): ``run`` false for a
-    program with no rows to write (it returns at once)."""
+    sequence *bad*: its programs write NaN rows here (:func:`_store_nan_rows`) and raise the
+    device flags. Every program of a sequence scans the same ids, so its rows agree.
+    Returns (run, kv_head, seq, q_start, q_tile, q_len, seq_len): ``run`` false for a program
+    with nothing left to do -- no rows, or a bad sequence's NaN rows written -- which returns
+    at once, before any K/V address is formed."""
     tile = num_tiles - 1 - gl.program_id(0)
     kv_head = gl.program_id(1)
     seq = gl.maximum(_find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q), 0)
@@ -236,7 +239,10 @@ def _checked_tile(query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr,
                                  num_blocks)
         bits += (bad_ids > 0).to(gl.int32) * ERR_BLOCK_ID
     _raise_flags(flags_ptr, bits, seq)
-    return run, kv_head, seq, q_start, q_tile, q_len, seq_len, bits != 0
+    if run & (bits != 0):
+        _store_nan_rows(out_ptr, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_Q,
+                        HEAD_DIM)
+    return run & (bits == 0), kv_head, seq, q_start, q_tile, q_len, seq_len
 
 
 @gluon.jit
@@ -387,14 +393,10 @@ def _prefill_hopper_kernel(
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV_LAYOUT)
     NUM_DV: gl.constexpr = HEAD_DIM // DV
 
-    run, kv_head, seq, q_start, q_tile, q_len, seq_len, bad = _checked_tile(
-        query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, num_seqs, num_tiles, num_tokens, num_blocks,
-        max_blocks, min_query_len, stride_bt, BLOCK_Q, PAGE)
+    run, kv_head, seq, q_start, q_tile, q_len, seq_len = _checked_tile(
+        query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, out_ptr, num_seqs, num_tiles, num_tokens,
+        num_blocks, max_blocks, min_query_len, stride_bt, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_Q, HEAD_DIM, PAGE)
     if not run:
-        return
-    if bad:
-        _store_nan_rows(out_ptr, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_Q,
-                        HEAD_DIM)
         return
     ctx = seq_len - q_len
     q_smem, tok, row_scale = _load_q_tile(q_ptr, q_scale_ptr, k_ptr, q_start, q_tile, q_len, kv_head, qk_scale,

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 from . import _gluon_compat as _gc
 from .codes import KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
 from .prefill_hopper import (MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _issue_tile, _kv_range, _load_q_tile,
-                             _checked_tile, _start_ring, _store_nan_rows, _store_output, _zero_tail_keys)
+                             _checked_tile, _start_ring, _store_output, _zero_tail_keys)
 
 
 @gluon.jit
@@ -167,14 +167,10 @@ def _prefill_hopper_pipe_kernel(
     gl.static_assert(STAGES >= 3, "the pipelined kernel keeps three KV tiles live")
     gl.static_assert(PV_KIND != PV_BF16, "the pipelined kernel runs 8-bit PV only")
 
-    run, kv_head, seq, q_start, q_tile, q_len, seq_len, bad = _checked_tile(
-        query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, num_seqs, num_tiles, num_tokens, num_blocks,
-        max_blocks, min_query_len, stride_bt, BLOCK_Q, PAGE)
+    run, kv_head, seq, q_start, q_tile, q_len, seq_len = _checked_tile(
+        query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, out_ptr, num_seqs, num_tiles, num_tokens,
+        num_blocks, max_blocks, min_query_len, stride_bt, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_Q, HEAD_DIM, PAGE)
     if not run:
-        return
-    if bad:
-        _store_nan_rows(out_ptr, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_Q,
-                        HEAD_DIM)
         return
     ctx = seq_len - q_len
     q_smem, tok, row_scale = _load_q_tile(q_ptr, q_scale_ptr, k_ptr, q_start, q_tile, q_len, kv_head, qk_scale,

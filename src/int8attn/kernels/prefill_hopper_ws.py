@@ -42,7 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 from . import _gluon_compat as _gc
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
 from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _issue_rows, _issue_tile, _page_blocks, \
-    _checked_tile, _pv_8bit, _store_nan_rows, _store_output, _zero_tail_keys
+    _checked_tile, _pv_8bit, _store_output, _zero_tail_keys
 from .prefill_hopper_pipe import _issue_pv, _online_softmax, _softmax_tile, _wait_and_fold
 
 #: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).
@@ -406,14 +406,10 @@ def _prefill_hopper_ws_kernel(
     gl.static_assert((PV_KIND != PV_BF16) or (KV_KIND == KIND_BF16),
                      "the warp-specialized kernel runs PV in the cache's precision")
 
-    run, kv_head, seq, q_start, q_tile, q_len, seq_len, bad = _checked_tile(
-        query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, num_seqs, num_tiles, num_tokens, num_blocks,
-        max_blocks, min_query_len, stride_bt, BLOCK_Q, PAGE)
+    run, kv_head, seq, q_start, q_tile, q_len, seq_len = _checked_tile(
+        query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, out_ptr, num_seqs, num_tiles, num_tokens,
+        num_blocks, max_blocks, min_query_len, stride_bt, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_Q, HEAD_DIM, PAGE)
     if not run:
-        return
-    if bad:
-        _store_nan_rows(out_ptr, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_Q,
-                        HEAD_DIM)
         return
     ctx = seq_len - q_len
     kv_end = ctx + gl.minimum(q_len, q_tile * BLOCK_Q + BLOCK_Q)  # one past the last row's key
