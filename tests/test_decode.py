@@ -594,11 +594,7 @@ def test_safe_launch_keeps_bad_metadata_in_bounds(device, monkeypatch, case, kv,
     good = decode_attention(b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc, num_splits=splits)
     bt, sl, qsl, bad_seq, words = _bad_decode_metadata(b)[case]
     out = decode_attention(b.query, b.cache, bt, sl, qsl, out=testing.poisoned_like(b.query), num_splits=splits)
-    starts = b.query_start_loc.tolist()
-    rows = torch.zeros(out.shape[0], dtype=torch.bool)
-    rows[starts[bad_seq]:starts[bad_seq + 1]] = True
-    assert torch.isnan(out[rows].float()).all(), f"{case}: rows of sequence {bad_seq} are not all NaN"
-    assert torch.equal(out[~rows], good[~rows]), f"{case}: other sequences changed"
+    testing.assert_only_sequence_nan(out, good, b.query_start_loc, bad_seq, case)
     with pytest.raises(DeviceMetadataError, match=f"{words}.*index {bad_seq};"):
         check_errors(device)
     check_errors(device)  # cleared
@@ -696,14 +692,10 @@ def test_fused_merge_with_bad_metadata(device, monkeypatch, mode):
                                  kv_dtype="int8", seed=43, device=device)
     args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
     good = decode_attention(*args, num_splits=12)
-    starts = b.query_start_loc.tolist()
     for case in ("block id too large", "seq_len beyond table", "seq_len negative"):
         bt, sl, qsl, bad_seq, words = _bad_decode_metadata(b)[case]
         out = decode_attention(b.query, b.cache, bt, sl, qsl, out=testing.poisoned_like(b.query), num_splits=12)
-        rows = torch.zeros(out.shape[0], dtype=torch.bool)
-        rows[starts[bad_seq]:starts[bad_seq + 1]] = True
-        assert torch.isnan(out[rows].float()).all(), f"{case}: rows of sequence {bad_seq} are not all NaN"
-        assert torch.equal(out[~rows], good[~rows]), f"{case}: other sequences changed"
+        testing.assert_only_sequence_nan(out, good, b.query_start_loc, bad_seq, case)
         with pytest.raises(DeviceMetadataError, match=words):
             check_errors(device)
         assert torch.equal(decode_attention(*args, num_splits=12), good), f"{case}: the next valid call differs"

@@ -608,12 +608,7 @@ def test_gpu_bad_metadata_gives_nan_rows_and_a_flag(case, kv, which, monkeypatch
     out = testing.poisoned_like(good)
     hop.prefill_attention_hopper(b.query, b.cache, bt, sl, qsl, out=out, **kw)
     torch.cuda.synchronize()
-    starts = b.query_start_loc.tolist()
-    rows = torch.zeros(out.shape[0], dtype=torch.bool)
-    rows[starts[bad_seq]:starts[bad_seq + 1]] = True
-    out, good = out.cpu(), good.cpu()
-    assert torch.isnan(out[rows].float()).all(), f"{case}: rows of sequence {bad_seq} are not all NaN"
-    assert torch.equal(out[~rows], good[~rows]), f"{case}: other sequences changed"
+    testing.assert_only_sequence_nan(out, good, b.query_start_loc, bad_seq, case)
     with pytest.raises(DeviceMetadataError, match=f"{words}.*index {bad_seq};"):
         check_errors("cuda")
     check_errors("cuda")  # cleared

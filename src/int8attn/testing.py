@@ -194,6 +194,19 @@ def assert_nan_exactly(out: torch.Tensor, ref: torch.Tensor, want_nan: torch.Ten
     assert_close_verbose(out.cpu()[keep], ref.cpu()[keep], rel_l2=rel_l2, name=name)
 
 
+def assert_only_sequence_nan(out: torch.Tensor, good: torch.Tensor, query_start_loc: torch.Tensor, seq: int,
+                             name: str = "output") -> None:
+    """After a run on out-of-range metadata of sequence ``seq``: every row of its (original)
+    query range in ``out`` [T, H, D] is NaN and every other row equals ``good``, the run on
+    valid metadata, bit for bit."""
+    starts = query_start_loc.tolist()
+    rows = torch.zeros(out.shape[0], dtype=torch.bool)
+    rows[starts[seq]:starts[seq + 1]] = True
+    out, good = out.cpu(), good.cpu()
+    assert torch.isnan(out[rows].float()).all(), f"{name}: rows of sequence {seq} are not all NaN"
+    assert torch.equal(out[~rows], good[~rows]), f"{name}: other sequences changed"
+
+
 def poison_query_rows(query: torch.Tensor, where, bad: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Put ``bad`` at each (token, head, channel) of ``where`` in ``query`` (in place).
     Returns (the [T, H] bool mask of the poisoned (token, head) rows, on the CPU; a copy
