@@ -77,7 +77,7 @@ def consumer_count(keys_on_m: bool, consumers: int | None = None) -> int:
 
 def keys_on_m_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig:
     """The keys-on-M kernel's config: 64-key tiles (one warpgroup MMA's M), a 4-stage ring
-    (with two or three consumers, rings of 4-6 stages time within 2% on the H200)."""
+    (the fastest of 4-6 stages with two and with three consumers on the H200, bs16 L32k q4)."""
     return dataclasses.replace(default_config(kv_dtype, head_dim), block_n=KEYS_ON_M_BLOCK_N, stages=4)
 
 
