@@ -9,7 +9,11 @@ kernel; then out-of-range metadata of one sequence (value checks off) on both de
 and (without ``--decode-only``) on every Hopper prefill kernel: NaN rows for it, a device
 flag, and no access outside any tensor.
 
-    compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/memcheck_hopper.py [--decode-only]
+    compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/memcheck_hopper.py \
+        [--decode-only | --bad-metadata-only]
+
+(``--bad-metadata-only``: the out-of-range metadata cases alone, decode and prefill -- the
+part a change to the kernels' prologues needs.)
 
 Each case is also compared with the portable kernel (rel-L2 printed; NaN or an unwritten
 row fails the script), so a run that reports no memory error also shows the kernel ran.
@@ -62,7 +66,9 @@ KERNELS = ((False, None), (True, 3), (True, 2))
 
 def main() -> int:
     bad = 0
-    prefill_cases = {} if "--decode-only" in sys.argv else CASES
+    only_bad = "--bad-metadata-only" in sys.argv
+    decode_only = "--decode-only" in sys.argv
+    prefill_cases = {} if decode_only or only_bad else CASES
     for name, (hq, hkv, d, bs, lens, qlens) in prefill_cases.items():
         for kv in ("int8", "fp8", "bf16"):
             ws = hop.warp_specialized_config(kv, d)
@@ -74,7 +80,7 @@ def main() -> int:
                 out = testing.poisoned_like(want)
                 hop.prefill(*args, kernel="hopper", pv_mode=kv, out=out, config=cfg)
                 bad += not _report(out, want, 0.05, f"{name} {kv} qk_ahead={cfg.qk_ahead}")
-    for name, (hq, hkv, d, bs, lens, qlens) in DECODE_CASES.items():
+    for name, (hq, hkv, d, bs, lens, qlens) in ({} if only_bad else DECODE_CASES).items():
         for kv in ("int8", "fp8"):
             b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                          kv_dtype=kv, seed=len(name), device="cuda")
@@ -89,7 +95,7 @@ def main() -> int:
                 bad += not _report(out, want, 0.07, f"decode {name} {kv} splits={splits} keys_on_m={keys} "
                                                     f"consumers={nc}")
     bad += _bad_metadata_cases()
-    if prefill_cases:
+    if not decode_only:
         bad += _prefill_bad_metadata_cases()
     return 1 if bad else 0
 

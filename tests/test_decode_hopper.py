@@ -8,6 +8,7 @@ replay.
 """
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ SPILL_BUDGET = {"3.6": {"int8-d256-g6": 8, "fp8-d256-g6": 128, "fp8-d128-g8": 16
 LOOP_SPILL_BUDGET = {"3.6": 0, None: 16}
 
 _COMPILE_ALL = r"""
-import json, sys
+import json, re, sys
 import triton
 from _sm90 import gluon_facts
 from int8attn.gate import sass
@@ -61,6 +62,8 @@ for key, (kv, d, group, max_q, consumers) in json.loads(sys.argv[1]).items():
     facts["mma_loops"] = sorted((len(body), sum(o.split(".")[0] in ("LDL", "STL") for o in body))
                                 for body in sass.loops(text) if any("GMMA" in o for o in body))
     facts["num_warps"], facts["maxnreg"] = c.metadata.num_warps, c.metadata.maxnreg
+    # warpgroup MMAs whose A operand comes from registers (the A of the others: a descriptor)
+    facts["register_a_mmas"] = len(re.findall(r"GMMA\.\S+\s+R\d+,\s*R\d+,\s*gdesc", text))
     out["variants"][key] = facts
 print(json.dumps(out))
 """
@@ -103,10 +106,39 @@ def test_keys_on_m_consumers_fit_the_register_file(compiled_variants, request, k
     assert got["maxnreg"] == dh.REGISTER_BUDGETS[consumers][2], got
     regs, loader, cap = dh.REGISTER_BUDGETS[consumers]
     assert consumers * regs + loader <= (consumers + 1) * cap and (consumers + 1) * cap * 128 <= 65536
+    assert got["register_a_mmas"] > 0, got  # PV takes V^T from the page-major ring through registers
     tile_loops = got["mma_loops"][:consumers]  # the shortest loops with MMAs: one per consumer
     assert len(tile_loops) == consumers, got["mma_loops"]
     version = ".".join(compiled_variants["triton"].split(".")[:2])
     assert max(n for _, n in tile_loops) <= LOOP_SPILL_BUDGET.get(version, LOOP_SPILL_BUDGET[None]), got["mma_loops"]
+
+
+@pytest.mark.parametrize("head_dim,block_n,page", [(256, 64, 16), (128, 64, 32), (64, 64, 64), (256, 64, 128)],
+                         ids=lambda v: str(v))
+def test_page_major_ring_keeps_each_page_contiguous(head_dim, block_n, page):
+    """The keys-on-M V^T ring stores (channel d, key k) of a tile at the byte it has in the
+    cache's page ([head_dim, page] per page): run = min(page, block_n) keys per channel row,
+    runs of one page back to back, pages after each other; the loader's copy layout gives
+    each thread 16 bytes of a run, lanes along the run's keys and then its channels, so a
+    warp copies 512 contiguous bytes on both sides."""
+    pytest.importorskip("triton.experimental.gluon")
+    from int8attn.kernels.decode_hopper_swapped import page_major_layouts
+    from int8attn.kernels.prefill_hopper_ws import LOADER_WARPS
+
+    lay = page_major_layouts(head_dim, block_n, page)
+    bases = lay["V_SMEM"].offset_bases
+    assert len(bases) == (head_dim * block_n).bit_length() - 1
+    run = min(page, block_n)
+    for offset in range(head_dim * block_n):
+        d = k = 0
+        for bit, (bd, bk) in enumerate(bases):
+            if offset >> bit & 1:
+                d, k = d ^ bd, k ^ bk
+        assert offset == (k // run) * head_dim * run + d * run + k % run, (offset, d, k)
+    load = lay["LOAD_V"]
+    lanes_d, lanes_n = load.threads_per_warp
+    assert list(load.size_per_thread) == [1, 16] and lanes_d * lanes_n == 32 and lanes_n * 16 == min(run, 512)
+    assert math.prod(load.warps_per_cta) == LOADER_WARPS.value
 
 
 def test_two_consumers_take_the_warp_specialized_prefill_budget():

@@ -12,9 +12,10 @@ MMA's M and the packed rows, padded to ``R`` = 16 or 32, its N:
 * P^T [R, BLOCK_N] is rounded to int8 per column (127 levels, as the other kernels round P
   per row) and goes through shared memory -- two buffers per consumer, so a warp may write
   tile ``k + 1``'s P^T while the MMA of tile ``k`` still reads the other;
-* ``O^T += V^T . P^T`` in 64-channel chunks (V^T pages are already K-major A operands);
-  the accumulator is [head_dim, R] (64 fp32 per thread at head_dim 256 and R = 32, half the
-  rows-on-M kernel's).
+* ``O^T += V^T . P^T`` in 64-channel chunks, V^T from registers (ldmatrix of the ring,
+  which holds each page's [head_dim, 16] bytes contiguous as the cache does:
+  :func:`page_major_layouts`); the accumulator is [head_dim, R] (64 fp32 per thread at
+  head_dim 256 and R = 32, half the rows-on-M kernel's).
 
 The program stages Q and its row scales in shared memory once, before the partitions fork
 (:func:`_stage_query`), and runs ``CONSUMERS`` = 2 or 3 consumer warpgroups: consumer ``w``
@@ -51,13 +52,36 @@ def swapped_layouts(rows: int, block_n: int, head_dim: int) -> dict:
                 LOAD_QT=gl.BlockedLayout([1, 16], [32 // lanes_d, lanes_d], [4, 1], [1, 0]))
 
 
+def page_major_layouts(head_dim: int, block_n: int, page: int) -> dict:
+    """The V^T ring's layout, page-major -- each page's [head_dim, RUN] bytes contiguous, as
+    in the cache (offset bits within a stage: key within the page's run, channel, page; RUN =
+    min(page, block_n)) -- and the loader's copy layout for it (16 bytes per thread, lanes
+    along a run's keys then channels), so a warp's copies are 512 contiguous bytes on both
+    sides. Why: in a swizzled wgmma tile a 16-key page's rows land 16 bytes apart in rows of
+    64 bytes, and the H200 served such cp.async copies lane by lane (twice the L2 sectors,
+    eight times the shared-memory wavefronts of the tile; notes/decode.md, "The V^T ring").
+    The PV MMA then takes V^T from registers (ldmatrix), not from a wgmma descriptor."""
+    run = min(page, block_n)
+    bases = [[0, 1 << b] for b in range(run.bit_length() - 1)]
+    bases += [[1 << b, 0] for b in range(head_dim.bit_length() - 1)]
+    bases += [[0, run << b] for b in range((block_n // run).bit_length() - 1)]
+    lanes_n = min(32, run // 16)
+    warps_n = min(LOADER_WARPS.value, block_n // run)
+    return dict(V_SMEM=gl.SharedLinearLayout(bases),
+                LOAD_V=gl.BlockedLayout([1, 16], [32 // lanes_n, lanes_n], [LOADER_WARPS.value // warps_n, warps_n],
+                                        [1, 0]))
+
+
 @gluon.jit
 def _pv_chunk(v_buf, c: gl.constexpr, pt_smem, dead):
     """``V^T[c * DC:(c + 1) * DC] . P^T``: one output chunk's int32 MMA (from zero), waited.
-    ``dead`` [DC, R] int32 is a tensor no longer used: the MMA ignores its values
-    (``use_acc=False``) and writes the chunk into its registers, so no zero tile lives
-    across the loop."""
-    return warpgroup_mma(v_buf.slice(c * DC, DC, dim=0), pt_smem.permute((1, 0)), dead, use_acc=False)
+    The chunk of the page-major ring is no wgmma descriptor layout: it is loaded into
+    registers as the MMA's A operand. ``dead`` [DC, R] int32 is a tensor no longer used:
+    the MMA ignores its values (``use_acc=False``) and writes the chunk into its registers,
+    so no zero tile lives across the loop."""
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dead.type.layout, k_width=4)
+    a = v_buf.slice(c * DC, DC, dim=0).load(a_layout)
+    return warpgroup_mma(a, pt_smem.permute((1, 0)), dead, use_acc=False)
 
 
 @gluon.jit

@@ -50,9 +50,9 @@ KEYS_ON_M_ROWS = 32
 
 
 #: Consumer warpgroups of the keys-on-M kernel: 2 or 3 (``consumers=``). Three fit the
-#: register file beside the loader (REGISTER_BUDGETS) but did not pay on the H200: 2% faster
-#: at bs16 L32k q4, 5% slower at bs16 L8k and 15% at bs1 L32k (benchmarks/notes/decode.md,
-#: "Three consumers"): each consumer's tile slows down as consumers are added.
+#: register file beside the loader (REGISTER_BUDGETS) but do not pay on the H200: with the
+#: page-major V^T ring, 1-3% slower at bs16 L32k and bs64 L8k q4, 9% at bs16 L8k and 14% at
+#: bs1 L32k (benchmarks/notes/decode.md, "The V^T ring").
 KEYS_ON_M_CONSUMERS = 2
 #: Registers per thread for a given number of consumer warpgroups: (consumer, loader, the
 #: launch cap that splits them); ``NC x 128 x consumer + 128 x loader <= 128 x (NC + 1) x cap
@@ -312,12 +312,13 @@ def _kernel_constexprs(config, kv_dtype: str, head_dim: int, block_size: int, gr
 
         const["BLOCK_Q"] = ROWS // group
         return _decode_hopper_kernel, const, options
-    from ..kernels.decode_hopper_swapped import _decode_hopper_swapped_kernel, swapped_layouts
+    from ..kernels.decode_hopper_swapped import _decode_hopper_swapped_kernel, page_major_layouts, swapped_layouts
 
     rows = keys_on_m_rows(group * max_query_len)
     names = set(_decode_hopper_swapped_kernel.arg_names)
     const = {k: v for k, v in const.items() if k in names}
     consumer_regs, loader_regs, cap = REGISTER_BUDGETS[consumers]
+    const.update(page_major_layouts(head_dim, config.block_n, block_size))
     const.update(swapped_layouts(rows, config.block_n, head_dim), BLOCK_Q=rows // group, CONSUMERS=consumers,
                  CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs)
     return _decode_hopper_swapped_kernel, const, dict(options, maxnreg=cap)
