@@ -16,7 +16,10 @@ bandwidth and bank conflicts, barrier stalls, issue slots, the MMA pipe, memory)
         > $OUT/ncu_$n.txt 2>&1; done
 
 (SourceCounters ranks the SASS by stall: consumers stalled at the ``ready`` mbarrier wait
-mean the loader is the limit, stalls at their own barriers and MMA waits mean the consumers.)
+mean the loader is the limit, stalls at their own barriers and MMA waits mean the consumers.
+``ncu -i REP --page source --csv --print-source sass`` exports the per-instruction counters,
+L2 sectors and shared-memory wavefronts included: that table named the V^T copies served lane
+by lane, benchmarks/notes/decode.md, "The V^T ring".)
 
 (PYTHONPATH=src:benchmarks; ``NCU=1 bash benchmarks/decode_hopper_gpu.sh`` runs it after the
 tests and the benchmark.) The script warms the launch up three times (compile, first
