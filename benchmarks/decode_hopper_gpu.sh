@@ -5,7 +5,8 @@
 #   3. benchmarks/bench_decode_hopper.py (BENCH_ARGS, default: int8 q4 and q2, splits 2 and 4)
 #   4. the launched kernels' SASS (cuobjdump of the cubins in the Triton cache): MMA counts
 #   5. with NCU=1: Nsight Compute of one keys-on-M launch with two and three consumers
-#      (benchmarks/ncu_decode_hopper.py; <= NCU_LIMIT s each)
+#      (benchmarks/ncu_decode_hopper.py; <= NCU_LIMIT s each), its details page and the
+#      per-instruction table read by benchmarks/ncu_source_table.py
 # Writes under $OUT: env.log, tests.log, memcheck.log, bench.log, sass.log, decode_hopper.jsonl
 # (and ncu_2.txt, ncu_3.txt).
 # Usage (repo root): OUT=/some/dir bash benchmarks/decode_hopper_gpu.sh
@@ -39,7 +40,10 @@ for n in 2 3; do
   timeout ${NCU_LIMIT:-120} ncu --clock-control none --kernel-name regex:_decode_hopper_swapped --launch-skip 3 \
       --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
       --section MemoryWorkloadAnalysis_Tables --section InstructionStats --section SourceCounters \
-      python3 benchmarks/ncu_decode_hopper.py --consumers $n > "$OUT/ncu_$n.txt" 2>&1
+      -f -o /tmp/ncu_$n python3 benchmarks/ncu_decode_hopper.py --consumers $n > "$OUT/ncu_$n.txt" 2>&1
   echo "ncu consumers=$n rc=$?"
-  grep -E "Duration|Issue Slots Busy|No Eligible|Stall|Shared" "$OUT/ncu_$n.txt" | head -20
+  ncu -i /tmp/ncu_$n.ncu-rep --page details >> "$OUT/ncu_$n.txt" 2>&1
+  ncu -i /tmp/ncu_$n.ncu-rep --page source --csv --print-source sass > /tmp/ncu_$n.csv 2>&1
+  python3 benchmarks/ncu_source_table.py /tmp/ncu_$n.csv >> "$OUT/ncu_$n.txt" 2>&1
+  grep -E "Duration|Issue Slots Busy|No Eligible|excessive|excess|samples" "$OUT/ncu_$n.txt" | head -24
 done

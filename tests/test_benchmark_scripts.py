@@ -1,5 +1,6 @@
-"""Benchmark scripts' CPU-side logic: the P-step emulation's finding (benchmarks/emulate_p_step.py)
-and the prefill benchmark's tables (benchmarks/bench_prefill_hopper.print_table)."""
+"""Benchmark scripts' CPU-side logic: the P-step emulation's finding (benchmarks/emulate_p_step.py),
+the prefill benchmark's tables (benchmarks/bench_prefill_hopper.print_table) and the reader of
+Nsight Compute's per-instruction tables (benchmarks/ncu_source_table.py)."""
 
 import importlib.util
 import sys
@@ -20,6 +21,7 @@ def _script(name: str):
 
 bench_prefill_hopper = _script("bench_prefill_hopper")
 emulate_p_step = _script("emulate_p_step")
+ncu_source_table = _script("ncu_source_table")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
@@ -59,3 +61,35 @@ def test_prefill_table_prints_eager_and_graph_ratios(capsys):
     assert ws_eager[4:9] == ["100.0", "20.0", "2.00", "-", "0.80"]
     assert ws_graph[4:9] == ["90.0", "22.2", "1.67", "-", "0.80"]
     assert eager.count("boom") == 1 and "boom" not in graph
+
+
+_NCU_CSV = """\
+"Kernel Name","_k"
+"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed","L2 Theoretical Sectors Global",\
+"L2 Theoretical Sectors Global Excessive","L1 Wavefronts Shared","L1 Wavefronts Shared Ideal","stall_long_sb",\
+"stall_barrier","stall_long_sb (Not Issued)"
+"0x0","MOV R1, R2","3","10","0","0","0","0","1","2","9"
+"0x10","USETMAXREG.DEALLOC.CTAPOOL 0x28","0","10","0","0","0","0","0","0","0"
+"0x20","LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64]","5","100","3,200","1,600","3,200","400","5","0","0"
+"0x30","LDGSTS.E.BYPASS.128 [R2+0x400], desc[UR4][R6.64]","1","100","1,600","0","400","400","1","0","0"
+"0x40","USETMAXREG.ALLOC.CTAPOOL 0xe8","0","10","0","0","0","0","0","0","0"
+"0x50","@!P0  BRA 0x90","40","100","0","0","0","0","10","30","7"
+"""
+
+
+def test_ncu_source_table_names_the_excess_and_the_stalls(tmp_path, capsys, monkeypatch):
+    """The reader finds the copy that moves twice its sectors and eight times its wavefronts
+    (and not its coalesced neighbour), cuts the partitions at USETMAXREG, shares each one's
+    stall samples by reason (the "(Not Issued)" columns left out) and ranks instructions."""
+    path = tmp_path / "k.csv"
+    path.write_text(_NCU_CSV)
+    rows = ncu_source_table.read_table(str(path))
+    assert len(rows) == 6
+    assert ncu_source_table.excess(rows) == [(2, "LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64]", 32.0, 16.0, 32.0, 4.0)]
+    assert ncu_source_table.partitions(rows) == [(0, 1), (1, 4), (4, 6)]
+    total, shares = ncu_source_table.stall_shares(rows, 4, 6)
+    assert total == 40 and shares == {"long_sb": 0.25, "barrier": 0.75}
+    monkeypatch.setattr(sys, "argv", ["ncu_source_table.py", str(path), "--top", "2"])
+    ncu_source_table.main()
+    out = capsys.readouterr().out
+    assert "excess  16.0" in out and "rows 4-6: 40 samples: barrier 75%, long_sb 25%" in out
