@@ -5,6 +5,11 @@ disjoint pages, as bench_decode.py times decode).
 
     PYTHONPATH=src python3 benchmarks/bench_decode_hopper.py --out DIR [--splits 1,2,3,4]
         [--configs kv:block_n:dv:stages,...] [--point-configs kv:block_n:dv:stages,...]
+        [--shape hq,hkv,head_dim]
+
+(``--shape``: another head geometry than the headline 24,4,256 -- e.g. 8,4,128 (GQA 2) or
+32,4,128 (GQA 8) -- for the q2 routing question of benchmarks/notes/decode.md, "The V^T
+ring"; every row then names it in ``shape``.)
 
 Rows (``decode_hopper.jsonl``): kind ``q_sweep`` (graph µs per path and point; ``vs_q1``:
 this path's time over the portable q1 time at the same point; ``hopper_keys``: the
@@ -80,8 +85,15 @@ def main() -> None:
     ap.add_argument("--configs", default="", help="configs timed at bs16 L32k: kv:block_n:dv:stages,...")
     ap.add_argument("--point-configs", default="", help="rows-on-M configs timed at every point beside the "
                     "default (path hopper_bn{block_n}_s{stages}): kv:block_n:dv:stages,...")
+    ap.add_argument("--shape", default="", help="hq,hkv,head_dim instead of the headline 24,4,256")
     args = ap.parse_args()
+    global SHAPE
+    if args.shape:
+        hq, hkv, d = (int(x) for x in args.shape.split(","))
+        SHAPE = dict(BD.HEADLINE, hq=hq, hkv=hkv, d=d)
     run = H.Run("decode_hopper", args.out, deadline_s=args.budget_s, interpret=INTERPRET)
+    if args.shape:  # on every row, as the environment is
+        run.rec.env["shape"] = f"{SHAPE['hq']}q{SHAPE['hkv']}kv_d{SHAPE['d']}"
     points = [(2, 256)] if SMOKE else POINTS
     q_lens = [int(x) for x in args.q.split(",")]
     for kv in args.kv.split(","):
