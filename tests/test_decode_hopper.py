@@ -114,7 +114,7 @@ def test_keys_on_m_consumers_fit_the_register_file(compiled_variants, request, k
 
 
 @pytest.mark.parametrize("head_dim,block_n,page", [(256, 64, 16), (128, 64, 32), (64, 64, 64), (256, 64, 128)],
-                         ids=lambda v: str(v))
+                         ids=["d256-page16", "d128-page32", "d64-page64", "d256-page128"])
 def test_page_major_ring_keeps_each_page_contiguous(head_dim, block_n, page):
     """The keys-on-M V^T ring stores (channel d, key k) of a tile at the byte it has in the
     cache's page ([head_dim, page] per page): run = min(page, block_n) keys per channel row,
