@@ -9,7 +9,9 @@
 #      the table of what was measured)
 # (The sm_90 SASS checks run on CPU in CI: tests/test_prefill_hopper.py -k compiles.)
 # Writes 5 files directly under $OUT (default ./hopper_out): env.log, gpu_tests.log,
-# memcheck.log, bench.log, prefill_hopper.jsonl. Each step runs even if an earlier one failed.
+# memcheck.log, bench.log, prefill_hopper.jsonl (with NCU=1 also ncu_prefill.txt: Nsight
+# Compute of one warp-specialized launch, benchmarks/ncu_prefill_hopper.py). Each step runs
+# even if an earlier one failed.
 # Usage (repo root): OUT=/some/dir bash benchmarks/hopper_gpu.sh
 set -u
 OUT=${OUT:-$PWD/hopper_out}
@@ -41,3 +43,16 @@ echo "memcheck rc=$?"; grep -E "^(ok|FAIL)|ERROR SUMMARY|Invalid" "$OUT/memcheck
 [ "${SKIP_BENCH:-0}" = 1 ] && exit 0
 timeout ${BENCH_LIMIT:-150} $PY benchmarks/bench_prefill_hopper.py --out "$OUT" ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
 echo "bench rc=$?"; sed -n '/^case /,$p' "$OUT/bench.log"
+[ "${NCU:-0}" = 1 ] || exit 0
+# Nsight Compute of one warp-specialized launch (benchmarks/ncu_prefill_hopper.py, int8 D256
+# prefix 28672), its details page and the per-instruction table read by ncu_source_table.py
+timeout ${NCU_LIMIT:-150} ncu --clock-control none --kernel-name regex:_prefill_hopper_ws --launch-skip 3 \
+    --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis_Tables --section InstructionStats --section SourceCounters \
+    -f -o /tmp/ncu_prefill env PYTHONPATH=$PYTHONPATH:$PWD/benchmarks $PY benchmarks/ncu_prefill_hopper.py \
+    > "$OUT/ncu_prefill.txt" 2>&1
+echo "ncu rc=$?"
+ncu -i /tmp/ncu_prefill.ncu-rep --page details >> "$OUT/ncu_prefill.txt" 2>&1
+ncu -i /tmp/ncu_prefill.ncu-rep --page source --csv --print-source sass > /tmp/ncu_prefill.csv 2>&1
+$PY benchmarks/ncu_source_table.py /tmp/ncu_prefill.csv >> "$OUT/ncu_prefill.txt" 2>&1
+grep -E "Duration|Issue Slots Busy|No Eligible|excessive|excess|samples" "$OUT/ncu_prefill.txt" | head -24
