@@ -84,7 +84,8 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     """(label, config) of the Hopper kernel to time per route: the synchronous default; for
     8-bit PV the pipelined config too, and block_m 64 (one warpgroup per program: two
     programs per SM run unsynchronised, where 128 rows share one CTA barrier per KV tile)
-    of the pipelined config, or of the synchronous one where no pipelined config exists."""
+    of the pipelined config, or of the synchronous one where no pipelined config exists;
+    the warp-specialized config of every route ("hopper-ws")."""
     if kv_dtype == "bf16":  # the warp-specialized kernel only: the 8-bit routes' BF16 counterpart
         return [("hopper-ws", hop.warp_specialized_config(kv_dtype, d))]
     sync = hop.default_config(kv_dtype, d, pv)
@@ -94,7 +95,9 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         out += [("hopper-pipe", pipe), ("hopper-pipe-m64", replace(pipe, block_m=64))]
     elif pv != "bf16":  # 8-bit PV without a pipelined config (int8 at D256)
         out.append(("hopper-m64", replace(sync, block_m=64)))
-    ws = hop.warp_specialized_config(kv_dtype, d) if pv != "bf16" else None
+    if pv == "bf16":  # 16-bit PV: the loader converts V to fp16, lazy rescaling (one config)
+        return out + [("hopper-ws", hop.warp_specialized_config(kv_dtype, d, pv))]
+    ws = hop.warp_specialized_config(kv_dtype, d)
     if ws is not None:
         # the other QK schedule too (next QK across the softmax, or after PV): registers
         # against overlap inside a warpgroup

@@ -70,16 +70,18 @@ def main() -> int:
     decode_only = "--decode-only" in sys.argv
     prefill_cases = {} if decode_only or only_bad else CASES
     for name, (hq, hkv, d, bs, lens, qlens) in prefill_cases.items():
-        for kv in ("int8", "fp8", "bf16"):
-            ws = hop.warp_specialized_config(kv, d)
+        # every route of the warp-specialized kernel: PV in the cache's precision, and the
+        # 8-bit caches' 16-bit PV (the loader's fp16 V)
+        for kv, pv in (("int8", "int8"), ("fp8", "fp8"), ("bf16", "bf16"), ("int8", "bf16"), ("fp8", "bf16")):
+            ws = hop.warp_specialized_config(kv, d, pv)
             b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                          kv_dtype=kv, seed=len(name), device="cuda")
             args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
-            want = prefill_attention(*args, pv_mode=kv)
+            want = prefill_attention(*args, pv_mode=pv)
             for cfg in (ws, replace(ws, qk_ahead=not ws.qk_ahead)):
                 out = testing.poisoned_like(want)
-                hop.prefill(*args, kernel="hopper", pv_mode=kv, out=out, config=cfg)
-                bad += not _report(out, want, 0.05, f"{name} {kv} qk_ahead={cfg.qk_ahead}")
+                hop.prefill(*args, kernel="hopper", pv_mode=pv, out=out, config=cfg)
+                bad += not _report(out, want, 0.05, f"{name} {kv}/{pv} qk_ahead={cfg.qk_ahead}")
     for name, (hq, hkv, d, bs, lens, qlens) in ({} if only_bad else DECODE_CASES).items():
         for kv in ("int8", "fp8"):
             b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
@@ -114,13 +116,15 @@ def _prefill_bad_metadata_cases() -> int:
     tensors, write NaN rows for it and raise."""
     os.environ["INT8ATTN_CHECK_VALUES"] = "0"
     failed = 0
-    for kv, which in (("int8", "ws"), ("fp8", "ws"), ("bf16", "ws"), ("int8", "sync"), ("fp8", "pipe")):
+    for kv, which in (("int8", "ws"), ("fp8", "ws"), ("bf16", "ws"), ("int8", "ws16"), ("int8", "sync"),
+                      ("fp8", "pipe")):
         b = testing.make_paged_batch([300, 400, 250], [120, 210, 90], num_q_heads=32, num_kv_heads=8, head_dim=128,
                                      kv_dtype=kv, seed=17, device="cuda")
-        config = {"ws": hop.warp_specialized_config(kv, 128), "sync": hop.default_config(kv, 128, kv),
-                  "pipe": hop.pipelined_config(kv, 128)}[which]
+        pv = "bf16" if which == "ws16" else kv
+        config = {"ws": hop.warp_specialized_config(kv, 128), "ws16": hop.warp_specialized_config(kv, 128, pv),
+                  "sync": hop.default_config(kv, 128, kv), "pipe": hop.pipelined_config(kv, 128)}[which]
         for case, (bt, sl, qsl, bad_seq, _) in testing.bad_metadata_cases(b, overrun=50).items():
-            out = hop.prefill_attention_hopper(b.query, b.cache, bt, sl, qsl, pv_mode=kv, config=config)
+            out = hop.prefill_attention_hopper(b.query, b.cache, bt, sl, qsl, pv_mode=pv, config=config)
             torch.cuda.synchronize()
             lo, hi = b.query_start_loc.tolist()[bad_seq:bad_seq + 2]
             raised = _raised()  # read (and cleared) whatever the rows hold: no flag left for the next case

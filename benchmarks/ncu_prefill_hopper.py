@@ -35,11 +35,13 @@ def main() -> None:
     ap.add_argument("--shape", default="24q4kv_d256", choices=sorted(SHAPES))
     ap.add_argument("--prefix", type=int, default=28672)
     ap.add_argument("--kv", default="int8", choices=("int8", "fp8", "bf16"))
+    ap.add_argument("--pv", default=None, choices=("int8", "fp8", "bf16"), help="PV mode (default: the cache's)")
     args = ap.parse_args()
+    pv = args.pv or args.kv
     hq, hkv, d = SHAPES[args.shape]
     b = testing.make_paged_batch([args.prefix + CHUNK], [CHUNK], num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                                  kv_dtype=args.kv, seed=7, device="cuda")
-    config = hop.warp_specialized_config(args.kv, d)
+    config = hop.warp_specialized_config(args.kv, d, pv)
     codes = {}
     if args.kv != "bf16":  # the producer's query codes, as the benchmark passes them
         qq, qs = quantize_query(b.query, args.kv)
@@ -48,7 +50,7 @@ def main() -> None:
 
     def run():
         hop.prefill(b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc, kernel="hopper",
-                    pv_mode=args.kv, out=out, config=config, **codes)
+                    pv_mode=pv, out=out, config=config, **codes)
 
     for _ in range(3):  # launches 1-3
         run()
@@ -58,7 +60,7 @@ def main() -> None:
     run()  # launch 4: the profiled one (--launch-skip 3)
     end.record()
     torch.cuda.synchronize()
-    print(f"{args.shape} prefix {args.prefix} {args.kv}/{args.kv} {config}: "
+    print(f"{args.shape} prefix {args.prefix} {args.kv}/{pv} {config}: "
           f"{start.elapsed_time(end) * 1e3:.1f} us (one launch)")
 
 

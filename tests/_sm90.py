@@ -117,8 +117,9 @@ def compile_for_sm90(records: list) -> list:
 def gluon_facts(ptx: str, sass_text: str) -> dict:
     """What the Hopper (Gluon) kernel tests check in a compiled kernel: the warpgroup MMA
     types (PTX) and instruction classes (SASS), the sizes of its cp.async copies, its
-    local-memory instructions, per-partition register budgets (setmaxnreg) and cp.async-tracked
-    mbarrier arrivals. Called inside the compile subprocesses of :func:`run_compile_script`."""
+    local-memory instructions, per-partition register budgets (setmaxnreg), cp.async-tracked
+    mbarrier arrivals and I2F conversions. Called inside the compile subprocesses of
+    :func:`run_compile_script`."""
     import re
 
     from int8attn.gate import sass
@@ -131,6 +132,7 @@ def gluon_facts(ptx: str, sass_text: str) -> dict:
         "local_memory": len(re.findall(r"\b(?:LDL|STL)\b", sass_text)),
         "setmaxnreg": len(re.findall(r"setmaxnreg\.", ptx)),
         "cp_async_mbarrier_arrives": len(re.findall(r"cp\.async\.mbarrier\.arrive", ptx)),
+        "int_to_float_conversions": len(re.findall(r"\bI2F\b", sass_text)),
     }
 
 

@@ -53,6 +53,13 @@ VARIANTS = [
                                               "qk_ahead": False}, id="ws-int8-pv8-d256-n32-dv32"),
     # the other QK schedule: the next tile's QK in flight across the softmax
     pytest.param("int8", "int8", 128, 16, 4, {"warp_specialized": True, "stages": 4}, id="ws-int8-pv8-d128-qk-ahead"),
+    # 16-bit PV of an 8-bit cache: the loader converts V^T to fp16, lazy rescaling
+    pytest.param("int8", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 4, "block_n": 32, "dv": 256,
+                                              "qk_ahead": False}, id="ws-int8-pv16-d256-n32"),
+    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
+                                              "qk_ahead": False}, id="ws-int8-pv16-d128"),
+    pytest.param("fp8", "bf16", 64, 64, 8, {"warp_specialized": True, "stages": 3, "block_n": 64, "dv": 64,
+                                            "qk_ahead": False}, id="ws-fp8-pv16-d64-bs64-s3"),
     # a BF16 cache on the same kernel (bf16 Q, P and V)
     pytest.param("bf16", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "qk_ahead": False},
                  id="ws-bf16-d128"),
@@ -152,7 +159,13 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
     sizes = got.pop("cp_async_sizes")
     assert len(sizes) >= 2 and set(sizes) <= {"0x10", "16"}, (sizes, got)
     if over.get("warp_specialized"):  # partitions with their own register budgets, mbarrier hand-offs
-        assert got["setmaxnreg"] >= 2 and got["cp_async_mbarrier_arrives"] >= 1, got
+        assert got["setmaxnreg"] >= 2, got
+        if pv == "bf16" and kv != "bf16":
+            # the loader signals after converting V^T to fp16, with ALU instructions only (an
+            # I2F per value would share the pipe of the consumers' exponentials)
+            assert got["int_to_float_conversions"] == 0, got
+        else:
+            assert got["cp_async_mbarrier_arrives"] >= 1, got
         # a config short of registers makes ptxas wait for every wgmma (C7511): the
         # warp-specialized configs measured on the H200 all keep their MMA chains pipelined
         assert got["wgmma_serialized"] is not True, got
@@ -470,14 +483,17 @@ PIPE_CASES = [pytest.param(case, kv, pv, id=f"{case}-{kv}-{pv}",
 WS_CASES = [pytest.param(case, kv, pv, id=f"{case}-{kv}-{pv}")
             for case in ("odd-g6-d256-97", "odd-g4-d64-bs64-123", "varlen-d128", "stale-d128",
                          "chunk-28672-24q4kv-d256", "chunk-28672-32q8kv-d128")
-            for kv, pv in (("int8", "int8"), ("fp8", "fp8"), ("bf16", "bf16"))]
+            for kv, pv in (("int8", "int8"), ("fp8", "fp8"), ("bf16", "bf16"), ("int8", "bf16"), ("fp8", "bf16"))]
 
 
 @pytest.mark.parametrize("case,kv,pv", PIPE_CASES)
 @pytest.mark.gpu
 @needs_sm90
 def test_gpu_pipelined(case, kv, pv):
-    _check_schedule(case, kv, pv, hop.pipelined_config, "_prefill_hopper_pipe_kernel")
+    def pipelined_config(kv, d, pv):
+        return hop.pipelined_config(kv, d)
+
+    _check_schedule(case, kv, pv, pipelined_config, "_prefill_hopper_pipe_kernel")
 
 
 @pytest.mark.parametrize("case,kv,pv", WS_CASES)
@@ -493,8 +509,8 @@ def test_gpu_warp_specialized(case, kv, pv):
 def test_gpu_warp_specialized_other_qk_schedule(case, kv, pv):
     """The warp-specialized kernel with the other QK schedule (qk_ahead flipped) than its
     config's: the benchmark times both."""
-    def flipped(kv, d):
-        cfg = hop.warp_specialized_config(kv, d)
+    def flipped(kv, d, pv):
+        cfg = hop.warp_specialized_config(kv, d, pv)
         return replace(cfg, qk_ahead=not cfg.qk_ahead)
 
     _check_schedule(case, kv, pv, flipped, "_prefill_hopper_ws_kernel")
@@ -517,7 +533,7 @@ def _check_schedule(case, kv, pv, config_of, kernel_name):
         hq, hkv, d = (24, 4, 256) if "d256" in case else (32, 8, 128)
         b = _batch([28672 + 4096], [4096], hq=hq, hkv=hkv, d=d, kv=kv, seed=28672 + d, device="cuda")
         rows = 48
-    config = config_of(kv, b.cache.head_dim)
+    config = config_of(kv, b.cache.head_dim, pv)
     if config is None:
         pytest.skip(f"no {config_of.__name__} for {kv} at head_dim {b.cache.head_dim}")
     before = launches.last(kernel_name)
@@ -581,7 +597,8 @@ def test_gpu_auto_takes_hopper_for_plans_and_unplanned_calls(kv, monkeypatch):
 
 #: The Hopper prefill kernels and caches of the bad-metadata test: (kv, config name)
 BAD_METADATA_KERNELS = [pytest.param("int8", "ws", id="int8-ws"), pytest.param("fp8", "ws", id="fp8-ws"),
-                        pytest.param("bf16", "ws", id="bf16-ws"), pytest.param("int8", "sync", id="int8-sync"),
+                        pytest.param("bf16", "ws", id="bf16-ws"), pytest.param("int8", "ws16", id="int8-ws-pv16"),
+                        pytest.param("int8", "sync", id="int8-sync"),
                         pytest.param("fp8", "pipe", id="fp8-pipe")]
 
 
@@ -599,9 +616,10 @@ def test_gpu_bad_metadata_gives_nan_rows_and_a_flag(case, kv, which, monkeypatch
 
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
     b = _batch([300, 400, 250], [120, 210, 90], hq=32, hkv=8, d=128, kv=kv, seed=17, device="cuda")
-    config = {"ws": hop.warp_specialized_config(kv, 128), "sync": hop.default_config(kv, 128, kv),
-              "pipe": hop.pipelined_config(kv, 128)}[which]
-    kw = dict(pv_mode=kv, config=config)
+    pv = "bf16" if which == "ws16" else kv
+    config = {"ws": hop.warp_specialized_config(kv, 128), "ws16": hop.warp_specialized_config(kv, 128, pv),
+              "sync": hop.default_config(kv, 128, kv), "pipe": hop.pipelined_config(kv, 128)}[which]
+    kw = dict(pv_mode=pv, config=config)
     good = hop.prefill_attention_hopper(*_args(b), **kw)
     check_errors("cuda")
     bt, sl, qsl, bad_seq, words = testing.bad_metadata_cases(b, overrun=50)[case]

@@ -327,8 +327,7 @@ def _zero_tail_keys(v_buf, start, kv_end, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
 @gluon.jit
 def _pv_8bit(acc, p_op, factor, v_chunk, BLOCK_M: gl.constexpr, DV: gl.constexpr, PV_KIND: gl.constexpr,
              PV_LAYOUT: gl.constexpr):
-    """``acc * factor + P . V_chunk`` for an 8-bit P (acc in units of the tile's ``r``); the
-    fp8 branch also serves a BF16 cache's bf16 P (the warp-specialized kernel)."""
+    """``acc * factor + P . V_chunk`` for an 8-bit P (acc in units of the tile's ``r``)."""
     if PV_KIND == PV_INT8:
         start = gl.full([BLOCK_M, DV], MAGIC_I, gl.int32, PV_LAYOUT)
         o = warpgroup_mma(p_op, v_chunk, start).to(gl.float32, bitcast=True)

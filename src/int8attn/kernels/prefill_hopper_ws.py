@@ -2,7 +2,19 @@
 (FlashAttention-3's structure): the same function, rows, scales, masking, P quantization and
 tensor layouts; only who does what differs. It also runs a BF16 cache (``KV_KIND ==
 KIND_BF16``: the bf16 query itself, row-major K and V pages, no scales, bf16 P into one fp32
-accumulator), so that 8-bit and 16-bit caches are compared within one design.
+accumulator), so that 8-bit and 16-bit caches are compared within one design, and the 8-bit
+caches' default 16-bit PV (``PV_KIND == PV_BF16`` with an 8-bit ``KV_KIND``): QK on the 8-bit
+MMA, fp16 P = ``p * sV / unit`` (the portable kernel's rule: ``unit`` 16 x the largest V
+scale of the first KV tile) times V converted to fp16 by the loader, once per program for
+both consumers (the 16-bit MMA reads its B operand from shared memory only, so the
+conversion cannot happen in the consumers' registers).
+
+16-bit PV (both cases) rescales lazily: the accumulator is multiplied only in tiles where
+some row's running maximum grew by more than ``LAZY_TAU`` (one warpgroup-wide test per
+tile), otherwise the old maximum stays and p <= 2**LAZY_TAU -- the portable kernel's rule.
+An FMUL per accumulator element per tile was 38% of the BF16 consumers' instructions
+(Nsight Compute, head_dim 256). 8-bit P is rounded per tile on a per-row step, so its
+rescale factor changes every tile and is folded into the MMA as before.
 
 One program owns 128 query rows of one KV head (the packing of
 :mod:`int8attn.kernels.prefill_hopper`) and runs three partitions of four warps each:
@@ -20,6 +32,9 @@ One program owns 128 query rows of one KV head (the packing of
 * a loader (worker 1) that gathers K, V^T and both scale rows of each KV tile through the
   block table into a ``STAGES``-deep shared-memory ring with cp.async, ahead of the
   consumers. No consumer computes an address, loads a block id or waits on a copy group.
+  With 16-bit PV of an 8-bit cache it converts each V^T tile to fp16 into a second ring one
+  tile behind its copies (the copies of tile ``j + 1`` are in flight while tile ``j``
+  converts) and signals ``ready`` after the conversion instead of through cp.async.
 
 Hand-off per ring stage, two mbarriers: ``ready`` (count: the loader's 128 threads; each
 arrives through ``cp.async.mbarrier.arrive.noinc``, triggered when its copies of the stage
@@ -41,14 +56,20 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 
 from . import _gluon_compat as _gc
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
-from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, _issue_rows, _issue_tile, _page_blocks, \
+from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, P_UNIT_MARGIN, _issue_rows, _issue_tile, _page_blocks, \
     _checked_tile, _pv_8bit, _store_output, _zero_tail_keys
-from .prefill_hopper_pipe import _issue_pv, _online_softmax, _softmax_tile, _wait_and_fold
+from .prefill_hopper_pipe import _issue_pv, _softmax_tile, _wait_and_fold
 
 #: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).
 LOADER_WARPS = gl.constexpr(4)
 #: Rows per consumer warpgroup.
 WG_ROWS = gl.constexpr(64)
+#: 16-bit PV: the running maximum moves only when a row's grew by more than this (base 2),
+#: so p <= 2**LAZY_TAU = 16 (the portable kernel's value; fp16 P: see P_UNIT_MARGIN).
+LAZY_TAU = gl.constexpr(4.0)
+#: Elements of V each loader thread converts at a time (16-bit PV of an 8-bit cache): the
+#: loader runs on LOADER_REGS registers.
+CVT_ELEMS = 16
 #: Registers per thread: each consumer warpgroup and the loader (setmaxnreg), and the cap
 #: of the launch that splits them (12 warps: 2 x 128 x 232 + 128 x 40 = 384 x 168 = the
 #: 64K-register file of one SM, one program per SM).
@@ -62,8 +83,8 @@ def _alloc_ring(elem: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                 KV_KIND: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, READERS: gl.constexpr):
     """The loader's ring: ``STAGES`` K tiles [BLOCK_N, HEAD_DIM], V tiles (V^T [HEAD_DIM,
     BLOCK_N] for 8-bit caches, row-major for BF16), both scale rows, and the ``ready`` /
-    ``empty`` mbarriers of each stage (``ready``: the loader's cp.async arrivals; ``empty``:
-    one arrival per consumer warpgroup that reads the stage, ``READERS``). Allocated after the
+    ``empty`` mbarriers of each stage (``ready``: the loader's 128 threads; ``empty``: one
+    arrival per consumer warpgroup that reads the stage, ``READERS``). Allocated after the
     caller's own buffers, in this order (the kernels' shared-memory offsets follow it)."""
     S_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     k_ring = gl.allocate_shared_memory(elem, [STAGES, BLOCK_N, HEAD_DIM], K_SMEM)
@@ -81,11 +102,17 @@ def _alloc_ring(elem: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     return k_ring, v_ring, ks_ring, vs_ring, ready, empty
 
 
-def partition_constexprs(pv_in_flight: bool, qk_ahead: bool) -> dict:
+def partition_constexprs(pv_in_flight: bool, qk_ahead: bool, block_n: int) -> dict:
     """The constexprs of :func:`_prefill_hopper_ws_kernel` beside those of
-    :func:`int8attn.kernels.prefill_hopper.kernel_layouts` (built for 64 rows, 4 warps)."""
+    :func:`int8attn.kernels.prefill_hopper.kernel_layouts` (built for 64 rows, 4 warps).
+    ``CVT_V``: the loader's layout of a [CVT_ROWS, block_n] slice of a V^T tile it converts
+    to fp16 (8 keys per thread: one 8-byte shared load, one 16-byte store)."""
+    cols = block_n // 8
+    cvt_rows = CVT_ELEMS * 32 * LOADER_WARPS.value // block_n
     return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight,
-                QK_AHEAD=qk_ahead, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
+                QK_AHEAD=qk_ahead, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+                CVT_V=gl.BlockedLayout([1, 8], [32 // cols, cols], [LOADER_WARPS.value, 1], [1, 0]),
+                CVT_ROWS=cvt_rows)
 
 
 @gluon.jit
@@ -108,9 +135,92 @@ def _copy_scales_at(j, blk, ks_buf, vs_buf, k_scale_ptr, v_scale_ptr, scale_head
 
 @gluon.jit
 def _loader(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
-            kv_end, last_page, num_kv_tiles, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+            kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
             HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-            KV_KIND: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr):
+            KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
+            LOAD_S: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr):
+    if PV_KIND == PV_BF16 and KV_KIND != KIND_BF16:
+        _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
+                   kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
+                   HEAD_DIM, PAGE, BLOCK_N, STAGES, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS)
+    else:
+        _loader_8(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
+                  kv_end, last_page, num_kv_tiles, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+                  HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, LOAD_K, LOAD_V, LOAD_S)
+
+
+@gluon.jit
+def _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
+               kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
+               HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr, CVT_V: gl.constexpr,
+               CVT_ROWS: gl.constexpr):
+    """The loader of 16-bit PV over an 8-bit cache: tile ``j``'s copies (K, V^T into the
+    8-bit staging ring, scales) are issued, then tile ``j - 1``'s V^T is converted to fp16 and
+    its stage signalled ``ready`` -- so one tile's copies are always in flight while the
+    previous one converts. The staging stage of tile ``j`` is rewritten only at tile ``j +
+    STAGES``, long after its conversion; its fp16 and K stages are released by ``empty``."""
+    for j in range(0, num_kv_tiles):
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
+        _issue_tile(j, k_ring.index(s), v_ring.index(s), k_ptr, v_ptr, bt_row, data_head, stride_cb, last_page,
+                    HEAD_DIM, PAGE, BLOCK_N, LOAD_K, LOAD_V)
+        _copy_scales(j, ks_ring.index(s), vs_ring.index(s), k_scale_ptr, v_scale_ptr, bt_row, scale_head,
+                     stride_sb, last_page, PAGE, BLOCK_N, LOAD_S)
+        async_copy.commit_group()
+        if j >= 1:
+            async_copy.wait_group(1)  # this thread's copies of tile j - 1
+            _convert_v(j - 1, v_ring.index((j - 1) % STAGES), v16_ring.index((j - 1) % STAGES),
+                       ready.index((j - 1) % STAGES), kv_end, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS)
+    async_copy.wait_group(0)
+    last = num_kv_tiles - 1
+    _convert_v(last, v_ring.index(last % STAGES), v16_ring.index(last % STAGES), ready.index(last % STAGES),
+               kv_end, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS)
+
+
+@gluon.jit
+def _convert_v(j, v_buf, v16_buf, ready_bar, kv_end, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+               CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr):
+    """V^T tile ``j`` (8-bit, its copies landed for this thread) to fp16, then ``ready``. The
+    first partition barrier makes every loader thread's copies visible before any reads
+    them; keys past the sequence end are zeroed in the tile that crosses it (stale e4m3
+    bytes may be NaN, and NaN * 0 = NaN in the MMA)."""
+    _gc.cta_barrier()  # the loader's warps only (a named barrier inside a partition)
+    tail = (j + 1) * BLOCK_N > kv_end
+    vn = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, CVT_V))
+    for c in gl.static_range(HEAD_DIM // CVT_ROWS):
+        vt = v_buf.slice(c * CVT_ROWS, CVT_ROWS, dim=0).load(CVT_V)
+        if vt.dtype == gl.int8:
+            vh = _int8_to_fp16(vt)
+        else:
+            vh = vt.to(gl.float16)
+        if tail:
+            vh = gl.where((vn < kv_end)[None, :], vh, gl.zeros_like(vh))
+        v16_buf.slice(c * CVT_ROWS, CVT_ROWS, dim=0).store(vh)
+    fence_async_shared()
+    _gc.cta_barrier()
+    mbarrier.arrive(ready_bar, count=LOADER_WARPS * 32)
+
+
+@gluon.jit
+def _int8_to_fp16(v):
+    """int8 -> fp16 exactly, four values per 32-bit register (the portable kernel's
+    ``_int8_to_fp16_ptx``): flip the sign bits, byte-permute each byte under 0x64 (the fp16
+    1024 + byte), subtract 1152 on pairs -- 1.25 ALU instructions per value, where ``.to``
+    issues one I2F per value on the pipe the consumers' exponentials use."""
+    return gl.inline_asm_elementwise(
+        "{.reg .b32 t, c; xor.b32 t, $2, 0x80808080; mov.b32 c, 0x64806480; "
+        "prmt.b32 $0, t, 0x64646464, 0x5150; prmt.b32 $1, t, 0x64646464, 0x5352; "
+        "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c;}",
+        "=r,=r,r", [v], dtype=gl.float16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _loader_8(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
+              kv_end, last_page, num_kv_tiles, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+              HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+              KV_KIND: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr):
+    """The loader of PV in the cache's precision: ``ready`` through cp.async arrivals."""
     for j in range(0, num_kv_tiles):
         s = j % STAGES
         # mbarriers start in phase 0: the first pass over the ring waits on phase 1 (done)
@@ -152,12 +262,30 @@ def _zero_tail_rows(v_buf, start, kv_end, BLOCK_N: gl.constexpr, LOAD_V: gl.cons
 
 
 @gluon.jit
-def _softmax_tile_16(s, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N: gl.constexpr, COL: gl.constexpr,
-                     PV_ROW: gl.constexpr, P_LAYOUT: gl.constexpr):
-    """Online softmax of a BF16 cache's scores: P in bf16 (no scales, no rounding to 8 bits);
-    returns (P, the accumulator's rescale factor, m, l)."""
-    p, alpha, m_i, l_i = _online_softmax(s, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N, COL)
-    return gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT), gl.convert_layout(alpha, PV_ROW), m_i, l_i
+def _softmax_tile_16(t, v_scale, acc, m_i, l_i, row_scale, row_limit, inv_unit, start, full_end,
+                     BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr, COL: gl.constexpr, PV_ROW: gl.constexpr,
+                     P_LAYOUT: gl.constexpr):
+    """Online softmax of one tile's K-scaled scores ``t`` to a 16-bit P operand (bf16 for a
+    BF16 cache; fp16 ``p * sV / unit`` for an 8-bit one), rescaling the accumulator lazily
+    (module docstring): returns (P, acc, m, l). A NaN score (a poisoned key or query) never
+    enters the running maximum the rows share the test on; its p is NaN, so is its row."""
+    if start + BLOCK_N > full_end:
+        offs_n = start + gl.arange(0, BLOCK_N, layout=COL)
+        t = gl.where(offs_n[None, :] <= row_limit[:, None], t, float("-inf"))
+    tile_max = gl.max(t, 1) * row_scale
+    m_new = gl.maximum(m_i, gl.where(tile_max == tile_max, tile_max, NEG_BIG))
+    if gl.max(m_new - m_i, 0) > LAZY_TAU:
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        acc = acc * gl.convert_layout(alpha, PV_ROW)[:, None]
+        m_i = m_new
+    p = gl.exp2(t * row_scale[:, None] - m_i[:, None])
+    l_i = l_i + gl.sum(p, 1)
+    if KV_KIND == KIND_BF16:
+        p_op = gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT)
+    else:
+        p_op = gl.convert_layout((p * (v_scale * inv_unit)[None, :]).to(gl.float16), P_LAYOUT)
+    return p_op, acc, m_i, l_i
 
 
 @gluon.jit
@@ -227,7 +355,7 @@ def _v_chunk(v_buf, c: gl.constexpr, DV: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
               kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
               stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
               WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
@@ -284,6 +412,7 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
     else:
         levels: gl.constexpr = 448.0
         pend = acc0
+    SIXTEEN: gl.constexpr = PV_KIND == PV_BF16  # 16-bit P (a BF16 cache, or fp16 PV of an 8-bit one)
     o0 = pend
     o1 = pend
     o2 = pend
@@ -294,11 +423,19 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
     mbarrier.wait(ready.index(0), 0)
     fence_async_shared()
     s = warpgroup_mma_wait(0, deps=[_qk(q_smem, k_ring.index(0), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)])
+    inv_unit = 1.0
     if KV_KIND == KIND_BF16:
         k_scale = gl.zeros([BLOCK_N], gl.float32, COL)  # no scales
         v_scale = k_scale
     else:
         k_scale, v_scale = _stage_scales(ks_ring.index(0), vs_ring.index(0), 0, kv_end, BLOCK_N, COL)
+        if SIXTEEN:
+            # the fp16 P unit (and the accumulator's, r): P_UNIT_MARGIN x the first tile's
+            # largest V scale, the portable kernel's rule
+            unit = gl.max(v_scale, 0) * P_UNIT_MARGIN
+            unit = gl.where(unit > 0.0, unit, 1.0)
+            inv_unit = 1.0 / unit
+            r_i = r_i * unit
 
     for j in range(0, num_kv_tiles):
         start = j * BLOCK_N
@@ -317,9 +454,15 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
             k_scale, v_scale = _stage_scales(ks_ring.index(j % STAGES), vs_ring.index(j % STAGES), start, kv_end,
                                              BLOCK_N, COL)
         # ---- softmax of S_j
-        if KV_KIND == KIND_BF16:
-            p_op, factor, m_i, l_i = _softmax_tile_16(s, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N,
-                                                      COL, PV_ROW, P_LAYOUT)
+        if SIXTEEN:
+            if KV_KIND == KIND_INT8:
+                t = s.to(gl.float32, bitcast=True) * k_scale[None, :] + (k_scale * -MAGIC_F)[None, :]
+            elif KV_KIND == KIND_FP8:
+                t = s * k_scale[None, :]
+            else:
+                t = s
+            p_op, acc0, m_i, l_i = _softmax_tile_16(t, v_scale, acc0, m_i, l_i, row_scale, row_limit, inv_unit,
+                                                    start, full_end, BLOCK_N, KV_KIND, COL, PV_ROW, P_LAYOUT)
         else:
             p_op, factor, m_i, l_i, r_i = _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit,
                                                          start, full_end, levels, BLOCK_N, KV_KIND, PV_KIND, COL,
@@ -358,7 +501,9 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_r
                     acc4, acc5, acc6, acc7 = _pv_int8_chunks(acc4, acc5, acc6, acc7, p_op, factor, v_buf, 4, BLOCK_M,
                                                              DV, NUM_DV, PV_LAYOUT)
             elif KV_KIND == KIND_BF16:  # one chunk (dv = head_dim), V rows [keys, head_dim]
-                acc0 = _pv_8bit(acc0, p_op, factor, v_buf, BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+                acc0 = warpgroup_mma(p_op, v_buf, acc0)
+            elif SIXTEEN:  # one chunk, the loader's fp16 V^T
+                acc0 = warpgroup_mma(p_op, v16_ring.index(j % STAGES).permute((1, 0)), acc0)
             else:
                 acc0 = _pv_8bit(acc0, p_op, factor, _v_chunk(v_buf, 0, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
                 if NUM_DV > 1:
@@ -399,12 +544,12 @@ def _prefill_hopper_ws_kernel(
     Q_SMEM: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, V16_SMEM: gl.constexpr,
     LOAD_Q: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
     LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr,
+    LOADER_REGS: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(STAGES >= 3, "tiles j - 1 (PV in flight), j and j + 1 are live")
-    gl.static_assert((PV_KIND != PV_BF16) or (KV_KIND == KIND_BF16),
-                     "the warp-specialized kernel runs PV in the cache's precision")
+    gl.static_assert((PV_KIND != PV_BF16) or (DV == HEAD_DIM), "16-bit PV: one column chunk")
+    gl.static_assert((PV_KIND != PV_BF16) or not PV_IN_FLIGHT, "16-bit PV is waited in its own tile")
 
     run, kv_head, seq, q_start, q_tile, q_len, seq_len = _checked_tile(
         query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, out_ptr, num_seqs, num_tiles, num_tokens,
@@ -422,20 +567,24 @@ def _prefill_hopper_ws_kernel(
     # both consumer warpgroups read every stage
     k_ring, v_ring, ks_ring, vs_ring, ready, empty = _alloc_ring(elem, STAGES, BLOCK_N, HEAD_DIM, KV_KIND, K_SMEM,
                                                                  V_SMEM, 2)
+    if PV_KIND == PV_BF16 and KV_KIND != KIND_BF16:  # the loader's fp16 V^T (16-bit PV of an 8-bit cache)
+        v16_ring = gl.allocate_shared_memory(gl.float16, [STAGES, HEAD_DIM, BLOCK_N], V16_SMEM)
+    else:
+        v16_ring = v_ring
 
     gl.warp_specialize([
-        (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+        (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
                      kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
                      stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
                      0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
                      QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
-        (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
+        (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
                      kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
                      stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
                      1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
                      QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
         (_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
                    kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,
-                   k_ring, v_ring, ks_ring, vs_ring, ready, empty,
-                   HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, LOAD_K, LOAD_V, LOAD_S)),
+                   k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
+                   HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS)),
     ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])

@@ -116,24 +116,26 @@ def pipelined_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None
     return HopperPrefillConfig(block_n=64 if head_dim <= 128 else 32, dv=head_dim, stages=4, pipeline=True)
 
 
-def warp_specialized_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig:
-    """The warp-specialized config of an 8-bit PV route (PV of the cache's precision). Each
-    consumer warpgroup holds 232 registers (two of them and the loader share one SM's
-    register file) and runs its tile in order -- QK, softmax, PV -- with nothing in flight
-    across the softmax: the two warpgroups overlap each other's MMAs. Measured on the H200
-    (notes/prefill_hopper.md) against the next tile's QK in flight (``qk_ahead=True``):
+def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = None) -> HopperPrefillConfig:
+    """The warp-specialized config of a route (``pv_mode`` None: PV in the cache's
+    precision; "bf16" with an 8-bit cache: its default 16-bit PV, fp16 V converted by the
+    loader). Each consumer warpgroup holds 232 registers (two of them and the loader share
+    one SM's register file) and runs its tile in order -- QK, softmax, PV -- with nothing in
+    flight across the softmax: the two warpgroups overlap each other's MMAs. Measured on the
+    H200 (notes/prefill_hopper.md) against the next tile's QK in flight (``qk_ahead=True``):
     1.02-1.22x faster in all eight cases, since that schedule needs a second score tile's
     registers (spills at head_dim 256, ptxas serialised MMAs where it ran short). PV in flight
     across the next softmax (``pipeline=True``) faulted on the H200 in single-tile fp8
     programs. sm_90 AOT compile, Triton 3.6, local-memory instructions: 0 for int8 at 64 and
     128, 3 at 256 (PV in eight 32-column chunks beside the 128-register accumulator); fp8 10
     at 128, 109 at 256, whose 64-key P tiles the fp8 accuracy bound needs (32-key tiles: rel-L2
-    0.031 against 0.03). A BF16 cache (bf16 Q, P and V, no scales: the same design, for
-    ratios within it) 4 at 128 and 0 at 256 with 32-key tiles."""
-    if kv_dtype == "int8" and head_dim > 128:
-        return HopperPrefillConfig(block_n=32, dv=32, stages=4, warp_specialized=True, qk_ahead=False)
-    if kv_dtype == "bf16" and head_dim > 128:  # bf16 P is not rounded per tile: 32-key tiles fit (0 spills)
+    0.031 against 0.03). 16-bit P (a BF16 cache: bf16 Q, P and V, no scales; an 8-bit cache's
+    fp16 PV) is not rounded per tile: 32-key tiles at head_dim 256, one PV chunk."""
+    sixteen = kv_dtype == "bf16" or pv_mode == "bf16"
+    if sixteen and head_dim > 128:
         return HopperPrefillConfig(block_n=32, dv=head_dim, stages=4, warp_specialized=True, qk_ahead=False)
+    if kv_dtype == "int8" and head_dim > 128 and pv_mode in (None, "int8"):
+        return HopperPrefillConfig(block_n=32, dv=32, stages=4, warp_specialized=True, qk_ahead=False)
     return HopperPrefillConfig(block_n=64, dv=head_dim, stages=4, warp_specialized=True, qk_ahead=False)
 
 
@@ -170,7 +172,7 @@ def route_config(cache, num_q_heads: int, pv_mode: str) -> HopperPrefillConfig:
     :data:`AUTO_ROUTES` names for this route (a forced "hopper" too), else :func:`default_config`."""
     kind = AUTO_ROUTES.get((cache.kv_dtype, pv_mode, cache.head_dim))
     if kind == "ws":
-        config = warp_specialized_config(cache.kv_dtype, cache.head_dim)
+        config = warp_specialized_config(cache.kv_dtype, cache.head_dim, pv_mode)
     elif kind == "pipe":
         config = pipelined_config(cache.kv_dtype, cache.head_dim) or default_config(cache.kv_dtype, cache.head_dim,
                                                                                      pv_mode)
@@ -239,9 +241,13 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise ValueError("a bf16 cache runs on the warp-specialized kernel with dv = head_dim "
                          "(HopperPrefillConfig(warp_specialized=True), e.g. warp_specialized_config('bf16', d))")
     sixteen_bit_pv = pv_mode == "bf16" and cache.kv_dtype != "bf16"  # fp16 PV of an 8-bit cache
-    if (config.pipeline or config.warp_specialized) and (sixteen_bit_pv or config.stages < 3):
-        raise ValueError(f"pipeline / warp_specialized need PV in the cache's precision and stages >= 3 "
-                         f"(pv_mode={pv_mode!r}, stages={config.stages})")
+    if config.pipeline and not config.warp_specialized and sixteen_bit_pv:
+        raise ValueError(f"pipeline needs PV in the cache's precision (pv_mode={pv_mode!r})")
+    if (config.pipeline or config.warp_specialized) and config.stages < 3:
+        raise ValueError(f"pipeline / warp_specialized need stages >= 3 (stages={config.stages})")
+    if config.warp_specialized and sixteen_bit_pv and (config.pipeline or dv != d):
+        raise ValueError("16-bit PV of an 8-bit cache on the warp-specialized kernel: one column chunk "
+                         "(dv = head_dim) and PV waited in its tile (pipeline=False)")
     if not isinstance(config.qk_ahead, bool):
         raise TypeError(f"config.qk_ahead must be a bool, got {config.qk_ahead!r}")
     if not config.qk_ahead and not config.warp_specialized:
@@ -273,7 +279,7 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
         from ..kernels.prefill_hopper_ws import partition_constexprs
         # every partition is one warpgroup: layouts of 64 rows and 4 warps
         const.update(kernel_layouts(64, config.block_n, head_dim, config.dv, kv, pv),
-                     **partition_constexprs(config.pipeline, config.qk_ahead))
+                     **partition_constexprs(config.pipeline, config.qk_ahead, config.block_n))
     else:
         const.update(kernel_layouts(config.block_m, config.block_n, head_dim, config.dv, kv, pv))
     return const
