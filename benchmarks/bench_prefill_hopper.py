@@ -49,6 +49,8 @@ ROUTES = (("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("bf16", "bf16"))
 ONLY_WS = False
 #: --routed: of the Hopper kernels, the warp-specialized route configs only (what "auto" runs)
 ROUTED = False
+#: --labels: of the Hopper kernels, exactly these configs (by label; overrides --routed / --only-ws)
+LABELS: tuple = ()
 #: --graph: every attention row also timed by CUDA-graph replay (``graph_us``): eager figures
 #: of short launches include host time whenever the call's host work outlasts do_bench's L2
 #: flush (benchmarks/timing_methods_prefill_hopper.py)
@@ -95,8 +97,15 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         out += [("hopper-pipe", pipe), ("hopper-pipe-m64", replace(pipe, block_m=64))]
     elif pv != "bf16":  # 8-bit PV without a pipelined config (int8 at D256)
         out.append(("hopper-m64", replace(sync, block_m=64)))
-    if pv == "bf16":  # 16-bit PV: the loader converts V to fp16, lazy rescaling (one config)
-        return out + [("hopper-ws", hop.warp_specialized_config(kv_dtype, d, pv))]
+    if pv == "bf16":  # 16-bit PV: the loader converts V to fp16, lazy rescaling
+        ws = hop.warp_specialized_config(kv_dtype, d, pv)
+        out.append(("hopper-ws", ws))
+        if ws.block_n < 64:
+            # twice the keys per tile at head_dim 256 (per-tile work over more scores; 32
+            # LDL/STL in the sm_90 build, Triton 3.6); 3 stages: a fp16 V ring of 4 would not
+            # fit in shared memory. 128-key tiles at head_dim 128 spill (248).
+            out.append(("hopper-ws16-wide", replace(ws, block_n=64, stages=3)))
+        return out
     ws = hop.warp_specialized_config(kv_dtype, d)
     if ws is not None:
         # the other QK schedule too (next QK across the softmax, or after PV): registers
@@ -135,7 +144,10 @@ def bench_case(rec, shape, prefix, kv_dtype, pvs):
             _record(rec, **base, pv_mode=pv, kernel="portable", error=repr(e)[:400])
             continue
         for label, cfg in hopper_configs(kv_dtype, d, pv):
-            if (ONLY_WS and not label.startswith("hopper-ws")) or (ROUTED and label != "hopper-ws"):
+            if LABELS:
+                if label not in LABELS:
+                    continue
+            elif (ONLY_WS and not label.startswith("hopper-ws")) or (ROUTED and label != "hopper-ws"):
                 continue
             try:
                 out = testing.poisoned_like(portable)
@@ -277,10 +289,12 @@ def main():
     ap.add_argument("--graph", action="store_true", help="also time every attention row by CUDA-graph replay")
     ap.add_argument("--routed", action="store_true",
                     help="of the Hopper kernels, the warp-specialized route configs only (no variants)")
+    ap.add_argument("--labels", default="", help="comma-separated Hopper config labels to time (only these)")
     ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"comma-separated, of {list(SHAPES)}")
     opts = ap.parse_args()
-    global ONLY_WS, ROUTED, GRAPH
+    global ONLY_WS, ROUTED, GRAPH, LABELS
     ONLY_WS, ROUTED, GRAPH = opts.only_ws, opts.routed, opts.graph
+    LABELS = tuple(name for name in opts.labels.split(",") if name)
     opts.shapes = [name for name in opts.shapes.split(",") if name]
     unknown = set(opts.shapes) - set(SHAPES)
     if unknown:
