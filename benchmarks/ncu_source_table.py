@@ -1,8 +1,9 @@
 """Read Nsight Compute's per-instruction table of one kernel (the SASS source page as CSV)
 and print what named the keys-on-M decode kernel's limit (benchmarks/notes/decode.md, "The
 V^T ring"): the instructions that move more L2 sectors or shared-memory wavefronts than
-their bytes need, each warp-specialized partition's stall reasons, and the instructions
-with the most stall samples.
+their bytes need, each warp-specialized partition's stall reasons and instruction mix
+(executed warp instructions by opcode: what an issue-bound partition spends its issue slots
+on, notes/prefill_hopper.md), and the instructions with the most stall samples.
 
 Export on the GPU machine (no GPU needed to read it)::
 
@@ -69,6 +70,24 @@ def stall_shares(rows: list[dict], start: int, end: int) -> tuple[float, dict]:
     return total, {k: v / total for k, v in totals.items() if total and v}
 
 
+def opcode(sass: str) -> str:
+    """The opcode of a SASS line without its predicate and modifiers (``@!P0 FFMA.FTZ`` -> FFMA)."""
+    words = sass.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0].split(".")[0] if words else ""
+
+
+def instruction_mix(rows: list[dict], start: int, end: int) -> tuple[float, list[tuple[str, float]]]:
+    """Executed warp instructions of rows [start, end) and each opcode's share, largest first."""
+    counts: dict[str, float] = {}
+    for row in rows[start:end]:
+        op = opcode(row["Source"].strip())
+        counts[op] = counts.get(op, 0.0) + number(row, EXECUTED)
+    total = sum(counts.values())
+    return total, sorted(((op, n / total) for op, n in counts.items() if n), key=lambda e: -e[1]) if total else []
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("csv", help="ncu -i REP --page source --csv --print-source sass output")
@@ -85,6 +104,13 @@ def main() -> None:
         if total:
             top = ", ".join(f"{k} {v:.0%}" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])[:5])
             print(f"  rows {a}-{b}: {total:.0f} samples: {top}")
+    print("instruction mix per partition (executed warp instructions; partitions above 10% of the kernel's):")
+    kernel_total = sum(number(r, EXECUTED) for r in rows)
+    for a, b in partitions(rows):
+        total, mix = instruction_mix(rows, a, b)
+        if kernel_total and total > 0.1 * kernel_total:
+            top = ", ".join(f"{op} {share:.1%}" for op, share in mix[:10])
+            print(f"  rows {a}-{b}: {total:.3g}: {top}")
     print("most stalled instructions:")
     for i in sorted(range(len(rows)), key=lambda i: -number(rows[i], SAMPLES))[:args.top]:
         print(f"  {i:5d} {rows[i]['Source'].strip()[:64]:64s} {number(rows[i], SAMPLES):8.0f}")

@@ -89,7 +89,13 @@ def test_ncu_source_table_names_the_excess_and_the_stalls(tmp_path, capsys, monk
     assert ncu_source_table.partitions(rows) == [(0, 1), (1, 4), (4, 6)]
     total, shares = ncu_source_table.stall_shares(rows, 4, 6)
     assert total == 40 and shares == {"long_sb": 0.25, "barrier": 0.75}
+    # instruction mix: predicates and modifiers stripped, shares of each partition's executions
+    assert ncu_source_table.opcode("@!P0  BRA 0x90") == "BRA"
+    assert ncu_source_table.opcode("LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64]") == "LDGSTS"
+    total, mix = ncu_source_table.instruction_mix(rows, 1, 4)
+    assert total == 210 and mix == [("LDGSTS", 200 / 210), ("USETMAXREG", 10 / 210)]
     monkeypatch.setattr(sys, "argv", ["ncu_source_table.py", str(path), "--top", "2"])
     ncu_source_table.main()
     out = capsys.readouterr().out
     assert "excess  16.0" in out and "rows 4-6: 40 samples: barrier 75%, long_sb 25%" in out
+    assert "rows 1-4: 210: LDGSTS 95.2%, USETMAXREG 4.8%" in out
