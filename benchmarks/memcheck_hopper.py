@@ -1,7 +1,8 @@
 """The warp-specialized Hopper prefill kernel under compute-sanitizer (sm_90 only): odd
 lengths, a varlen batch with single-tile programs (the case of the illegal shared-memory
-read found in the in-flight PV schedule) and a stale-slot batch, for every cache
-(int8, fp8, bf16) and config ``warp_specialized_config`` offers and the other QK schedule of each;
+read found in the in-flight PV schedule) and a stale-slot batch, for every route (int8,
+fp8 and bf16 caches with PV in their precision, int8 and fp8 with 16-bit PV) and config
+``warp_specialized_config`` offers and the other QK schedule of each;
 then the Hopper multi-token decode kernels (:mod:`int8attn.ops.decode_hopper`) over odd
 lengths, one-tile contexts and several split counts (the keys-on-M kernel with two and three
 consumer warpgroups too, for int8 caches where the rows fit), against the portable decode
@@ -10,10 +11,10 @@ and (without ``--decode-only``) on every Hopper prefill kernel: NaN rows for it,
 flag, and no access outside any tensor.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/memcheck_hopper.py \
-        [--decode-only | --bad-metadata-only]
+        [--decode-only | --bad-metadata-only | --prefill-only]
 
 (``--bad-metadata-only``: the out-of-range metadata cases alone, decode and prefill -- the
-part a change to the kernels' prologues needs.)
+part a change to the kernels' prologues needs; ``--prefill-only``: no decode case.)
 
 Each case is also compared with the portable kernel (rel-L2 printed; NaN or an unwritten
 row fails the script), so a run that reports no memory error also shows the kernel ran.
@@ -68,6 +69,7 @@ def main() -> int:
     bad = 0
     only_bad = "--bad-metadata-only" in sys.argv
     decode_only = "--decode-only" in sys.argv
+    prefill_only = "--prefill-only" in sys.argv
     prefill_cases = {} if decode_only or only_bad else CASES
     for name, (hq, hkv, d, bs, lens, qlens) in prefill_cases.items():
         # every route of the warp-specialized kernel: PV in the cache's precision, and the
@@ -82,7 +84,7 @@ def main() -> int:
                 out = testing.poisoned_like(want)
                 hop.prefill(*args, kernel="hopper", pv_mode=pv, out=out, config=cfg)
                 bad += not _report(out, want, 0.05, f"{name} {kv}/{pv} qk_ahead={cfg.qk_ahead}")
-    for name, (hq, hkv, d, bs, lens, qlens) in ({} if only_bad else DECODE_CASES).items():
+    for name, (hq, hkv, d, bs, lens, qlens) in ({} if only_bad or prefill_only else DECODE_CASES).items():
         for kv in ("int8", "fp8"):
             b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                          kv_dtype=kv, seed=len(name), device="cuda")
@@ -96,7 +98,8 @@ def main() -> int:
                                            max_query_len=max(qlens))
                 bad += not _report(out, want, 0.07, f"decode {name} {kv} splits={splits} keys_on_m={keys} "
                                                     f"consumers={nc}")
-    bad += _bad_metadata_cases()
+    if not prefill_only:
+        bad += _bad_metadata_cases()
     if not decode_only:
         bad += _prefill_bad_metadata_cases()
     return 1 if bad else 0
