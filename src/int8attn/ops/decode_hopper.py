@@ -310,6 +310,8 @@ def _kernel_constexprs(config, kv_dtype: str, head_dim: int, block_size: int, gr
     if not keys_on_m:
         from ..kernels.decode_hopper import _decode_hopper_kernel
 
+        # the prefill kernel's constexprs this kernel takes (not its 16-bit-PV loader's)
+        const = {k: v for k, v in const.items() if k in set(_decode_hopper_kernel.arg_names)}
         const["BLOCK_Q"] = ROWS // group
         return _decode_hopper_kernel, const, options
     from ..kernels.decode_hopper_swapped import _decode_hopper_swapped_kernel, page_major_layouts, swapped_layouts
