@@ -94,9 +94,11 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   # the 16-bit-PV warp-specialized configs: 0 with 3.6, 2 with 3.8
                                   "ws-int8-pv16-d256-n32": 8, "ws-int8-pv16-d128": 8,
                                   "ws-fp8-pv16-d64-bs64-s3": 8},
-                          # the warp-specialized consumers (232 registers) with Triton 3.9: 59, 326, 17, 32, 37
+                          # the warp-specialized consumers (232 registers) with Triton 3.9: 59, 326, 17, 32, 37;
+                          # 16-bit PV of 8-bit caches: 36, 17, 13
                           "3.9": {"ws-fp8-pv8-d128-s4": 64, "ws-fp8-pv8-d256-n64-s4": 350,
-                                  "ws-int8-pv8-d256-n32-dv32": 24, "ws-bf16-d128": 40, "ws-bf16-d256-n32": 48}}
+                                  "ws-int8-pv8-d256-n32-dv32": 24, "ws-bf16-d128": 40, "ws-bf16-d256-n32": 48,
+                                  "ws-int8-pv16-d256-n32": 48, "ws-int8-pv16-d128": 24, "ws-fp8-pv16-d64-bs64-s3": 24}}
 
 _COMPILE_ALL = r"""
 import json, os, re, subprocess, sys, tempfile
