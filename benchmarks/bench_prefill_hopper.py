@@ -290,6 +290,8 @@ def main():
     ap.add_argument("--routed", action="store_true",
                     help="of the Hopper kernels, the warp-specialized route configs only (no variants)")
     ap.add_argument("--labels", default="", help="comma-separated Hopper config labels to time (only these)")
+    ap.add_argument("--caches", default="int8,fp8,bf16", help="comma-separated cache dtypes to time")
+    ap.add_argument("--prefixes", default=",".join(map(str, PREFIXES)), help="comma-separated prefix lengths")
     ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"comma-separated, of {list(SHAPES)}")
     opts = ap.parse_args()
     global ONLY_WS, ROUTED, GRAPH, LABELS
@@ -319,9 +321,11 @@ def main():
 
 
 def run_all(rec, opts) -> None:
+    prefixes = [int(p) for p in opts.prefixes.split(",") if p]
+    caches = [c for c in opts.caches.split(",") if c]
     for shape in opts.shapes:
-        for prefix in (PREFIXES[:1] if opts.quick else PREFIXES):
-            for kv in (("int8",) if opts.quick else ("int8", "fp8", "bf16")):
+        for prefix in (prefixes[:1] if opts.quick else prefixes):
+            for kv in (("int8",) if opts.quick else caches):
                 try:
                     bench_case(rec, shape, prefix, kv, [pv for k, pv in ROUTES if k == kv])
                 except Exception as e:  # noqa: BLE001
