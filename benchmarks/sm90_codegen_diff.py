@@ -11,7 +11,8 @@ Two exercises (``--exercise``):
   64 / 128 / 256 -- decode with 1, 3 and 8 query tokens (every PV mode, both MMA
   orientations the defaults pick) and a 20-token prefill -- run under Triton's
   interpreter; every launch is recorded (tests/_sm90.py) and compiled for sm_90.
-* ``hopper``: the Gluon Hopper prefill kernels (synchronous and pipelined), compiled for
+* ``hopper``: the Gluon Hopper prefill kernels (synchronous, pipelined, and the
+  warp-specialized config of each cache's own-precision route, BF16 included), compiled for
   sm_90 through ``ops.prefill_hopper.compile_for_sm90`` at int8 / fp8 x PV modes x D128 / D256.
 
 Launches are paired by their order (both trees run the same exercise), so a new constexpr
@@ -84,13 +85,15 @@ import json, sys
 from dataclasses import replace
 from int8attn.ops import prefill_hopper as hop
 out = []
-for kv, pv in (("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16")):
+for kv, pv in (("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16"), ("bf16", "bf16")):
     for d in (128, 256):
         group = 4 if d == 128 else 6
-        configs = [("sync", hop.default_config(kv, d, pv))]
+        configs = [] if kv == "bf16" else [("sync", hop.default_config(kv, d, pv))]
         pipe = hop.pipelined_config(kv, d) if pv != "bf16" else None
         if pipe is not None:
             configs.append(("pipelined", pipe))
+        if kv == pv:  # the warp-specialized config of each route "auto" takes it on
+            configs.append(("warp-specialized", hop.warp_specialized_config(kv, d)))
         for tag, cfg in configs:
             c = hop.compile_for_sm90(kv, pv, d, 16, group, cfg)
             out.append([f"{tag} {kv}/pv-{pv} D{d} {cfg}", c.asm["ptx"]])

@@ -65,6 +65,9 @@ VARIANTS = [
                  id="ws-bf16-d128"),
     pytest.param("bf16", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 4, "block_n": 32,
                                               "qk_ahead": False}, id="ws-bf16-d256-n32"),
+    # ... with lazy rescaling (not its default until measured on the GPU)
+    pytest.param("bf16", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 4, "block_n": 32,
+                                              "qk_ahead": False, "lazy_rescale": True}, id="ws-bf16-d256-n32-lazy"),
 ]
 #: PTX type suffix of the QK and PV warpgroup MMAs, and the SASS class each must show.
 PTX_TYPES = {"int8": "s32.s8.s8", "fp8": "f32.e4m3.e4m3", "bf16": "f32.f16.f16"}
@@ -93,12 +96,13 @@ SPILL_BUDGET = {"int8-pv8-d256": 16,
 SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   # the 16-bit-PV warp-specialized configs: 0 with 3.6, 2 with 3.8
                                   "ws-int8-pv16-d256-n32": 8, "ws-int8-pv16-d128": 8,
-                                  "ws-fp8-pv16-d64-bs64-s3": 8},
+                                  "ws-fp8-pv16-d64-bs64-s3": 8, "ws-bf16-d256-n32-lazy": 24},
                           # the warp-specialized consumers (232 registers) with Triton 3.9: 59, 326, 17, 32, 37;
                           # 16-bit PV of 8-bit caches: 36, 17, 13
                           "3.9": {"ws-fp8-pv8-d128-s4": 64, "ws-fp8-pv8-d256-n64-s4": 350,
                                   "ws-int8-pv8-d256-n32-dv32": 24, "ws-bf16-d128": 40, "ws-bf16-d256-n32": 48,
-                                  "ws-int8-pv16-d256-n32": 48, "ws-int8-pv16-d128": 24, "ws-fp8-pv16-d64-bs64-s3": 24}}
+                                  "ws-int8-pv16-d256-n32": 48, "ws-int8-pv16-d128": 24, "ws-fp8-pv16-d64-bs64-s3": 24,
+                                  "ws-bf16-d256-n32-lazy": 48}}
 
 _COMPILE_ALL = r"""
 import json, os, re, subprocess, sys, tempfile
@@ -284,6 +288,32 @@ def test_a_bf16_cache_runs_only_the_warp_specialized_kernel_with_one_pv_chunk(co
     with pytest.raises(ValueError, match="bf16 cache runs on the warp-specialized kernel"):
         hop._check_config(config, _C(), 4, "bf16")
     assert hop._check_config(hop.warp_specialized_config("bf16", 128), _C(), 4, "bf16").dv == 128
+
+
+@pytest.mark.parametrize("kv,pv,want", [pytest.param("int8", "bf16", True, id="int8-pv16-lazy"),
+                                         pytest.param("fp8", "bf16", True, id="fp8-pv16-lazy"),
+                                         pytest.param("bf16", "bf16", False, id="bf16-cache-eager"),
+                                         pytest.param("int8", "int8", False, id="int8-pv8-eager")])
+def test_lazy_rescaling_defaults_by_route_and_takes_16_bit_p_only(kv, pv, want):
+    """lazy_rescale=None resolves per route (on for an 8-bit cache's 16-bit PV on the
+    warp-specialized kernel; off for a BF16 cache, whose kernel was measured without it) and
+    reaches the kernel as LAZY; asking for it where P is 8-bit, or off the warp-specialized
+    kernel, raises before any launch."""
+    class _C:
+        kv_dtype, head_dim, block_size = kv, 128, 16
+
+    cfg = hop._check_config(hop.warp_specialized_config(kv, 128, pv), _C(), 4, pv)
+    assert cfg.lazy_rescale is want
+    assert hop.constexprs(cfg, _C(), 4, pv)["LAZY"] is want
+    if pv == "bf16":  # either way on 16-bit P
+        flipped = hop._check_config(replace(cfg, lazy_rescale=not want), _C(), 4, pv)
+        assert hop.constexprs(flipped, _C(), 4, pv)["LAZY"] is (not want)
+    else:
+        with pytest.raises(ValueError, match="lazy_rescale applies to 16-bit PV"):
+            hop._check_config(replace(cfg, lazy_rescale=True), _C(), 4, pv)
+    if kv != "bf16":
+        with pytest.raises(ValueError, match="lazy_rescale applies to 16-bit PV"):
+            hop._check_config(replace(hop.default_config(kv, 128, "bf16"), lazy_rescale=True), _C(), 4, "bf16")
 
 
 def test_constexprs_are_built_once_per_layout_and_handed_out_as_fresh_dicts():

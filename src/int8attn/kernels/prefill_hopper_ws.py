@@ -9,12 +9,13 @@ scale of the first KV tile) times V converted to fp16 by the loader, once per pr
 both consumers (the 16-bit MMA reads its B operand from shared memory only, so the
 conversion cannot happen in the consumers' registers).
 
-16-bit PV (both cases) rescales lazily: the accumulator is multiplied only in tiles where
-some row's running maximum grew by more than ``LAZY_TAU`` (one warpgroup-wide test per
-tile), otherwise the old maximum stays and p <= 2**LAZY_TAU -- the portable kernel's rule.
-An FMUL per accumulator element per tile was 38% of the BF16 consumers' instructions
-(Nsight Compute, head_dim 256). 8-bit P is rounded per tile on a per-row step, so its
-rescale factor changes every tile and is folded into the MMA as before.
+``LAZY`` (16-bit P only; on for the 8-bit caches' 16-bit PV, off for a BF16 cache until it
+is measured on the GPU): the accumulator is multiplied only in tiles where some row's
+running maximum grew by more than ``LAZY_TAU`` (one warpgroup-wide test per tile),
+otherwise the old maximum stays and p <= 2**LAZY_TAU -- the portable kernel's rule. An
+FMUL per accumulator element per tile was 38% of the BF16 consumers' instructions (Nsight
+Compute, head_dim 256). 8-bit P is rounded per tile on a per-row step, so its rescale
+factor changes every tile and is folded into the MMA as before.
 
 One program owns 128 query rows of one KV head (the packing of
 :mod:`int8attn.kernels.prefill_hopper`) and runs three partitions of four warps each:
@@ -58,7 +59,7 @@ from . import _gluon_compat as _gc
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
 from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, P_UNIT_MARGIN, _issue_rows, _issue_tile, _page_blocks, \
     _checked_tile, _pv_8bit, _store_output, _zero_tail_keys
-from .prefill_hopper_pipe import _issue_pv, _softmax_tile, _wait_and_fold
+from .prefill_hopper_pipe import _issue_pv, _online_softmax, _softmax_tile, _wait_and_fold
 
 #: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).
 LOADER_WARPS = gl.constexpr(4)
@@ -262,6 +263,26 @@ def _zero_tail_rows(v_buf, start, kv_end, BLOCK_N: gl.constexpr, LOAD_V: gl.cons
 
 
 @gluon.jit
+def _p_operand_16(p, v_scale, inv_unit, KV_KIND: gl.constexpr, P_LAYOUT: gl.constexpr):
+    """The 16-bit P operand: bf16 ``p`` for a BF16 cache, fp16 ``p * sV / unit`` for an 8-bit one."""
+    if KV_KIND == KIND_BF16:
+        p_op = gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT)
+    else:
+        p_op = gl.convert_layout((p * (v_scale * inv_unit)[None, :]).to(gl.float16), P_LAYOUT)
+    return p_op
+
+
+@gluon.jit
+def _softmax_tile_16_eager(t, v_scale, m_i, l_i, row_scale, row_limit, inv_unit, start, full_end,
+                           BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr, COL: gl.constexpr, PV_ROW: gl.constexpr,
+                           P_LAYOUT: gl.constexpr):
+    """Online softmax of one tile to a 16-bit P operand, the accumulator rescaled every tile
+    (``LAZY`` off): returns (P, the accumulator's rescale factor, m, l)."""
+    p, alpha, m_i, l_i = _online_softmax(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N, COL)
+    return _p_operand_16(p, v_scale, inv_unit, KV_KIND, P_LAYOUT), gl.convert_layout(alpha, PV_ROW), m_i, l_i
+
+
+@gluon.jit
 def _softmax_tile_16(t, v_scale, acc, m_i, l_i, row_scale, row_limit, inv_unit, start, full_end,
                      BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr, COL: gl.constexpr, PV_ROW: gl.constexpr,
                      P_LAYOUT: gl.constexpr):
@@ -281,11 +302,7 @@ def _softmax_tile_16(t, v_scale, acc, m_i, l_i, row_scale, row_limit, inv_unit, 
         m_i = m_new
     p = gl.exp2(t * row_scale[:, None] - m_i[:, None])
     l_i = l_i + gl.sum(p, 1)
-    if KV_KIND == KIND_BF16:
-        p_op = gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT)
-    else:
-        p_op = gl.convert_layout((p * (v_scale * inv_unit)[None, :]).to(gl.float16), P_LAYOUT)
-    return p_op, acc, m_i, l_i
+    return _p_operand_16(p, v_scale, inv_unit, KV_KIND, P_LAYOUT), acc, m_i, l_i
 
 
 @gluon.jit
@@ -360,8 +377,8 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_
               stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
               WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
               BLOCK_N: gl.constexpr, DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr,
-              STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, QK_LAYOUT: gl.constexpr,
-              PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr):
+              STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, LAZY: gl.constexpr,
+              QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr):
     ROW: gl.constexpr = gl.SliceLayout(1, QK_LAYOUT)
     COL: gl.constexpr = gl.SliceLayout(0, QK_LAYOUT)
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV_LAYOUT)
@@ -461,8 +478,13 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_
                 t = s * k_scale[None, :]
             else:
                 t = s
-            p_op, acc0, m_i, l_i = _softmax_tile_16(t, v_scale, acc0, m_i, l_i, row_scale, row_limit, inv_unit,
-                                                    start, full_end, BLOCK_N, KV_KIND, COL, PV_ROW, P_LAYOUT)
+            if LAZY:
+                p_op, acc0, m_i, l_i = _softmax_tile_16(t, v_scale, acc0, m_i, l_i, row_scale, row_limit, inv_unit,
+                                                        start, full_end, BLOCK_N, KV_KIND, COL, PV_ROW, P_LAYOUT)
+            else:
+                p_op, factor, m_i, l_i = _softmax_tile_16_eager(t, v_scale, m_i, l_i, row_scale, row_limit,
+                                                                inv_unit, start, full_end, BLOCK_N, KV_KIND, COL,
+                                                                PV_ROW, P_LAYOUT)
         else:
             p_op, factor, m_i, l_i, r_i = _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit,
                                                          start, full_end, levels, BLOCK_N, KV_KIND, PV_KIND, COL,
@@ -500,10 +522,17 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_
                 if NUM_DV > 4:
                     acc4, acc5, acc6, acc7 = _pv_int8_chunks(acc4, acc5, acc6, acc7, p_op, factor, v_buf, 4, BLOCK_M,
                                                              DV, NUM_DV, PV_LAYOUT)
-            elif KV_KIND == KIND_BF16:  # one chunk (dv = head_dim), V rows [keys, head_dim]
-                acc0 = warpgroup_mma(p_op, v_buf, acc0)
-            elif SIXTEEN:  # one chunk, the loader's fp16 V^T
-                acc0 = warpgroup_mma(p_op, v16_ring.index(j % STAGES).permute((1, 0)), acc0)
+            elif SIXTEEN:
+                # one chunk (dv = head_dim): a BF16 cache's V rows [keys, head_dim], or the
+                # loader's fp16 V^T; LAZY: the accumulator was rescaled (if at all) in the softmax
+                if KV_KIND == KIND_BF16:
+                    v_op = v_buf
+                else:
+                    v_op = v16_ring.index(j % STAGES).permute((1, 0))
+                if LAZY:
+                    acc0 = warpgroup_mma(p_op, v_op, acc0)
+                else:
+                    acc0 = _pv_8bit(acc0, p_op, factor, v_op, BLOCK_M, DV, PV_KIND, PV_LAYOUT)
             else:
                 acc0 = _pv_8bit(acc0, p_op, factor, _v_chunk(v_buf, 0, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
                 if NUM_DV > 1:
@@ -544,12 +573,13 @@ def _prefill_hopper_ws_kernel(
     Q_SMEM: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, V16_SMEM: gl.constexpr,
     LOAD_Q: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
     LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr,
+    LOADER_REGS: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, LAZY: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(STAGES >= 3, "tiles j - 1 (PV in flight), j and j + 1 are live")
     gl.static_assert((PV_KIND != PV_BF16) or (DV == HEAD_DIM), "16-bit PV: one column chunk")
     gl.static_assert((PV_KIND != PV_BF16) or not PV_IN_FLIGHT, "16-bit PV is waited in its own tile")
+    gl.static_assert((PV_KIND == PV_BF16) or not LAZY, "lazy rescaling: 16-bit P only")
 
     run, kv_head, seq, q_start, q_tile, q_len, seq_len = _checked_tile(
         query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, out_ptr, num_seqs, num_tiles, num_tokens,
@@ -577,12 +607,12 @@ def _prefill_hopper_ws_kernel(
                      kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
                      stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
                      0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
-                     QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+                     LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
         (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
                      kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
                      stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
                      1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
-                     QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+                     LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
         (_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
                    kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,
                    k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,

@@ -77,7 +77,10 @@ class HopperPrefillConfig:
     partition (:mod:`int8attn.kernels.prefill_hopper_ws`; block_m 128, 8-bit PV, stages >= 3;
     ``pipeline`` is then implied); qk_ahead (warp-specialized only): the next tile's QK runs
     across this tile's softmax (16-32 more live registers per consumer thread) rather than
-    being issued after this tile's PV."""
+    being issued after this tile's PV; lazy_rescale (warp-specialized 16-bit PV only): the
+    accumulator is rescaled only in tiles where a row's running maximum grew by more than
+    ``LAZY_TAU`` (None: on for the 8-bit caches' 16-bit PV, off for a BF16 cache, whose
+    kernel was measured without it)."""
 
     block_m: int = 128
     block_n: int = 64
@@ -86,6 +89,7 @@ class HopperPrefillConfig:
     pipeline: bool = False
     warp_specialized: bool = False
     qk_ahead: bool = True
+    lazy_rescale: bool | None = None
 
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillConfig:
@@ -252,11 +256,25 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise TypeError(f"config.qk_ahead must be a bool, got {config.qk_ahead!r}")
     if not config.qk_ahead and not config.warp_specialized:
         raise ValueError("qk_ahead=False applies to the warp-specialized kernel only")
+    sixteen_bit_p = pv_mode == "bf16"
+    lazy = _lazy_rescale(config, cache.kv_dtype, pv_mode)
+    if not isinstance(lazy, bool):
+        raise TypeError(f"config.lazy_rescale must be a bool or None, got {config.lazy_rescale!r}")
+    if lazy and not (config.warp_specialized and sixteen_bit_p):
+        raise ValueError("lazy_rescale applies to 16-bit PV on the warp-specialized kernel only")
     if config.warp_specialized and config.block_m != 128:
         raise ValueError(f"warp_specialized runs two 64-row consumer warpgroups: block_m must be 128, "
                          f"got {config.block_m}")
     _checks.check_pv_tile_keys(config.block_n, pv_mode)
-    return replace(config, dv=dv)
+    return replace(config, dv=dv, lazy_rescale=lazy)
+
+
+def _lazy_rescale(config: HopperPrefillConfig, kv_dtype: str, pv_mode: str):
+    """``config.lazy_rescale``, None resolved: on for an 8-bit cache's 16-bit PV on the
+    warp-specialized kernel, off elsewhere."""
+    if config.lazy_rescale is not None:
+        return config.lazy_rescale
+    return config.warp_specialized and pv_mode == "bf16" and kv_dtype != "bf16"
 
 
 def constexprs(config: HopperPrefillConfig, cache, group: int, pv_mode: str) -> dict:
@@ -279,7 +297,8 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
         from ..kernels.prefill_hopper_ws import partition_constexprs
         # every partition is one warpgroup: layouts of 64 rows and 4 warps
         const.update(kernel_layouts(64, config.block_n, head_dim, config.dv, kv, pv),
-                     **partition_constexprs(config.pipeline, config.qk_ahead, config.block_n))
+                     **partition_constexprs(config.pipeline, config.qk_ahead, config.block_n),
+                     LAZY=bool(config.lazy_rescale))
     else:
         const.update(kernel_layouts(config.block_m, config.block_n, head_dim, config.dv, kv, pv))
     return const
@@ -440,7 +459,8 @@ def compile_for_sm90(kv_dtype: str, pv_mode: str, head_dim: int, block_size: int
     returns Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``). Pointers and the
     strides of a contiguous cache are assumed 16-byte aligned, as on a real launch."""
     config = config or default_config(kv_dtype, head_dim, pv_mode)
-    config = replace(config, dv=config.dv or default_config(kv_dtype, head_dim, pv_mode).dv)
+    config = replace(config, dv=config.dv or default_config(kv_dtype, head_dim, pv_mode).dv,
+                     lazy_rescale=_lazy_rescale(config, kv_dtype, pv_mode))
     const = constexprs(config, cache_facts(kv_dtype, head_dim, block_size), group, pv_mode)
     return compile_gluon_for_sm90(kernel_fn(config), const, _pointer_types(kv_dtype), (
         "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_ch", "stride_sb", "stride_sh"),
