@@ -89,7 +89,9 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     of the pipelined config, or of the synchronous one where no pipelined config exists;
     the warp-specialized config of every route ("hopper-ws")."""
     if kv_dtype == "bf16":  # the warp-specialized kernel only: the 8-bit routes' BF16 counterpart
-        return [("hopper-ws", hop.warp_specialized_config(kv_dtype, d))]
+        ws = hop.warp_specialized_config(kv_dtype, d)
+        # lazy rescaling (off by default until measured): the A/B of its FMULs
+        return [("hopper-ws", ws), ("hopper-ws-lazy", replace(ws, lazy_rescale=True))]
     sync = hop.default_config(kv_dtype, d, pv)
     out = [("hopper", sync)]
     pipe = hop.pipelined_config(kv_dtype, d) if pv != "bf16" else None
