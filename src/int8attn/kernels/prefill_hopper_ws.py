@@ -57,8 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 
 from . import _gluon_compat as _gc
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
-from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, P_UNIT_MARGIN, _issue_rows, _issue_tile, _page_blocks, \
-    _checked_tile, _pv_8bit, _store_output, _zero_tail_keys
+from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, P_UNIT_MARGIN, _issue_rows, _issue_tile, \
+    _page_blocks, _checked_tile, _pv_8bit, _store_output, _zero_tail_keys
 from .prefill_hopper_pipe import _issue_pv, _online_softmax, _softmax_tile, _wait_and_fold
 
 #: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).

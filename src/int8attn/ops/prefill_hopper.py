@@ -74,7 +74,8 @@ class HopperPrefillConfig:
     asynchronous-MMA schedule of :mod:`int8attn.kernels.prefill_hopper_pipe` (8-bit PV,
     stages >= 3: PV of one tile overlaps the next tile's softmax) instead of one MMA waited
     at a time; warp_specialized: that schedule in two consumer warpgroups fed by a loader
-    partition (:mod:`int8attn.kernels.prefill_hopper_ws`; block_m 128, 8-bit PV, stages >= 3;
+    partition (:mod:`int8attn.kernels.prefill_hopper_ws`; block_m 128, stages >= 3, PV of the
+    cache's precision or an 8-bit cache's 16-bit PV with dv = head_dim;
     ``pipeline`` is then implied); qk_ahead (warp-specialized only): the next tile's QK runs
     across this tile's softmax (16-32 more live registers per consumer thread) rather than
     being issued after this tile's PV; lazy_rescale (warp-specialized 16-bit PV only): the
