@@ -189,17 +189,23 @@ def _load_v(v_ptr, row_off, page_base, slot0, col0, offs_dv, offs_slot, in_seq, 
     return _as_storage(v, KV_KIND)
 
 
+#: int8 -> fp16 exactly, four values per 32-bit register (``pack=4``, constraints
+#: ``INT8_TO_FP16_CONSTRAINTS``): flip the sign bits (v + 128 as a byte), byte-permute each
+#: byte under 0x64 (the fp16 1024 + byte), subtract 1152 on pairs: 1.25 instructions per value
+#: (LOP3, 2 PRMT, 2 HADD2 per 4). One definition for this kernel and the Gluon prefill loader.
+INT8_TO_FP16_PTX = tl.constexpr(
+    "{.reg .b32 t, c; xor.b32 t, $2, 0x80808080; mov.b32 c, 0x64806480; "
+    "prmt.b32 $0, t, 0x64646464, 0x5150; prmt.b32 $1, t, 0x64646464, 0x5352; "
+    "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c;}")
+INT8_TO_FP16_CONSTRAINTS = tl.constexpr("=r,=r,r")
+
+
 @triton.jit
 def _int8_to_fp16_ptx(v):
-    """int8 -> fp16 exactly, four values per 32-bit register: flip the sign bits (v + 128 as
-    a byte), byte-permute each byte under 0x64 (the fp16 1024 + byte), subtract 1152 on
-    pairs: 1.25 instructions per value (LOP3, 2 PRMT, 2 HADD2 per 4). NVIDIA PTX only; the
-    launcher sets CVT_ASM on CUDA devices and the portable bit trick is used elsewhere."""
-    return tl.inline_asm_elementwise(
-        "{.reg .b32 t, c; xor.b32 t, $2, 0x80808080; mov.b32 c, 0x64806480; "
-        "prmt.b32 $0, t, 0x64646464, 0x5150; prmt.b32 $1, t, 0x64646464, 0x5352; "
-        "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c;}",
-        "=r,=r,r", [v], dtype=tl.float16, is_pure=True, pack=4)
+    """int8 -> fp16 exactly (:data:`INT8_TO_FP16_PTX`). NVIDIA PTX only; the launcher sets
+    CVT_ASM on CUDA devices and the portable bit trick is used elsewhere."""
+    return tl.inline_asm_elementwise(INT8_TO_FP16_PTX, INT8_TO_FP16_CONSTRAINTS, [v], dtype=tl.float16,
+                                     is_pure=True, pack=4)
 
 
 @triton.jit

@@ -118,15 +118,25 @@ def _online_softmax(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N:
 
 
 @gluon.jit
+def _k_scaled(s, k_scale, KV_KIND: gl.constexpr):
+    """A QK MMA result with each key's scale applied (base-2 score = t * the row's scale):
+    int8 from the ``MAGIC_I`` start (prefill_hopper), fp8 from zero; a BF16 cache's as it is."""
+    if KV_KIND == KIND_INT8:
+        t = s.to(gl.float32, bitcast=True) * k_scale[None, :] + (k_scale * -MAGIC_F)[None, :]
+    elif KV_KIND == KIND_FP8:
+        t = s * k_scale[None, :]
+    else:
+        t = s
+    return t
+
+
+@gluon.jit
 def _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit, start, full_end, levels: gl.constexpr,
                   BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, COL: gl.constexpr,
                   PV_ROW: gl.constexpr, P_LAYOUT: gl.constexpr):
     """Online softmax of one tile's scores ``s`` (the QK MMA result) to the 8-bit P operand:
     returns (P, the accumulator's rescale factor, m, l, r) -- see prefill_hopper for the rule."""
-    if KV_KIND == KIND_INT8:
-        t = s.to(gl.float32, bitcast=True) * k_scale[None, :] + (k_scale * -MAGIC_F)[None, :]
-    else:
-        t = s * k_scale[None, :]
+    t = _k_scaled(s, k_scale, KV_KIND)
     p, alpha, m_i, l_i = _online_softmax(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N, COL)
     pv = p * v_scale[None, :]
     floor = gl.max(v_scale, 0) * MIN_REL_STEP

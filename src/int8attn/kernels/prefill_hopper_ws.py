@@ -56,10 +56,11 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
     warpgroup_mma_init, warpgroup_mma_wait
 
 from . import _gluon_compat as _gc
-from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_FP8, PV_INT8
-from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG, P_UNIT_MARGIN, _issue_rows, _issue_tile, \
-    _page_blocks, _checked_tile, _pv_8bit, _store_output, _zero_tail_keys
-from .prefill_hopper_pipe import _issue_pv, _online_softmax, _softmax_tile, _wait_and_fold
+from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_INT8
+from .prefill import INT8_TO_FP16_CONSTRAINTS, INT8_TO_FP16_PTX
+from .prefill_hopper import MAGIC_I, NEG_BIG, P_UNIT_MARGIN, _issue_rows, _issue_tile, _page_blocks, _checked_tile, \
+    _pv_8bit, _store_output, _zero_tail_keys
+from .prefill_hopper_pipe import _issue_pv, _k_scaled, _online_softmax, _softmax_tile, _wait_and_fold
 
 #: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).
 LOADER_WARPS = gl.constexpr(4)
@@ -205,15 +206,11 @@ def _convert_v(j, v_buf, v16_buf, ready_bar, kv_end, HEAD_DIM: gl.constexpr, BLO
 
 @gluon.jit
 def _int8_to_fp16(v):
-    """int8 -> fp16 exactly, four values per 32-bit register (the portable kernel's
-    ``_int8_to_fp16_ptx``): flip the sign bits, byte-permute each byte under 0x64 (the fp16
-    1024 + byte), subtract 1152 on pairs -- 1.25 ALU instructions per value, where ``.to``
-    issues one I2F per value on the pipe the consumers' exponentials use."""
-    return gl.inline_asm_elementwise(
-        "{.reg .b32 t, c; xor.b32 t, $2, 0x80808080; mov.b32 c, 0x64806480; "
-        "prmt.b32 $0, t, 0x64646464, 0x5150; prmt.b32 $1, t, 0x64646464, 0x5352; "
-        "sub.f16x2 $0, $0, c; sub.f16x2 $1, $1, c;}",
-        "=r,=r,r", [v], dtype=gl.float16, is_pure=True, pack=4)
+    """int8 -> fp16 exactly with the portable kernel's PTX (:data:`int8attn.kernels.prefill.
+    INT8_TO_FP16_PTX`, 1.25 ALU instructions per value), where ``.to`` issues one I2F per
+    value on the pipe the consumers' exponentials use."""
+    return gl.inline_asm_elementwise(INT8_TO_FP16_PTX, INT8_TO_FP16_CONSTRAINTS, [v], dtype=gl.float16,
+                                     is_pure=True, pack=4)
 
 
 @gluon.jit
@@ -472,12 +469,7 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_
                                              BLOCK_N, COL)
         # ---- softmax of S_j
         if SIXTEEN:
-            if KV_KIND == KIND_INT8:
-                t = s.to(gl.float32, bitcast=True) * k_scale[None, :] + (k_scale * -MAGIC_F)[None, :]
-            elif KV_KIND == KIND_FP8:
-                t = s * k_scale[None, :]
-            else:
-                t = s
+            t = _k_scaled(s, k_scale, KV_KIND)
             if LAZY:
                 p_op, acc0, m_i, l_i = _softmax_tile_16(t, v_scale, acc0, m_i, l_i, row_scale, row_limit, inv_unit,
                                                         start, full_end, BLOCK_N, KV_KIND, COL, PV_ROW, P_LAYOUT)
