@@ -102,6 +102,13 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     if pv == "bf16":  # 16-bit PV: the loader converts V to fp16, lazy rescaling
         ws = hop.warp_specialized_config(kv_dtype, d, pv)
         out.append(("hopper-ws", ws))
+        # the loader's copies in flight past the tile it converts (convert_lag; None: stages
+        # - 2) and the ring depth; lazy rescaling off (its warpgroup-wide test per tile)
+        out += [("hopper-ws-lag1", replace(ws, convert_lag=1)),
+                ("hopper-ws-s5", replace(ws, stages=5)), ("hopper-ws-s5-lag2", replace(ws, stages=5, convert_lag=2)),
+                ("hopper-ws-eager", replace(ws, lazy_rescale=False))]
+        if ws.block_n == 64:
+            out.append(("hopper-ws-s6", replace(ws, stages=6)))
         if ws.block_n < 64:
             # twice the keys per tile at head_dim 256 (per-tile work over more scores; 32
             # LDL/STL in the sm_90 build, Triton 3.6); 3 stages: a fp16 V ring of 4 would not

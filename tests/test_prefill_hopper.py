@@ -316,6 +316,43 @@ def test_lazy_rescaling_defaults_by_route_and_takes_16_bit_p_only(kv, pv, want):
             hop._check_config(replace(hop.default_config(kv, 128, "bf16"), lazy_rescale=True), _C(), 4, "bf16")
 
 
+@pytest.mark.parametrize("stages,lag,want", [pytest.param(4, None, 2, id="s4-default"),
+                                              pytest.param(3, None, 1, id="s3-default"),
+                                              pytest.param(5, None, 3, id="s5-default"),
+                                              pytest.param(5, 1, 1, id="s5-lag1"),
+                                              pytest.param(6, 5, 5, id="s6-lag5")])
+def test_convert_lag_resolves_and_reaches_the_loader(stages, lag, want):
+    """convert_lag=None resolves to stages - 2 (at least 1) on the route whose loader converts
+    V (an 8-bit cache's 16-bit PV on the warp-specialized kernel) and reaches the kernel as
+    CVT_LAG; a checked config checks again unchanged."""
+    class _C:
+        kv_dtype, head_dim, block_size = "int8", 128, 16
+
+    cfg = replace(hop.warp_specialized_config("int8", 128, "bf16"), stages=stages, convert_lag=lag)
+    checked = hop._check_config(cfg, _C(), 4, "bf16")
+    assert checked.convert_lag == want
+    assert hop.constexprs(checked, _C(), 4, "bf16")["CVT_LAG"] == want
+    assert hop._check_config(checked, _C(), 4, "bf16") == checked
+
+
+def test_convert_lag_and_deep_rings_are_rejected_where_they_do_not_apply():
+    """A lag the ring cannot hold, a lag on a route whose loader converts nothing, and more
+    than 4 stages off the warp-specialized kernel raise before any launch."""
+    class _C:
+        kv_dtype, head_dim, block_size = "int8", 128, 16
+
+    ws16 = hop.warp_specialized_config("int8", 128, "bf16")
+    for bad in (0, 4, 2.0, True):
+        with pytest.raises(ValueError, match="convert_lag"):
+            hop._check_config(replace(ws16, convert_lag=bad), _C(), 4, "bf16")
+    with pytest.raises(ValueError, match="convert_lag applies"):
+        hop._check_config(replace(hop.warp_specialized_config("int8", 128), convert_lag=1), _C(), 4, "int8")
+    with pytest.raises(ValueError, match="stages=7"):
+        hop._check_config(replace(ws16, stages=7), _C(), 4, "bf16")
+    with pytest.raises(ValueError, match="stages=5 must be 2 .. 4"):
+        hop._check_config(replace(hop.default_config("int8", 128, "int8"), stages=5), _C(), 4, "int8")
+
+
 def test_constexprs_are_built_once_per_layout_and_handed_out_as_fresh_dicts():
     """A launch's constexprs (Gluon layouts) are built once per (config, cache layout, group,
     PV mode): the same values every call, in a dict the caller may change."""

@@ -104,17 +104,18 @@ def _alloc_ring(elem: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     return k_ring, v_ring, ks_ring, vs_ring, ready, empty
 
 
-def partition_constexprs(pv_in_flight: bool, qk_ahead: bool, block_n: int) -> dict:
+def partition_constexprs(pv_in_flight: bool, qk_ahead: bool, block_n: int, convert_lag: int) -> dict:
     """The constexprs of :func:`_prefill_hopper_ws_kernel` beside those of
     :func:`int8attn.kernels.prefill_hopper.kernel_layouts` (built for 64 rows, 4 warps).
     ``CVT_V``: the loader's layout of a [CVT_ROWS, block_n] slice of a V^T tile it converts
-    to fp16 (8 keys per thread: one 8-byte shared load, one 16-byte store)."""
+    to fp16 (8 keys per thread: one 8-byte shared load, one 16-byte store); ``CVT_LAG``: the
+    tiles whose copies the loader keeps in flight past the one it converts (:func:`_loader_16`)."""
     cols = block_n // 8
     cvt_rows = CVT_ELEMS * 32 * LOADER_WARPS.value // block_n
     return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight,
                 QK_AHEAD=qk_ahead, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
                 CVT_V=gl.BlockedLayout([1, 8], [32 // cols, cols], [LOADER_WARPS.value, 1], [1, 0]),
-                CVT_ROWS=cvt_rows)
+                CVT_ROWS=cvt_rows, CVT_LAG=convert_lag)
 
 
 @gluon.jit
@@ -140,11 +141,11 @@ def _loader(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_hea
             kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
             HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
-            LOAD_S: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr):
+            LOAD_S: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr):
     if PV_KIND == PV_BF16 and KV_KIND != KIND_BF16:
         _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
                    kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                   HEAD_DIM, PAGE, BLOCK_N, STAGES, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS)
+                   HEAD_DIM, PAGE, BLOCK_N, STAGES, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS, CVT_LAG)
     else:
         _loader_8(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
                   kv_end, last_page, num_kv_tiles, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
@@ -156,12 +157,15 @@ def _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_
                kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
                HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr, CVT_V: gl.constexpr,
-               CVT_ROWS: gl.constexpr):
+               CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr):
     """The loader of 16-bit PV over an 8-bit cache: tile ``j``'s copies (K, V^T into the
-    8-bit staging ring, scales) are issued, then tile ``j - 1``'s V^T is converted to fp16 and
-    its stage signalled ``ready`` -- so one tile's copies are always in flight while the
-    previous one converts. The staging stage of tile ``j`` is rewritten only at tile ``j +
-    STAGES``, long after its conversion; its fp16 and K stages are released by ``empty``."""
+    8-bit staging ring, scales) are issued, then tile ``j - CVT_LAG``'s V^T is converted to
+    fp16 and its stage signalled ``ready``. So ``CVT_LAG`` tiles' copies stay in flight while
+    one converts: the loader blocks on its own copies (``wait_group``), and with one tile in
+    flight a copy's latency, not the consumers, sets the pace. Tile ``j``'s stage was
+    released by the consumers of tile ``j - STAGES``; converting tile ``j - CVT_LAG`` then
+    leaves them ``STAGES - CVT_LAG - 1`` tiles of work before they need it. The staging
+    stage of a tile is rewritten only ``STAGES`` tiles later, after its conversion."""
     for j in range(0, num_kv_tiles):
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
@@ -170,14 +174,15 @@ def _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_
         _copy_scales(j, ks_ring.index(s), vs_ring.index(s), k_scale_ptr, v_scale_ptr, bt_row, scale_head,
                      stride_sb, last_page, PAGE, BLOCK_N, LOAD_S)
         async_copy.commit_group()
-        if j >= 1:
-            async_copy.wait_group(1)  # this thread's copies of tile j - 1
-            _convert_v(j - 1, v_ring.index((j - 1) % STAGES), v16_ring.index((j - 1) % STAGES),
-                       ready.index((j - 1) % STAGES), kv_end, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS)
+        if j >= CVT_LAG:
+            c = j - CVT_LAG
+            async_copy.wait_group(CVT_LAG)  # this thread's copies of tile c
+            _convert_v(c, v_ring.index(c % STAGES), v16_ring.index(c % STAGES), ready.index(c % STAGES), kv_end,
+                       HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS)
     async_copy.wait_group(0)
-    last = num_kv_tiles - 1
-    _convert_v(last, v_ring.index(last % STAGES), v16_ring.index(last % STAGES), ready.index(last % STAGES),
-               kv_end, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS)
+    for c in range(gl.maximum(num_kv_tiles - CVT_LAG, 0), num_kv_tiles):
+        _convert_v(c, v_ring.index(c % STAGES), v16_ring.index(c % STAGES), ready.index(c % STAGES), kv_end,
+                   HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS)
 
 
 @gluon.jit
@@ -565,13 +570,15 @@ def _prefill_hopper_ws_kernel(
     Q_SMEM: gl.constexpr, K_SMEM: gl.constexpr, V_SMEM: gl.constexpr, V16_SMEM: gl.constexpr,
     LOAD_Q: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
     LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, LAZY: gl.constexpr,
+    LOADER_REGS: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr,
+    LAZY: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
     gl.static_assert(STAGES >= 3, "tiles j - 1 (PV in flight), j and j + 1 are live")
     gl.static_assert((PV_KIND != PV_BF16) or (DV == HEAD_DIM), "16-bit PV: one column chunk")
     gl.static_assert((PV_KIND != PV_BF16) or not PV_IN_FLIGHT, "16-bit PV is waited in its own tile")
     gl.static_assert((PV_KIND == PV_BF16) or not LAZY, "lazy rescaling: 16-bit P only")
+    gl.static_assert((CVT_LAG >= 1) and (CVT_LAG < STAGES), "the loader converts a tile it still holds")
 
     run, kv_head, seq, q_start, q_tile, q_len, seq_len = _checked_tile(
         query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, out_ptr, num_seqs, num_tiles, num_tokens,
@@ -608,5 +615,6 @@ def _prefill_hopper_ws_kernel(
         (_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
                    kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,
                    k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                   HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS)),
+                   HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS,
+                   CVT_LAG)),
     ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])

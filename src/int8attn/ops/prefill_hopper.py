@@ -81,7 +81,10 @@ class HopperPrefillConfig:
     being issued after this tile's PV; lazy_rescale (warp-specialized 16-bit PV only): the
     accumulator is rescaled only in tiles where a row's running maximum grew by more than
     ``LAZY_TAU`` (None: on for the 8-bit caches' 16-bit PV, off for a BF16 cache, whose
-    kernel was measured without it)."""
+    kernel was measured without it); convert_lag (warp-specialized 16-bit PV of an 8-bit
+    cache only): tiles whose copies the loader keeps in flight past the one it converts to
+    fp16, 1 .. stages - 1 (None: stages - 2, at least 1). The warp-specialized kernel takes
+    up to 6 stages (shared memory permitting), the others up to 4."""
 
     block_m: int = 128
     block_n: int = 64
@@ -91,6 +94,7 @@ class HopperPrefillConfig:
     warp_specialized: bool = False
     qk_ahead: bool = True
     lazy_rescale: bool | None = None
+    convert_lag: int | None = None
 
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillConfig:
@@ -236,12 +240,13 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise ValueError(f"dv={dv} must split head_dim={d} into {', '.join(map(str, chunks))} chunks")
     if pv_mode == "int8" and dv > 224:
         raise ValueError(f"dv={dv}: s8 warpgroup MMAs take at most 224 columns")
-    if not isinstance(config.stages, int) or not 2 <= config.stages <= 4:
-        raise ValueError(f"stages={config.stages!r} must be 2, 3 or 4")
-    if not isinstance(config.pipeline, bool):
-        raise TypeError(f"config.pipeline must be a bool, got {config.pipeline!r}")
     if not isinstance(config.warp_specialized, bool):
         raise TypeError(f"config.warp_specialized must be a bool, got {config.warp_specialized!r}")
+    max_stages = 6 if config.warp_specialized else 4
+    if not isinstance(config.stages, int) or not 2 <= config.stages <= max_stages:
+        raise ValueError(f"stages={config.stages!r} must be 2 .. {max_stages}")
+    if not isinstance(config.pipeline, bool):
+        raise TypeError(f"config.pipeline must be a bool, got {config.pipeline!r}")
     if cache.kv_dtype == "bf16" and not (config.warp_specialized and dv == d and not config.pipeline):
         raise ValueError("a bf16 cache runs on the warp-specialized kernel with dv = head_dim "
                          "(HopperPrefillConfig(warp_specialized=True), e.g. warp_specialized_config('bf16', d))")
@@ -266,8 +271,16 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
     if config.warp_specialized and config.block_m != 128:
         raise ValueError(f"warp_specialized runs two 64-row consumer warpgroups: block_m must be 128, "
                          f"got {config.block_m}")
+    lag = _convert_lag(config, cache.kv_dtype, pv_mode)
+    if config.convert_lag is not None:
+        if not (config.warp_specialized and sixteen_bit_pv):
+            raise ValueError("convert_lag applies to an 8-bit cache's 16-bit PV on the warp-specialized kernel only")
+        if not isinstance(lag, int) or isinstance(lag, bool) or not 1 <= lag < config.stages:
+            raise ValueError(f"convert_lag={lag!r} must be an int in 1 .. stages - 1 = {config.stages - 1}")
     _checks.check_pv_tile_keys(config.block_n, pv_mode)
-    return replace(config, dv=dv, lazy_rescale=lazy)
+    # resolved where the loader converts V, None elsewhere (a checked config checks again)
+    return replace(config, dv=dv, lazy_rescale=lazy,
+                   convert_lag=lag if config.warp_specialized and sixteen_bit_pv else None)
 
 
 def _lazy_rescale(config: HopperPrefillConfig, kv_dtype: str, pv_mode: str):
@@ -276,6 +289,16 @@ def _lazy_rescale(config: HopperPrefillConfig, kv_dtype: str, pv_mode: str):
     if config.lazy_rescale is not None:
         return config.lazy_rescale
     return config.warp_specialized and pv_mode == "bf16" and kv_dtype != "bf16"
+
+
+def _convert_lag(config: HopperPrefillConfig, kv_dtype: str, pv_mode: str):
+    """``config.convert_lag``, None resolved: stages - 2 (at least 1) where the loader
+    converts V (an 8-bit cache's 16-bit PV on the warp-specialized kernel), else 1 (unused)."""
+    if config.convert_lag is not None:
+        return config.convert_lag
+    if config.warp_specialized and pv_mode == "bf16" and kv_dtype != "bf16":
+        return max(1, config.stages - 2)
+    return 1
 
 
 def constexprs(config: HopperPrefillConfig, cache, group: int, pv_mode: str) -> dict:
@@ -298,7 +321,8 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
         from ..kernels.prefill_hopper_ws import partition_constexprs
         # every partition is one warpgroup: layouts of 64 rows and 4 warps
         const.update(kernel_layouts(64, config.block_n, head_dim, config.dv, kv, pv),
-                     **partition_constexprs(config.pipeline, config.qk_ahead, config.block_n),
+                     **partition_constexprs(config.pipeline, config.qk_ahead, config.block_n,
+                                            _convert_lag(config, kv_dtype, pv_mode)),
                      LAZY=bool(config.lazy_rescale))
     else:
         const.update(kernel_layouts(config.block_m, config.block_n, head_dim, config.dv, kv, pv))
