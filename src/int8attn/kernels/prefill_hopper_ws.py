@@ -190,10 +190,27 @@ def _convert_v(j, v_buf, v16_buf, ready_bar, kv_end, HEAD_DIM: gl.constexpr, BLO
                CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr):
     """V^T tile ``j`` (8-bit, its copies landed for this thread) to fp16, then ``ready``. The
     first partition barrier makes every loader thread's copies visible before any reads
-    them; keys past the sequence end are zeroed in the tile that crosses it (stale e4m3
-    bytes may be NaN, and NaN * 0 = NaN in the MMA)."""
+    them. Keys past the sequence end are zeroed only where they could poison the MMA: fp8
+    stale bytes may be NaN (NaN * 0 = NaN), int8 bytes never are, and their P is 0 (the
+    consumers zero stale keys' scales). The masked conversion is its own branch (its
+    selects and half-word repacks cost more than the conversion itself)."""
     _gc.cta_barrier()  # the loader's warps only (a named barrier inside a partition)
-    tail = (j + 1) * BLOCK_N > kv_end
+    if v_buf.dtype == gl.int8:
+        _convert_rows(j, v_buf, v16_buf, kv_end, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS, False)
+    elif (j + 1) * BLOCK_N > kv_end:
+        _convert_rows(j, v_buf, v16_buf, kv_end, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS, True)
+    else:
+        _convert_rows(j, v_buf, v16_buf, kv_end, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS, False)
+    fence_async_shared()
+    _gc.cta_barrier()
+    mbarrier.arrive(ready_bar, count=LOADER_WARPS * 32)
+
+
+@gluon.jit
+def _convert_rows(j, v_buf, v16_buf, kv_end, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, CVT_V: gl.constexpr,
+                  CVT_ROWS: gl.constexpr, MASK: gl.constexpr):
+    """The conversion of :func:`_convert_v`, ``CVT_ROWS`` channels at a time (the loader's
+    registers); ``MASK``: keys at or past ``kv_end`` become 0."""
     vn = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, CVT_V))
     for c in gl.static_range(HEAD_DIM // CVT_ROWS):
         vt = v_buf.slice(c * CVT_ROWS, CVT_ROWS, dim=0).load(CVT_V)
@@ -201,12 +218,9 @@ def _convert_v(j, v_buf, v16_buf, ready_bar, kv_end, HEAD_DIM: gl.constexpr, BLO
             vh = _int8_to_fp16(vt)
         else:
             vh = vt.to(gl.float16)
-        if tail:
+        if MASK:
             vh = gl.where((vn < kv_end)[None, :], vh, gl.zeros_like(vh))
         v16_buf.slice(c * CVT_ROWS, CVT_ROWS, dim=0).store(vh)
-    fence_async_shared()
-    _gc.cta_barrier()
-    mbarrier.arrive(ready_bar, count=LOADER_WARPS * 32)
 
 
 @gluon.jit
