@@ -97,8 +97,7 @@ SPILL_BUDGET = {"int8-pv8-d256": 16,
 #: Triton 3.8 (the default CUDA torch 2.14 wheel's) spills more at head_dim 256: measured 41
 #: (int8 PV) and 48 (fp16 PV of an fp8 cache) local-memory instructions.
 SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
-                                  # the 16-bit-PV warp-specialized configs: 0-3 with 3.6, 2 with 3.8
-                                  # before the loader's masked conversion became its own branch
+                                  # the 16-bit-PV warp-specialized configs (Triton 3.6: 0-3)
                                   "ws-int8-pv16-d256-n32": 16, "ws-int8-pv16-d128": 8,
                                   "ws-fp8-pv16-d64-bs64-s3": 48, "ws-bf16-d256-n32-lazy": 24},
                           # the warp-specialized consumers (232 registers) with Triton 3.9: 59, 326, 17, 32, 37;

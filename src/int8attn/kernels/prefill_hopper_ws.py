@@ -160,10 +160,9 @@ def _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_
                CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr):
     """The loader of 16-bit PV over an 8-bit cache: tile ``j``'s copies (K, V^T into the
     8-bit staging ring, scales) are issued, then tile ``j - CVT_LAG``'s V^T is converted to
-    fp16 and its stage signalled ``ready``. So ``CVT_LAG`` tiles' copies stay in flight while
-    one converts: the loader blocks on its own copies (``wait_group``), and with one tile in
-    flight a copy's latency, not the consumers, sets the pace. Tile ``j``'s stage was
-    released by the consumers of tile ``j - STAGES``; converting tile ``j - CVT_LAG`` then
+    fp16 and its stage signalled ``ready``: ``CVT_LAG`` tiles' copies stay in flight while one
+    converts, since this loader waits on its own copies (``wait_group``). Tile ``j``'s stage
+    was released by the consumers of tile ``j - STAGES``; converting tile ``j - CVT_LAG`` then
     leaves them ``STAGES - CVT_LAG - 1`` tiles of work before they need it. The staging
     stage of a tile is rewritten only ``STAGES`` tiles later, after its conversion."""
     for j in range(0, num_kv_tiles):
