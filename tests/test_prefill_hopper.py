@@ -107,6 +107,10 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   "ws-int8-pv16-d256-n32": 48, "ws-int8-pv16-d128": 24, "ws-fp8-pv16-d64-bs64-s3": 48,
                                   "ws-bf16-d256-n32-lazy": 48}}
 
+#: Instructions allowed in the int8 16-bit-PV loader's tile loop (sm_90): copies of one tile
+#: and the conversion of another, 64 values per thread at 32-key tiles.
+LOADER_LOOP_MAX = 320
+
 _COMPILE_ALL = r"""
 import json, os, re, subprocess, sys, tempfile
 from dataclasses import replace
@@ -135,7 +139,11 @@ for key, (kv, pv, d, bs, group, over) in json.loads(sys.argv[1]).items():
         continue
     ptx = c.asm["ptx"]
     text = sass.dump_sass(c.asm["cubin"])
+    # the 16-bit-PV loader's tile loop: the smallest loop that both issues copies and converts
+    cvt = [lp for lp in sass.loops(text) if any("LDGSTS" in i for i in lp) and any("HADD2" in i for i in lp)]
+    loader = min(cvt, key=len) if cvt else []
     out["variants"][key] = {
+        "loader_loop": len(loader), "loader_loop_selects": sum(i.split()[-1].startswith("SEL") for i in loader),
         **gluon_facts(ptx, text),
         "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
         "sass_wgmma_waits": [int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", text)],
@@ -176,6 +184,11 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
             # the loader signals after converting V^T to fp16, with ALU instructions only (an
             # I2F per value would share the pipe of the consumers' exponentials)
             assert got["int_to_float_conversions"] == 0, got
+            if kv == "int8":
+                # one loader warp per scheduler sets the pace of this route when its tile loop
+                # grows (Nsight Compute: a tail mask run as selects on every tile doubled it,
+                # 483 instructions at D256); int8 needs no mask (Triton 3.6: 239 / 272)
+                assert got["loader_loop_selects"] == 0 and 0 < got["loader_loop"] <= LOADER_LOOP_MAX, got
         else:
             assert got["cp_async_mbarrier_arrives"] >= 1, got
         # a config short of registers makes ptxas wait for every wgmma (C7511): the
