@@ -255,7 +255,8 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise ValueError(f"pipeline needs PV in the cache's precision (pv_mode={pv_mode!r})")
     if (config.pipeline or config.warp_specialized) and config.stages < 3:
         raise ValueError(f"pipeline / warp_specialized need stages >= 3 (stages={config.stages})")
-    if config.warp_specialized and sixteen_bit_pv and (config.pipeline or dv != d):
+    converts_v = _loader_converts_v(config, cache.kv_dtype, pv_mode)
+    if converts_v and (config.pipeline or dv != d):
         raise ValueError("16-bit PV of an 8-bit cache on the warp-specialized kernel: one column chunk "
                          "(dv = head_dim) and PV waited in its tile (pipeline=False)")
     if not isinstance(config.qk_ahead, bool):
@@ -273,14 +274,13 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
                          f"got {config.block_m}")
     lag = _convert_lag(config, cache.kv_dtype, pv_mode)
     if config.convert_lag is not None:
-        if not (config.warp_specialized and sixteen_bit_pv):
+        if not converts_v:
             raise ValueError("convert_lag applies to an 8-bit cache's 16-bit PV on the warp-specialized kernel only")
         if not isinstance(lag, int) or isinstance(lag, bool) or not 1 <= lag < config.stages:
             raise ValueError(f"convert_lag={lag!r} must be an int in 1 .. stages - 1 = {config.stages - 1}")
     _checks.check_pv_tile_keys(config.block_n, pv_mode)
     # resolved where the loader converts V, None elsewhere (a checked config checks again)
-    return replace(config, dv=dv, lazy_rescale=lazy,
-                   convert_lag=lag if config.warp_specialized and sixteen_bit_pv else None)
+    return replace(config, dv=dv, lazy_rescale=lazy, convert_lag=lag if converts_v else None)
 
 
 def _lazy_rescale(config: HopperPrefillConfig, kv_dtype: str, pv_mode: str):
@@ -288,6 +288,12 @@ def _lazy_rescale(config: HopperPrefillConfig, kv_dtype: str, pv_mode: str):
     warp-specialized kernel, off elsewhere."""
     if config.lazy_rescale is not None:
         return config.lazy_rescale
+    return _loader_converts_v(config, kv_dtype, pv_mode)
+
+
+def _loader_converts_v(config: HopperPrefillConfig, kv_dtype: str, pv_mode: str) -> bool:
+    """The route whose loader converts V to fp16: an 8-bit cache's 16-bit PV on the
+    warp-specialized kernel (the one that takes lazy rescaling by default and convert_lag)."""
     return config.warp_specialized and pv_mode == "bf16" and kv_dtype != "bf16"
 
 
@@ -296,7 +302,7 @@ def _convert_lag(config: HopperPrefillConfig, kv_dtype: str, pv_mode: str):
     converts V (an 8-bit cache's 16-bit PV on the warp-specialized kernel), else 1 (unused)."""
     if config.convert_lag is not None:
         return config.convert_lag
-    if config.warp_specialized and pv_mode == "bf16" and kv_dtype != "bf16":
+    if _loader_converts_v(config, kv_dtype, pv_mode):
         return max(1, config.stages - 2)
     return 1
 
