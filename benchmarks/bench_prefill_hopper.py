@@ -43,8 +43,9 @@ SHAPES = {"24q4kv_d256": (24, 4, 256), "32q8kv_d128": (32, 8, 128), "16q4kv_d64"
 DEFAULT_SHAPES = ("24q4kv_d256", "32q8kv_d128")
 PREFIXES = (28672, 0)
 CHUNK = 4096
-#: (cache, PV) routes timed: the 8-bit PV routes (the pipelined kernel's) and int8 with 16-bit PV
-ROUTES = (("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("bf16", "bf16"))
+#: (cache, PV) routes timed: the 8-bit PV routes (the pipelined kernel's) and the 8-bit caches'
+#: 16-bit PV (their default)
+ROUTES = (("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16"), ("bf16", "bf16"))
 #: --only-ws: of the Hopper kernels, time the warp-specialized configs only
 ONLY_WS = False
 #: --routed: of the Hopper kernels, the warp-specialized route configs only (what "auto" runs)
@@ -99,21 +100,21 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         out += [("hopper-pipe", pipe), ("hopper-pipe-m64", replace(pipe, block_m=64))]
     elif pv != "bf16":  # 8-bit PV without a pipelined config (int8 at D256)
         out.append(("hopper-m64", replace(sync, block_m=64)))
-    if pv == "bf16":  # 16-bit PV: the loader converts V to fp16, lazy rescaling
+    if pv == "bf16":  # 16-bit PV: the loader converts V to fp16
         ws = hop.warp_specialized_config(kv_dtype, d, pv)
         out.append(("hopper-ws", ws))
         # the loader's copies in flight past the tile it converts (convert_lag; None: stages
-        # - 2) and the ring depth; lazy rescaling off (its warpgroup-wide test per tile)
+        # - 2) and the ring depth; lazy rescaling on (its warpgroup-wide test per tile)
         out += [("hopper-ws-lag1", replace(ws, convert_lag=1)),
                 ("hopper-ws-s5", replace(ws, stages=5)), ("hopper-ws-s5-lag2", replace(ws, stages=5, convert_lag=2)),
-                ("hopper-ws-eager", replace(ws, lazy_rescale=False))]
-        if ws.block_n == 64:
+                ("hopper-ws-lazy", replace(ws, lazy_rescale=True))]
+        if d <= 128:
             out.append(("hopper-ws-s6", replace(ws, stages=6)))
-        if ws.block_n < 64:
-            # twice the keys per tile at head_dim 256 (per-tile work over more scores; 32
-            # LDL/STL in the sm_90 build, Triton 3.6); 3 stages: a fp16 V ring of 4 would not
-            # fit in shared memory. 128-key tiles at head_dim 128 spill (248).
-            out.append(("hopper-ws16-wide", replace(ws, block_n=64, stages=3)))
+        else:
+            # half the keys per tile at head_dim 256, 4 stages (the config before the 64-key
+            # tiles; a fp16 V ring of 4 64-key stages would not fit in shared memory).
+            # 128-key tiles at head_dim 128 spill (248 LDL/STL).
+            out.append(("hopper-ws-n32-s4", replace(ws, block_n=32, stages=4)))
         return out
     ws = hop.warp_specialized_config(kv_dtype, d)
     if ws is not None:

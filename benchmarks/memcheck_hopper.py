@@ -11,10 +11,11 @@ and (without ``--decode-only``) on every Hopper prefill kernel: NaN rows for it,
 flag, and no access outside any tensor.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/memcheck_hopper.py \
-        [--decode-only | --bad-metadata-only | --prefill-only]
+        [--decode-only | --bad-metadata-only | --prefill-only] [--routes int8/bf16,fp8/bf16]
 
 (``--bad-metadata-only``: the out-of-range metadata cases alone, decode and prefill -- the
-part a change to the kernels' prologues needs; ``--prefill-only``: no decode case.)
+part a change to the kernels' prologues needs; ``--prefill-only``: no decode case;
+``--routes``: of the prefill routes, only these cache/PV pairs.)
 
 Each case is also compared with the portable kernel (rel-L2 printed; NaN or an unwritten
 row fails the script), so a run that reports no memory error also shows the kernel ran.
@@ -61,6 +62,20 @@ def _report(out, want, tol: float, label: str) -> bool:
     return ok
 
 
+PREFILL_ROUTES = (("int8", "int8"), ("fp8", "fp8"), ("bf16", "bf16"), ("int8", "bf16"), ("fp8", "bf16"))
+
+
+def _routes() -> tuple:
+    """The prefill (cache, PV) routes to run: ``--routes kv/pv,...`` or all of them."""
+    if "--routes" not in sys.argv:
+        return PREFILL_ROUTES
+    want = {tuple(r.split("/")) for r in sys.argv[sys.argv.index("--routes") + 1].split(",") if r}
+    unknown = want - set(PREFILL_ROUTES)
+    if unknown:
+        raise SystemExit(f"unknown routes {sorted(unknown)}; known: {PREFILL_ROUTES}")
+    return tuple(r for r in PREFILL_ROUTES if r in want)
+
+
 #: The decode kernels: (keys_on_m, consumer warpgroups), None the kernel's default
 KERNELS = ((False, None), (True, 3), (True, 2))
 
@@ -74,7 +89,7 @@ def main() -> int:
     for name, (hq, hkv, d, bs, lens, qlens) in prefill_cases.items():
         # every route of the warp-specialized kernel: PV in the cache's precision, and the
         # 8-bit caches' 16-bit PV (the loader's fp16 V)
-        for kv, pv in (("int8", "int8"), ("fp8", "fp8"), ("bf16", "bf16"), ("int8", "bf16"), ("fp8", "bf16")):
+        for kv, pv in _routes():
             ws = hop.warp_specialized_config(kv, d, pv)
             b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                          kv_dtype=kv, seed=len(name), device="cuda")
@@ -119,8 +134,11 @@ def _prefill_bad_metadata_cases() -> int:
     tensors, write NaN rows for it and raise."""
     os.environ["INT8ATTN_CHECK_VALUES"] = "0"
     failed = 0
+    routes = _routes()
     for kv, which in (("int8", "ws"), ("fp8", "ws"), ("bf16", "ws"), ("int8", "ws16"), ("int8", "sync"),
                       ("fp8", "pipe")):
+        if (kv, "bf16" if which == "ws16" else kv) not in routes:
+            continue
         b = testing.make_paged_batch([300, 400, 250], [120, 210, 90], num_q_heads=32, num_kv_heads=8, head_dim=128,
                                      kv_dtype=kv, seed=17, device="cuda")
         pv = "bf16" if which == "ws16" else kv

@@ -9,12 +9,13 @@ scale of the first KV tile) times V converted to fp16 by the loader, once per pr
 both consumers (the 16-bit MMA reads its B operand from shared memory only, so the
 conversion cannot happen in the consumers' registers).
 
-``LAZY`` (16-bit P only; on for the 8-bit caches' 16-bit PV, off for a BF16 cache until it
-is measured on the GPU): the accumulator is multiplied only in tiles where some row's
-running maximum grew by more than ``LAZY_TAU`` (one warpgroup-wide test per tile),
-otherwise the old maximum stays and p <= 2**LAZY_TAU -- the portable kernel's rule. An
-FMUL per accumulator element per tile was 38% of the BF16 consumers' instructions (Nsight
-Compute, head_dim 256). 8-bit P is rounded per tile on a per-row step, so its rescale
+``LAZY`` (16-bit P only; an option, off by default): the accumulator is multiplied only in
+tiles where some row's running maximum grew by more than ``LAZY_TAU`` (one warpgroup-wide
+test per tile), otherwise the old maximum stays and p <= 2**LAZY_TAU -- the portable
+kernel's rule. It saves an FMUL per accumulator element per tile (38% of the BF16
+consumers' instructions, Nsight Compute, head_dim 256) but its test is a cross-warp
+reduction between the softmax and PV: measured slower with a BF16 cache and with an int8
+cache's 16-bit PV. 8-bit P is rounded per tile on a per-row step, so its rescale
 factor changes every tile and is folded into the MMA as before.
 
 One program owns 128 query rows of one KV head (the packing of

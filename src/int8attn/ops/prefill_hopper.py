@@ -59,11 +59,15 @@ _KV_KIND = {k: KV_KIND[k] for k in ("int8", "fp8", "bf16")}  # the cache dtypes 
 #: 1.9x / 2.16x at 16q/4kv D64 (1.56x / 1.8x the synchronous Hopper kernel); int8 1.41-1.51x at
 #: D128, 1.43-1.44x at D256, 1.58x / 1.72x at D64; a BF16 cache 1.39-1.44x at D128, 1.13-1.17x
 #: at D256; prefix-0 figures at D64 from CUDA-graph replay, where eager timing includes host
-#: time), "pipe" (:func:`pipelined_config`) or "sync" (:func:`default_config`). Elsewhere
-#: "auto" runs the portable kernel: int8 caches with 16-bit PV (their default) and BF16 caches
-#: at D64 (eager 0.84-0.93x the portable kernel at prefix 0, not timed by graph).
+#: time; the 8-bit caches' 16-bit PV, their default, the loader converting V to fp16, on an
+#: H100, graph replay: int8 1.11-1.25x at D64 / D128 / D256, fp8 1.22-1.40x), "pipe"
+#: (:func:`pipelined_config`) or "sync" (:func:`default_config`). Elsewhere "auto" runs the
+#: portable kernel: BF16 caches at D64 (eager 0.84-0.93x the portable kernel at prefix 0, not
+#: timed by graph).
 AUTO_ROUTES = {("fp8", "fp8", 64): "ws", ("fp8", "fp8", 128): "ws", ("fp8", "fp8", 256): "ws",
                ("int8", "int8", 64): "ws", ("int8", "int8", 128): "ws", ("int8", "int8", 256): "ws",
+               ("int8", "bf16", 64): "ws", ("int8", "bf16", 128): "ws", ("int8", "bf16", 256): "ws",
+               ("fp8", "bf16", 64): "ws", ("fp8", "bf16", 128): "ws", ("fp8", "bf16", 256): "ws",
                ("bf16", "bf16", 128): "ws", ("bf16", "bf16", 256): "ws"}
 
 @dataclass(frozen=True)
@@ -80,11 +84,12 @@ class HopperPrefillConfig:
     across this tile's softmax (16-32 more live registers per consumer thread) rather than
     being issued after this tile's PV; lazy_rescale (warp-specialized 16-bit PV only): the
     accumulator is rescaled only in tiles where a row's running maximum grew by more than
-    ``LAZY_TAU`` (None: on for the 8-bit caches' 16-bit PV, off for a BF16 cache, whose
-    kernel was measured without it); convert_lag (warp-specialized 16-bit PV of an 8-bit
-    cache only): tiles whose copies the loader keeps in flight past the one it converts to
-    fp16, 1 .. stages - 1 (None: stages - 2, at least 1). The warp-specialized kernel takes
-    up to 6 stages (shared memory permitting), the others up to 4."""
+    ``LAZY_TAU`` (off by default: its per-tile test is a warpgroup-wide reduction, measured
+    slower than the FMULs it saves with a BF16 cache and an int8 cache's 16-bit PV);
+    convert_lag (warp-specialized 16-bit PV of an 8-bit cache only): tiles whose copies the
+    loader keeps in flight past the one it converts to fp16, 1 .. stages - 1 (None: 1). The
+    warp-specialized kernel takes up to 6 stages (shared memory permitting), the others up
+    to 4."""
 
     block_m: int = 128
     block_n: int = 64
@@ -93,7 +98,7 @@ class HopperPrefillConfig:
     pipeline: bool = False
     warp_specialized: bool = False
     qk_ahead: bool = True
-    lazy_rescale: bool | None = None
+    lazy_rescale: bool = False
     convert_lag: int | None = None
 
 
@@ -139,9 +144,13 @@ def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = 
     128, 3 at 256 (PV in eight 32-column chunks beside the 128-register accumulator); fp8 10
     at 128, 109 at 256, whose 64-key P tiles the fp8 accuracy bound needs (32-key tiles: rel-L2
     0.031 against 0.03). 16-bit P (a BF16 cache: bf16 Q, P and V, no scales; an 8-bit cache's
-    fp16 PV) is not rounded per tile: 32-key tiles at head_dim 256, one PV chunk."""
-    sixteen = kv_dtype == "bf16" or pv_mode == "bf16"
-    if sixteen and head_dim > 128:
+    fp16 PV) is not rounded per tile: one PV chunk; at head_dim 256 a BF16 cache takes 32-key
+    tiles (64-key tiles of bf16 K and V in 3 stages would not fit in shared memory), an 8-bit
+    cache's 16-bit PV 64-key tiles in 3 stages (1.10x its 32-key tiles in 4 stages on an
+    H100, chunk 4096 at prefix 0 and 28672; ptxas keeps its MMA chains pipelined)."""
+    if pv_mode == "bf16" and kv_dtype != "bf16" and head_dim > 128:
+        return HopperPrefillConfig(block_n=64, dv=head_dim, stages=3, warp_specialized=True, qk_ahead=False)
+    if kv_dtype == "bf16" and head_dim > 128:
         return HopperPrefillConfig(block_n=32, dv=head_dim, stages=4, warp_specialized=True, qk_ahead=False)
     if kv_dtype == "int8" and head_dim > 128 and pv_mode in (None, "int8"):
         return HopperPrefillConfig(block_n=32, dv=32, stages=4, warp_specialized=True, qk_ahead=False)
@@ -264,9 +273,9 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
     if not config.qk_ahead and not config.warp_specialized:
         raise ValueError("qk_ahead=False applies to the warp-specialized kernel only")
     sixteen_bit_p = pv_mode == "bf16"
-    lazy = _lazy_rescale(config, cache.kv_dtype, pv_mode)
+    lazy = config.lazy_rescale
     if not isinstance(lazy, bool):
-        raise TypeError(f"config.lazy_rescale must be a bool or None, got {config.lazy_rescale!r}")
+        raise TypeError(f"config.lazy_rescale must be a bool, got {lazy!r}")
     if lazy and not (config.warp_specialized and sixteen_bit_p):
         raise ValueError("lazy_rescale applies to 16-bit PV on the warp-specialized kernel only")
     if config.warp_specialized and config.block_m != 128:
@@ -280,31 +289,20 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
             raise ValueError(f"convert_lag={lag!r} must be an int in 1 .. stages - 1 = {config.stages - 1}")
     _checks.check_pv_tile_keys(config.block_n, pv_mode)
     # resolved where the loader converts V, None elsewhere (a checked config checks again)
-    return replace(config, dv=dv, lazy_rescale=lazy, convert_lag=lag if converts_v else None)
-
-
-def _lazy_rescale(config: HopperPrefillConfig, kv_dtype: str, pv_mode: str):
-    """``config.lazy_rescale``, None resolved: on for an 8-bit cache's 16-bit PV on the
-    warp-specialized kernel, off elsewhere."""
-    if config.lazy_rescale is not None:
-        return config.lazy_rescale
-    return _loader_converts_v(config, kv_dtype, pv_mode)
+    return replace(config, dv=dv, convert_lag=lag if converts_v else None)
 
 
 def _loader_converts_v(config: HopperPrefillConfig, kv_dtype: str, pv_mode: str) -> bool:
     """The route whose loader converts V to fp16: an 8-bit cache's 16-bit PV on the
-    warp-specialized kernel (the one that takes lazy rescaling by default and convert_lag)."""
+    warp-specialized kernel (the one that takes convert_lag)."""
     return config.warp_specialized and pv_mode == "bf16" and kv_dtype != "bf16"
 
 
 def _convert_lag(config: HopperPrefillConfig, kv_dtype: str, pv_mode: str):
-    """``config.convert_lag``, None resolved: stages - 2 (at least 1) where the loader
-    converts V (an 8-bit cache's 16-bit PV on the warp-specialized kernel), else 1 (unused)."""
-    if config.convert_lag is not None:
-        return config.convert_lag
-    if _loader_converts_v(config, kv_dtype, pv_mode):
-        return max(1, config.stages - 2)
-    return 1
+    """``config.convert_lag``, None resolved to 1: the loader converts the tile whose copies
+    it issued one tile earlier (measured as fast as or faster than stages - 2 on every
+    16-bit-PV route; unused where the loader converts nothing)."""
+    return 1 if config.convert_lag is None else config.convert_lag
 
 
 def constexprs(config: HopperPrefillConfig, cache, group: int, pv_mode: str) -> dict:
@@ -490,8 +488,7 @@ def compile_for_sm90(kv_dtype: str, pv_mode: str, head_dim: int, block_size: int
     returns Triton's compiled kernel (``.asm["ptx"]``, ``.asm["cubin"]``). Pointers and the
     strides of a contiguous cache are assumed 16-byte aligned, as on a real launch."""
     config = config or default_config(kv_dtype, head_dim, pv_mode)
-    config = replace(config, dv=config.dv or default_config(kv_dtype, head_dim, pv_mode).dv,
-                     lazy_rescale=_lazy_rescale(config, kv_dtype, pv_mode))
+    config = replace(config, dv=config.dv or default_config(kv_dtype, head_dim, pv_mode).dv)
     const = constexprs(config, cache_facts(kv_dtype, head_dim, block_size), group, pv_mode)
     return compile_gluon_for_sm90(kernel_fn(config), const, _pointer_types(kv_dtype), (
         "stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_cb", "stride_ch", "stride_sb", "stride_sh"),
