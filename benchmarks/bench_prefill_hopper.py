@@ -35,7 +35,7 @@ import torch
 
 from int8attn import bench, reference, testing
 from int8attn.ops import prefill_hopper as hop
-from int8attn.ops.prefill import prefill_attention
+from int8attn.ops.prefill import DEFAULT_PV, prefill_attention
 from int8attn.ops.producer import quantize_query
 
 SHAPES = {"24q4kv_d256": (24, 4, 256), "32q8kv_d128": (32, 8, 128), "16q4kv_d64": (16, 4, 64)}
@@ -91,8 +91,9 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     the warp-specialized config of every route ("hopper-ws")."""
     if kv_dtype == "bf16":  # the warp-specialized kernel only: the 8-bit routes' BF16 counterpart
         ws = hop.warp_specialized_config(kv_dtype, d)
-        # lazy rescaling (off by default until measured): the A/B of its FMULs
-        return [("hopper-ws", ws), ("hopper-ws-lazy", replace(ws, lazy_rescale=True))]
+        # lazy rescaling (off by default): the A/B of its FMULs, warpgroup-wide or per row
+        return [("hopper-ws", ws), ("hopper-ws-lazy", replace(ws, lazy_rescale=True)),
+                ("hopper-ws-lazy-rows", replace(ws, lazy_rescale="rows"))]
     sync = hop.default_config(kv_dtype, d, pv)
     out = [("hopper", sync)]
     pipe = hop.pipelined_config(kv_dtype, d) if pv != "bf16" else None
@@ -103,11 +104,13 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     if pv == "bf16":  # 16-bit PV: the loader converts V to fp16
         ws = hop.warp_specialized_config(kv_dtype, d, pv)
         out.append(("hopper-ws", ws))
-        # the loader's copies in flight past the tile it converts (convert_lag; None: stages
-        # - 2) and the ring depth; lazy rescaling on (its warpgroup-wide test per tile)
-        out += [("hopper-ws-lag1", replace(ws, convert_lag=1)),
+        # the loader's copies in flight past the tile it converts (convert_lag; None: 1) and
+        # the ring depth; lazy rescaling (a warpgroup-wide test per tile, or per row with each
+        # thread's multiplies behind a branch)
+        out += [("hopper-ws-lag2", replace(ws, convert_lag=2)),
                 ("hopper-ws-s5", replace(ws, stages=5)), ("hopper-ws-s5-lag2", replace(ws, stages=5, convert_lag=2)),
-                ("hopper-ws-lazy", replace(ws, lazy_rescale=True))]
+                ("hopper-ws-lazy", replace(ws, lazy_rescale=True)),
+                ("hopper-ws-lazy-rows", replace(ws, lazy_rescale="rows"))]
         if d <= 128:
             out.append(("hopper-ws-s6", replace(ws, stages=6)))
         else:
@@ -221,7 +224,8 @@ def bench_bf16_peers(rec, shape, prefix):
 def bench_batches(rec, shape, kv_dtype):
     """Per-token cost of what "auto" runs (a plan: checked metadata, the query quantized in
     the call) for the single 4096-token chunk, a 4 x 4096 causal batch and a mixed batch
-    (16 decode sequences at context 8192 beside one 4096-token chunk), one run."""
+    (16 decode sequences at context 8192 beside one 4096-token chunk), one run; with the
+    cache's default (16-bit) PV and with its 8-bit PV."""
     import int8attn
 
     hq, hkv, d = SHAPES[shape]
@@ -232,15 +236,18 @@ def bench_batches(rec, shape, kv_dtype):
                                      seed=11, device="cuda")
         args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
         ops = sum(unmasked_ops(hq, d, q, n - q) for n, q in zip(lens, qlens))
-        plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, hq, pv_mode=kv_dtype)
-        out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
-        plan.run(*args, out=out)
-        torch.cuda.synchronize()
-        us = bench.time_eager(lambda: plan.run(*args, out=out))
-        _record(rec, bench="prefill_hopper", shape=shape, kv_dtype=kv_dtype, pv_mode=kv_dtype, batch=name,
-                kernel=f"plan:{plan.prefill_kernel}", us=us, tokens=int(sum(qlens)), us_per_token=us / sum(qlens),
-                tops=ops / us * 1e-6, all_written=bool(torch.isfinite(out.float()).all()))
-        del b, plan, out
+        for pv in (DEFAULT_PV[kv_dtype], kv_dtype):  # the cache's default PV (16-bit), then 8-bit PV
+            plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, hq, pv_mode=pv)
+            out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+            plan.run(*args, out=out)
+            torch.cuda.synchronize()
+            us = bench.time_eager(lambda: plan.run(*args, out=out))
+            _record(rec, bench="prefill_hopper", shape=shape, kv_dtype=kv_dtype, pv_mode=pv, batch=name,
+                    kernel=f"plan:{plan.prefill_kernel}", us=us, tokens=int(sum(qlens)),
+                    us_per_token=us / sum(qlens), tops=ops / us * 1e-6,
+                    all_written=bool(torch.isfinite(out.float()).all()))
+            del plan, out
+        del b
         torch.cuda.empty_cache()
 
 

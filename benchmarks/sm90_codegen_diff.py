@@ -92,8 +92,8 @@ for kv, pv in (("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16
         pipe = hop.pipelined_config(kv, d) if pv != "bf16" else None
         if pipe is not None:
             configs.append(("pipelined", pipe))
-        if kv == pv:  # the warp-specialized config of each route "auto" takes it on
-            configs.append(("warp-specialized", hop.warp_specialized_config(kv, d)))
+        # the warp-specialized config of each route (every route "auto" takes runs it)
+        configs.append(("warp-specialized", hop.warp_specialized_config(kv, d, pv)))
         for tag, cfg in configs:
             c = hop.compile_for_sm90(kv, pv, d, 16, group, cfg)
             out.append([f"{tag} {kv}/pv-{pv} D{d} {cfg}", c.asm["ptx"]])

@@ -14,6 +14,7 @@ import torch
 
 from _sm90 import run_compile_script
 from int8attn import _checks, launches, reference, testing
+from int8attn.kernels.codes import LAZY_RESCALE
 from int8attn.ops import prefill_hopper as hop
 from int8attn.ops.prefill import DEFAULT_PV, prefill_attention
 
@@ -67,9 +68,16 @@ VARIANTS = [
                  id="ws-bf16-d128"),
     pytest.param("bf16", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 4, "block_n": 32,
                                               "qk_ahead": False}, id="ws-bf16-d256-n32"),
-    # ... with lazy rescaling (not its default until measured on the GPU)
+    # ... with lazy rescaling (off by default: measured slower)
     pytest.param("bf16", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 4, "block_n": 32,
                                               "qk_ahead": False, "lazy_rescale": True}, id="ws-bf16-d256-n32-lazy"),
+    # the per-row lazy rescale: each thread's multiplies behind a branch (not yet measured)
+    pytest.param("int8", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 3, "block_n": 64, "dv": 256,
+                                              "qk_ahead": False, "lazy_rescale": "rows"},
+                 id="ws-int8-pv16-d256-n64-s3-lazy-rows"),
+    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
+                                              "qk_ahead": False, "lazy_rescale": "rows"},
+                 id="ws-int8-pv16-d128-lazy-rows"),
 ]
 #: PTX type suffix of the QK and PV warpgroup MMAs, and the SASS class each must show.
 PTX_TYPES = {"int8": "s32.s8.s8", "fp8": "f32.e4m3.e4m3", "bf16": "f32.f16.f16"}
@@ -95,13 +103,16 @@ SPILL_BUDGET = {"int8-pv8-d256": 16,
                 "ws-bf16-d128": 24, "ws-bf16-d256-n32": 24,
                 # 16-bit PV of 8-bit caches at head_dim 256, 64-key tiles (Triton 3.6: 14 int8,
                 # 20 fp8; 3 with 32-key tiles, measured 1.10x slower)
-                "ws-int8-pv16-d256-n64-s3": 16, "ws-fp8-pv16-d256-n64-s3": 24}
+                "ws-int8-pv16-d256-n64-s3": 16, "ws-fp8-pv16-d256-n64-s3": 24,
+                # ... with the per-row lazy rescale (Triton 3.6: 4; 3.8: 48; 3.9: 71)
+                "ws-int8-pv16-d256-n64-s3-lazy-rows": 8}
 #: Triton 3.8 (the default CUDA torch 2.14 wheel's) spills more at head_dim 256: measured 41
 #: (int8 PV) and 48 (fp16 PV of an fp8 cache) local-memory instructions.
 SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   # the 16-bit-PV warp-specialized configs (Triton 3.6: 0-3)
                                   # (at D256 n64: 44 int8, 33 fp8)
                                   "ws-int8-pv16-d256-n64-s3": 48, "ws-fp8-pv16-d256-n64-s3": 40, "ws-int8-pv16-d128": 8,
+                                  "ws-int8-pv16-d256-n64-s3-lazy-rows": 56,
                                   "ws-fp8-pv16-d64-bs64-s3": 48, "ws-bf16-d256-n32-lazy": 24},
                           # the warp-specialized consumers (232 registers) with Triton 3.9: 59, 326, 17, 32, 37;
                           # 16-bit PV of 8-bit caches: 59 / 78 (int8 / fp8 at D256), 17, 32 (fp8: the
@@ -109,6 +120,7 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                           "3.9": {"ws-fp8-pv8-d128-s4": 64, "ws-fp8-pv8-d256-n64-s4": 350,
                                   "ws-int8-pv8-d256-n32-dv32": 24, "ws-bf16-d128": 40, "ws-bf16-d256-n32": 48,
                                   "ws-int8-pv16-d256-n64-s3": 64, "ws-fp8-pv16-d256-n64-s3": 88,
+                                  "ws-int8-pv16-d256-n64-s3-lazy-rows": 80,
                                   "ws-int8-pv16-d128": 24, "ws-fp8-pv16-d64-bs64-s3": 48,
                                   "ws-bf16-d256-n32-lazy": 48}}
 
@@ -127,6 +139,18 @@ from int8attn.gate import sass
 from _sm90 import gluon_facts
 out = {"triton": triton.__version__, "variants": {}}
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def guarded_fmuls(lines):
+    n, run = 0, False
+    for ln in lines:
+        if ln.startswith("@") and ln.split()[1] == "BRA":
+            run = True
+        elif run and ln.startswith("FMUL"):
+            n += 1
+        else:
+            run = False
+    return n
 
 
 def ptxas_info(ptx):
@@ -149,8 +173,12 @@ for key, (kv, pv, d, bs, group, over) in json.loads(sys.argv[1]).items():
     # the 16-bit-PV loader's tile loop: the smallest loop that both issues copies and converts
     cvt = [lp for lp in sass.loops(text) if any("LDGSTS" in i for i in lp) and any("HADD2" in i for i in lp)]
     loader = min(cvt, key=len) if cvt else []
+    lines = [ln.split("*/", 1)[1].split(";")[0].strip() for ln in text.splitlines() if "*/" in ln]
+    lines = [ln for ln in lines if ln]
     out["variants"][key] = {
         "loader_loop": len(loader), "loader_loop_selects": sum(i.split()[-1].startswith("SEL") for i in loader),
+        # multiplies skipped by a branch (the per-row lazy rescale): FMULs right after a predicated BRA
+        "guarded_fmuls": guarded_fmuls(lines),
         **gluon_facts(ptx, text),
         "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
         "sass_wgmma_waits": [int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", text)],
@@ -200,6 +228,10 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
                 assert 0 < got["loader_loop"] <= LOADER_LOOP_PER_VALUE * values, (values, got)
         else:
             assert got["cp_async_mbarrier_arrives"] >= 1, got
+        # the per-row lazy rescale: every accumulator multiply of both consumers (64 rows x
+        # head_dim over 128 threads each) sits behind a divergent branch; none elsewhere
+        want = d if over.get("lazy_rescale") == "rows" else 0
+        assert (got["guarded_fmuls"] >= want) if want else got["guarded_fmuls"] == 0, (want, got)
         # a config short of registers makes ptxas wait for every wgmma (C7511): the
         # warp-specialized configs measured on the H200 all keep their MMA chains pipelined
         assert got["wgmma_serialized"] is not True, got
@@ -319,23 +351,25 @@ def test_a_bf16_cache_runs_only_the_warp_specialized_kernel_with_one_pv_chunk(co
                                    pytest.param("bf16", "bf16", id="bf16-cache"),
                                    pytest.param("int8", "int8", id="int8-pv8")])
 def test_lazy_rescaling_is_off_by_default_and_takes_16_bit_p_only(kv, pv):
-    """lazy_rescale is off unless asked for (measured slower on the GPU) and reaches the
-    kernel as LAZY; asking for it where P is 8-bit, off the warp-specialized kernel, or with
-    a value that is not a bool raises before any launch."""
+    """lazy_rescale is off unless asked for and reaches the kernel as its LAZY code (True:
+    the warpgroup-wide test, "rows": per row); asking for it where P is 8-bit, off the
+    warp-specialized kernel, or with another value raises before any launch."""
     class _C:
         kv_dtype, head_dim, block_size = kv, 128, 16
 
     cfg = hop._check_config(hop.warp_specialized_config(kv, 128, pv), _C(), 4, pv)
     assert cfg.lazy_rescale is False
-    assert hop.constexprs(cfg, _C(), 4, pv)["LAZY"] is False
-    if pv == "bf16":  # on asked for, on 16-bit P
-        lazy = hop._check_config(replace(cfg, lazy_rescale=True), _C(), 4, pv)
-        assert hop.constexprs(lazy, _C(), 4, pv)["LAZY"] is True
-    else:
-        with pytest.raises(ValueError, match="lazy_rescale applies to 16-bit PV"):
-            hop._check_config(replace(cfg, lazy_rescale=True), _C(), 4, pv)
-    with pytest.raises(TypeError, match="lazy_rescale must be a bool"):
-        hop._check_config(replace(cfg, lazy_rescale=None), _C(), 4, pv)
+    assert hop.constexprs(cfg, _C(), 4, pv)["LAZY"] == LAZY_RESCALE["off"]
+    for asked, code in ((True, "warpgroup"), ("rows", "rows")):
+        if pv == "bf16":  # either lazy mode when asked for, on 16-bit P
+            lazy = hop._check_config(replace(cfg, lazy_rescale=asked), _C(), 4, pv)
+            assert hop.constexprs(lazy, _C(), 4, pv)["LAZY"] == LAZY_RESCALE[code]
+        else:
+            with pytest.raises(ValueError, match="lazy_rescale applies to 16-bit PV"):
+                hop._check_config(replace(cfg, lazy_rescale=asked), _C(), 4, pv)
+    for bad in (None, 1, "warp"):
+        with pytest.raises(TypeError, match="lazy_rescale must be False, True or 'rows'"):
+            hop._check_config(replace(cfg, lazy_rescale=bad), _C(), 4, pv)
     if kv != "bf16":
         with pytest.raises(ValueError, match="lazy_rescale applies to 16-bit PV"):
             hop._check_config(replace(hop.default_config(kv, 128, "bf16"), lazy_rescale=True), _C(), 4, "bf16")
@@ -611,6 +645,36 @@ def test_gpu_warp_specialized_other_qk_schedule(case, kv, pv):
         return replace(cfg, qk_ahead=not cfg.qk_ahead)
 
     _check_schedule(case, kv, pv, flipped, "_prefill_hopper_ws_kernel")
+
+
+def _lazy_rows(kv, d, pv):
+    return replace(hop.warp_specialized_config(kv, d, pv), lazy_rescale="rows")
+
+
+@pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_warp_specialized_lazy_rows(case, kv, pv):
+    """The per-row lazy rescale (lazy_rescale="rows", offered by no route until measured)
+    on every 16-bit-P route: the warp-specialized kernel's cases."""
+    _check_schedule(case, kv, pv, _lazy_rows, "_prefill_hopper_ws_kernel")
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("d", [128, 256])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_lazy_rows_with_growing_scores(kv, d):
+    """Keys scaled up along the sequence (0.5x to 4x): every row's maximum moves past
+    LAZY_TAU a few times, in different tiles for different rows, so threads of one warp
+    disagree on skipping the rescale."""
+    def ramp_then_write(c, k, v, slots):
+        ramp = torch.linspace(0.5, 4.0, k.shape[0], device=k.device, dtype=k.dtype)
+        reference.write_kv_reference(c, k * ramp[:, None, None], v, slots)
+
+    b = testing.make_paged_batch([900, 333, 1500], [300, 333, 97], num_q_heads=8, num_kv_heads=2, head_dim=d,
+                                 kv_dtype=kv, seed=23, device="cuda", writer=ramp_then_write)
+    _check(b, "bf16", rows_per_seq=97, config=_lazy_rows(kv, d, "bf16"))
 
 
 def _check_schedule(case, kv, pv, config_of, kernel_name):

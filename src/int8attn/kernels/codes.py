@@ -22,6 +22,11 @@ and test follows.
   already quantized (or a bf16 query for the bf16 cache); ``quantize`` a float query that
   one program per (sequence, KV head) quantizes in the launch for the others;
   ``quantize_lam`` the same, multiplied by the cache's channel-migration scale first.
+* ``LAZY_RESCALE`` -- when the warp-specialized Hopper prefill kernel rescales a 16-bit-P
+  accumulator (``LAZY``): ``off`` every tile; ``warpgroup`` only in tiles where some row's
+  maximum grew by more than ``LAZY_TAU`` (one warpgroup-wide test per tile); ``rows`` each
+  row's maximum moves only when it grew by more than ``LAZY_TAU``, and a thread skips the
+  multiply when both of its rows kept theirs (no cross-thread test).
 """
 
 import triton.language as tl
@@ -32,6 +37,7 @@ PV_MODES = {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}
 QK_ROUTE = {"bf16": 0, "int8_to_bf16": 1, "int8_native": 2}
 MERGE = {"kernel": 0, "last": 1, "barrier": 2}
 QUERY_IN = {"codes": 0, "quantize": 1, "quantize_lam": 2}
+LAZY_RESCALE = {"off": 0, "warpgroup": 1, "rows": 2}
 
 # constexpr names for @triton.jit bodies
 KIND_INT8 = tl.constexpr(KV_KIND["int8"])
@@ -48,3 +54,5 @@ MERGE_LAST = tl.constexpr(MERGE["last"])
 MERGE_BARRIER = tl.constexpr(MERGE["barrier"])
 QUERY_CODES = tl.constexpr(QUERY_IN["codes"])
 QUERY_QUANTIZE_LAM = tl.constexpr(QUERY_IN["quantize_lam"])
+LAZY_WARPGROUP = tl.constexpr(LAZY_RESCALE["warpgroup"])
+LAZY_ROWS = tl.constexpr(LAZY_RESCALE["rows"])

@@ -9,13 +9,15 @@ scale of the first KV tile) times V converted to fp16 by the loader, once per pr
 both consumers (the 16-bit MMA reads its B operand from shared memory only, so the
 conversion cannot happen in the consumers' registers).
 
-``LAZY`` (16-bit P only; an option, off by default): the accumulator is multiplied only in
-tiles where some row's running maximum grew by more than ``LAZY_TAU`` (one warpgroup-wide
-test per tile), otherwise the old maximum stays and p <= 2**LAZY_TAU -- the portable
-kernel's rule. It saves an FMUL per accumulator element per tile (38% of the BF16
-consumers' instructions, Nsight Compute, head_dim 256) but its test is a cross-warp
-reduction between the softmax and PV: measured slower with a BF16 cache and with an int8
-cache's 16-bit PV. 8-bit P is rounded per tile on a per-row step, so its rescale
+``LAZY`` (16-bit P only; an option, off by default; codes ``LAZY_RESCALE``): the old
+maximum stays unless it grew by more than ``LAZY_TAU``, so p <= 2**LAZY_TAU -- the
+portable kernel's rule -- and the accumulator's FMUL per element per tile (36-44% of the
+consumers' instructions, Nsight Compute, head_dim 256) is skipped where no maximum moved.
+``warpgroup``: one test for the warpgroup's 64 rows per tile, a cross-warp reduction between
+the softmax and PV, measured slower with a BF16 cache and an int8 cache's 16-bit PV.
+``rows``: each row's maximum decides for itself and each thread skips the multiply of its
+two rows behind a divergent branch (:func:`_rescale_rows_skipping_ones`), with no
+cross-thread test. 8-bit P is rounded per tile on a per-row step, so its rescale
 factor changes every tile and is folded into the MMA as before.
 
 One program owns 128 query rows of one KV head (the packing of
@@ -57,7 +59,7 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
     warpgroup_mma_init, warpgroup_mma_wait
 
 from . import _gluon_compat as _gc
-from .codes import KIND_BF16, KIND_FP8, KIND_INT8, PV_BF16, PV_INT8
+from .codes import KIND_BF16, KIND_FP8, KIND_INT8, LAZY_ROWS, LAZY_WARPGROUP, PV_BF16, PV_INT8
 from .prefill import INT8_TO_FP16_CONSTRAINTS, INT8_TO_FP16_PTX
 from .prefill_hopper import MAGIC_I, NEG_BIG, P_UNIT_MARGIN, _issue_rows, _issue_tile, _page_blocks, _checked_tile, \
     _pv_8bit, _store_output, _zero_tail_keys
@@ -299,6 +301,18 @@ def _softmax_tile_16_eager(t, v_scale, m_i, l_i, row_scale, row_limit, inv_unit,
 
 
 @gluon.jit
+def _masked_running_max(t, m_i, row_scale, row_limit, start, full_end, BLOCK_N: gl.constexpr, COL: gl.constexpr):
+    """The causal mask (tiles past ``full_end`` only) and each row's candidate maximum: the
+    masked scores and max(m, tile maximum), a NaN tile maximum (a poisoned key or query)
+    never entering it."""
+    if start + BLOCK_N > full_end:
+        offs_n = start + gl.arange(0, BLOCK_N, layout=COL)
+        t = gl.where(offs_n[None, :] <= row_limit[:, None], t, float("-inf"))
+    tile_max = gl.max(t, 1) * row_scale
+    return t, gl.maximum(m_i, gl.where(tile_max == tile_max, tile_max, NEG_BIG))
+
+
+@gluon.jit
 def _softmax_tile_16(t, v_scale, acc, m_i, l_i, row_scale, row_limit, inv_unit, start, full_end,
                      BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr, COL: gl.constexpr, PV_ROW: gl.constexpr,
                      P_LAYOUT: gl.constexpr):
@@ -306,11 +320,7 @@ def _softmax_tile_16(t, v_scale, acc, m_i, l_i, row_scale, row_limit, inv_unit, 
     BF16 cache; fp16 ``p * sV / unit`` for an 8-bit one), rescaling the accumulator lazily
     (module docstring): returns (P, acc, m, l). A NaN score (a poisoned key or query) never
     enters the running maximum the rows share the test on; its p is NaN, so is its row."""
-    if start + BLOCK_N > full_end:
-        offs_n = start + gl.arange(0, BLOCK_N, layout=COL)
-        t = gl.where(offs_n[None, :] <= row_limit[:, None], t, float("-inf"))
-    tile_max = gl.max(t, 1) * row_scale
-    m_new = gl.maximum(m_i, gl.where(tile_max == tile_max, tile_max, NEG_BIG))
+    t, m_new = _masked_running_max(t, m_i, row_scale, row_limit, start, full_end, BLOCK_N, COL)
     if gl.max(m_new - m_i, 0) > LAZY_TAU:
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha
@@ -319,6 +329,57 @@ def _softmax_tile_16(t, v_scale, acc, m_i, l_i, row_scale, row_limit, inv_unit, 
     p = gl.exp2(t * row_scale[:, None] - m_i[:, None])
     l_i = l_i + gl.sum(p, 1)
     return _p_operand_16(p, v_scale, inv_unit, KV_KIND, P_LAYOUT), acc, m_i, l_i
+
+
+#: Accumulator elements per skippable multiply block. A thread's elements of the warpgroup
+#: MMA's m64 accumulator come in groups of four from its two rows r and r + 8 -- (r, c),
+#: (r, c + 1), (r + 8, c), (r + 8, c + 1) -- so elements 0 and 2 of every packed group carry
+#: both rows' factors. 32 divides every head_dim's accumulator (32 .. 128 elements per
+#: thread) and keeps the branch overhead (BSSY, BRA, BSYNC) at 3 instructions per 32 multiplies.
+RESCALE_PACK = gl.constexpr(32)
+
+
+def _rescale_skip_ptx(pack: int) -> tuple:
+    """PTX multiplying ``pack`` accumulator elements by their rows' factors unless both of
+    the thread's rows have factor 1: a divergent branch, so a warp whose 16 rows all kept
+    their maximum issues no multiply. Outputs are tied to the accumulator inputs (no moves);
+    the label is local to the braces (each instance its own)."""
+    muls = " ".join(f"mul.f32 ${k}, ${pack + k}, ${2 * pack + k};" for k in range(pack))
+    asm = ("{ .reg .pred keep0, keep1; "
+           f"setp.eq.f32 keep0, ${2 * pack}, 0f3F800000; setp.eq.f32 keep1, ${2 * pack + 2}, 0f3F800000; "
+           f"and.pred keep0, keep0, keep1; @keep0 bra RESCALED; {muls} RESCALED: }}")
+    constraints = ",".join(["=r"] * pack + [str(k) for k in range(pack)] + ["r"] * pack)
+    return asm, constraints
+
+
+RESCALE_SKIP_PTX = gl.constexpr(_rescale_skip_ptx(RESCALE_PACK.value)[0])
+RESCALE_SKIP_CONSTRAINTS = gl.constexpr(_rescale_skip_ptx(RESCALE_PACK.value)[1])
+
+
+@gluon.jit
+def _rescale_rows_skipping_ones(acc, alpha):
+    """``acc * alpha[:, None]`` for the m64 MMA accumulator ``acc`` (``alpha`` in its row
+    slice layout), skipped by every thread whose two rows have alpha == 1."""
+    a, _ = gl.broadcast(alpha[:, None], acc)
+    return gl.inline_asm_elementwise(RESCALE_SKIP_PTX, RESCALE_SKIP_CONSTRAINTS, [acc, a], dtype=gl.float32,
+                                     is_pure=True, pack=RESCALE_PACK)
+
+
+@gluon.jit
+def _softmax_tile_16_rows(t, v_scale, acc, m_i, l_i, row_scale, row_limit, inv_unit, start, full_end,
+                          BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr, COL: gl.constexpr, PV_ROW: gl.constexpr,
+                          P_LAYOUT: gl.constexpr):
+    """:func:`_softmax_tile_16` with the lazy test per row and the rescale skipped per
+    thread (no warpgroup-wide reduction): a row's maximum moves only when it grew by more
+    than ``LAZY_TAU``, so p <= 2**LAZY_TAU as there."""
+    t, m_cand = _masked_running_max(t, m_i, row_scale, row_limit, start, full_end, BLOCK_N, COL)
+    m_new = gl.where(m_cand - m_i > LAZY_TAU, m_cand, m_i)
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha
+    acc = _rescale_rows_skipping_ones(acc, gl.convert_layout(alpha, PV_ROW))
+    p = gl.exp2(t * row_scale[:, None] - m_new[:, None])
+    l_i = l_i + gl.sum(p, 1)
+    return _p_operand_16(p, v_scale, inv_unit, KV_KIND, P_LAYOUT), acc, m_new, l_i
 
 
 @gluon.jit
@@ -489,7 +550,11 @@ def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_
         # ---- softmax of S_j
         if SIXTEEN:
             t = _k_scaled(s, k_scale, KV_KIND)
-            if LAZY:
+            if LAZY == LAZY_ROWS:
+                p_op, acc0, m_i, l_i = _softmax_tile_16_rows(t, v_scale, acc0, m_i, l_i, row_scale, row_limit,
+                                                             inv_unit, start, full_end, BLOCK_N, KV_KIND, COL,
+                                                             PV_ROW, P_LAYOUT)
+            elif LAZY == LAZY_WARPGROUP:
                 p_op, acc0, m_i, l_i = _softmax_tile_16(t, v_scale, acc0, m_i, l_i, row_scale, row_limit, inv_unit,
                                                         start, full_end, BLOCK_N, KV_KIND, COL, PV_ROW, P_LAYOUT)
             else:

@@ -41,7 +41,7 @@ import torch
 from .. import _checks
 from .. import launches
 from ..errors import error_flags
-from ..kernels.codes import KV_KIND, PV_KIND, PV_MODES
+from ..kernels.codes import KV_KIND, LAZY_RESCALE, PV_KIND, PV_MODES
 from ..runtime import capturing, device_guard, interpret_mode
 from . import prefill as _portable
 from ._launch import CachedLaunch, remembered
@@ -50,6 +50,7 @@ KERNELS = ("auto", "hopper", "portable")
 #: Environment variable naming the prefill kernel when no ``kernel`` argument does.
 KERNEL_ENV = "INT8ATTN_PREFILL_KERNEL"
 _KV_KIND = {k: KV_KIND[k] for k in ("int8", "fp8", "bf16")}  # the cache dtypes the Hopper kernels take
+_LAZY_NAMES = {False: "off", True: "warpgroup"}  # HopperPrefillConfig.lazy_rescale -> kernels.codes.LAZY_RESCALE
 
 #: The routes "auto" runs on a Hopper kernel (sm_90, wherever it applies), each measured
 #: correct in the GPU tests and faster than the portable kernel on the same route in every
@@ -82,10 +83,13 @@ class HopperPrefillConfig:
     cache's precision or an 8-bit cache's 16-bit PV with dv = head_dim;
     ``pipeline`` is then implied); qk_ahead (warp-specialized only): the next tile's QK runs
     across this tile's softmax (16-32 more live registers per consumer thread) rather than
-    being issued after this tile's PV; lazy_rescale (warp-specialized 16-bit PV only): the
-    accumulator is rescaled only in tiles where a row's running maximum grew by more than
-    ``LAZY_TAU`` (off by default: its per-tile test is a warpgroup-wide reduction, measured
-    slower than the FMULs it saves with a BF16 cache and an int8 cache's 16-bit PV);
+    being issued after this tile's PV; lazy_rescale (warp-specialized 16-bit PV only):
+    False rescales the accumulator every tile (the default); True only in tiles where some
+    row's running maximum grew by more than ``LAZY_TAU`` (a warpgroup-wide test per tile,
+    measured slower than the multiplies it saves with a BF16 cache and an int8 cache's 16-bit
+    PV); "rows" moves each row's maximum only when it grew by more than ``LAZY_TAU`` and
+    skips the multiply in every thread whose rows kept theirs (no cross-thread test; not yet
+    measured on a GPU, offered by no route);
     convert_lag (warp-specialized 16-bit PV of an 8-bit cache only): tiles whose copies the
     loader keeps in flight past the one it converts to fp16, 1 .. stages - 1 (None: 1). The
     warp-specialized kernel takes up to 6 stages (shared memory permitting), the others up
@@ -98,7 +102,7 @@ class HopperPrefillConfig:
     pipeline: bool = False
     warp_specialized: bool = False
     qk_ahead: bool = True
-    lazy_rescale: bool = False
+    lazy_rescale: bool | str = False
     convert_lag: int | None = None
 
 
@@ -274,8 +278,8 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise ValueError("qk_ahead=False applies to the warp-specialized kernel only")
     sixteen_bit_p = pv_mode == "bf16"
     lazy = config.lazy_rescale
-    if not isinstance(lazy, bool):
-        raise TypeError(f"config.lazy_rescale must be a bool, got {lazy!r}")
+    if not (isinstance(lazy, bool) or lazy == "rows"):
+        raise TypeError(f"config.lazy_rescale must be False, True or 'rows', got {lazy!r}")
     if lazy and not (config.warp_specialized and sixteen_bit_p):
         raise ValueError("lazy_rescale applies to 16-bit PV on the warp-specialized kernel only")
     if config.warp_specialized and config.block_m != 128:
@@ -327,7 +331,7 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
         const.update(kernel_layouts(64, config.block_n, head_dim, config.dv, kv, pv),
                      **partition_constexprs(config.pipeline, config.qk_ahead, config.block_n,
                                             _convert_lag(config, kv_dtype, pv_mode)),
-                     LAZY=bool(config.lazy_rescale))
+                     LAZY=LAZY_RESCALE[_LAZY_NAMES.get(config.lazy_rescale, config.lazy_rescale)])
     else:
         const.update(kernel_layouts(config.block_m, config.block_n, head_dim, config.dv, kv, pv))
     return const
