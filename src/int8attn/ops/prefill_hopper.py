@@ -285,7 +285,7 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
     if config.warp_specialized and config.block_m != 128:
         raise ValueError(f"warp_specialized runs two 64-row consumer warpgroups: block_m must be 128, "
                          f"got {config.block_m}")
-    lag = _convert_lag(config, cache.kv_dtype, pv_mode)
+    lag = _convert_lag(config)
     if config.convert_lag is not None:
         if not converts_v:
             raise ValueError("convert_lag applies to an 8-bit cache's 16-bit PV on the warp-specialized kernel only")
@@ -302,10 +302,10 @@ def _loader_converts_v(config: HopperPrefillConfig, kv_dtype: str, pv_mode: str)
     return config.warp_specialized and pv_mode == "bf16" and kv_dtype != "bf16"
 
 
-def _convert_lag(config: HopperPrefillConfig, kv_dtype: str, pv_mode: str):
+def _convert_lag(config: HopperPrefillConfig):
     """``config.convert_lag``, None resolved to 1: the loader converts the tile whose copies
-    it issued one tile earlier (measured as fast as or faster than stages - 2 on every
-    16-bit-PV route; unused where the loader converts nothing)."""
+    it issued one tile earlier (at D64 / D128 with 4 stages as fast as or faster than 2 on an
+    H100; the D256 configs' 3 stages leave 1 anyway; unused where the loader converts nothing)."""
     return 1 if config.convert_lag is None else config.convert_lag
 
 
@@ -330,7 +330,7 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
         # every partition is one warpgroup: layouts of 64 rows and 4 warps
         const.update(kernel_layouts(64, config.block_n, head_dim, config.dv, kv, pv),
                      **partition_constexprs(config.pipeline, config.qk_ahead, config.block_n,
-                                            _convert_lag(config, kv_dtype, pv_mode)),
+                                            _convert_lag(config)),
                      LAZY=LAZY_RESCALE[_LAZY_NAMES.get(config.lazy_rescale, config.lazy_rescale)])
     else:
         const.update(kernel_layouts(config.block_m, config.block_n, head_dim, config.dv, kv, pv))
