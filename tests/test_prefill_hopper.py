@@ -347,7 +347,8 @@ def test_a_bf16_cache_runs_only_the_warp_specialized_kernel_with_one_pv_chunk(co
     assert hop._check_config(hop.warp_specialized_config("bf16", 128), _C(), 4, "bf16").dv == 128
 
 
-@pytest.mark.parametrize("kv,pv", [pytest.param("int8", "bf16", id="int8-pv16"), pytest.param("fp8", "bf16", id="fp8-pv16"),
+@pytest.mark.parametrize("kv,pv", [pytest.param("int8", "bf16", id="int8-pv16"),
+                                   pytest.param("fp8", "bf16", id="fp8-pv16"),
                                    pytest.param("bf16", "bf16", id="bf16-cache"),
                                    pytest.param("int8", "int8", id="int8-pv8")])
 def test_lazy_rescaling_is_off_by_default_and_takes_16_bit_p_only(kv, pv):
