@@ -141,15 +141,20 @@ out = {"triton": triton.__version__, "variants": {}}
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def guarded_fmuls(lines):
-    n, run = 0, False
-    for ln in lines:
-        if ln.startswith("@") and ln.split()[1] == "BRA":
-            run = True
-        elif run and ln.startswith("FMUL"):
-            n += 1
-        else:
-            run = False
+def guarded_fmuls(text):
+    # FMULs right after a forward branch, per function (sass.instructions): the multiplies a
+    # branch skips
+    n = 0
+    for ins in sass.instructions(text).values():
+        run = False
+        for addr, op, rest in ins:
+            target = re.search(r"0x([0-9a-fA-F]+)", rest) if op.split(".")[0] == "BRA" else None
+            if target:
+                run = int(target.group(1), 16) > addr
+            elif run and op.split(".")[0] == "FMUL":
+                n += 1
+            else:
+                run = False
     return n
 
 
@@ -173,12 +178,10 @@ for key, (kv, pv, d, bs, group, over) in json.loads(sys.argv[1]).items():
     # the 16-bit-PV loader's tile loop: the smallest loop that both issues copies and converts
     cvt = [lp for lp in sass.loops(text) if any("LDGSTS" in i for i in lp) and any("HADD2" in i for i in lp)]
     loader = min(cvt, key=len) if cvt else []
-    lines = [ln.split("*/", 1)[1].split(";")[0].strip() for ln in text.splitlines() if "*/" in ln]
-    lines = [ln for ln in lines if ln]
     out["variants"][key] = {
         "loader_loop": len(loader), "loader_loop_selects": sum(i.split()[-1].startswith("SEL") for i in loader),
-        # multiplies skipped by a branch (the per-row lazy rescale): FMULs right after a predicated BRA
-        "guarded_fmuls": guarded_fmuls(lines),
+        # multiplies a branch skips (the per-row lazy rescale)
+        "guarded_fmuls": guarded_fmuls(text),
         **gluon_facts(ptx, text),
         "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
         "sass_wgmma_waits": [int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", text)],

@@ -352,8 +352,7 @@ def _rescale_skip_ptx(pack: int) -> tuple:
     return asm, constraints
 
 
-RESCALE_SKIP_PTX = gl.constexpr(_rescale_skip_ptx(RESCALE_PACK.value)[0])
-RESCALE_SKIP_CONSTRAINTS = gl.constexpr(_rescale_skip_ptx(RESCALE_PACK.value)[1])
+RESCALE_SKIP_PTX, RESCALE_SKIP_CONSTRAINTS = map(gl.constexpr, _rescale_skip_ptx(RESCALE_PACK.value))
 
 
 @gluon.jit
