@@ -91,9 +91,9 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     the warp-specialized config of every route ("hopper-ws")."""
     if kv_dtype == "bf16":  # the warp-specialized kernel only: the 8-bit routes' BF16 counterpart
         ws = hop.warp_specialized_config(kv_dtype, d)
-        # lazy rescaling (off by default): the A/B of its FMULs, warpgroup-wide or per row
-        return [("hopper-ws", ws), ("hopper-ws-lazy", replace(ws, lazy_rescale=True)),
-                ("hopper-ws-lazy-rows", replace(ws, lazy_rescale="rows"))]
+        # the rescale rules: the warpgroup-wide lazy test, and per row or every tile (whichever
+        # the route's config does not take)
+        return [("hopper-ws", ws), ("hopper-ws-lazy", replace(ws, lazy_rescale=True)), _other_rescale(ws)]
     sync = hop.default_config(kv_dtype, d, pv)
     out = [("hopper", sync)]
     pipe = hop.pipelined_config(kv_dtype, d) if pv != "bf16" else None
@@ -105,12 +105,11 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         ws = hop.warp_specialized_config(kv_dtype, d, pv)
         out.append(("hopper-ws", ws))
         # the loader's copies in flight past the tile it converts (convert_lag; None: 1) and
-        # the ring depth; lazy rescaling (a warpgroup-wide test per tile, or per row with each
-        # thread's multiplies behind a branch)
+        # the ring depth; the rescale rules (a warpgroup-wide lazy test per tile; per row with
+        # each thread's multiplies behind a branch, or every tile)
         out += [("hopper-ws-lag2", replace(ws, convert_lag=2)),
                 ("hopper-ws-s5", replace(ws, stages=5)), ("hopper-ws-s5-lag2", replace(ws, stages=5, convert_lag=2)),
-                ("hopper-ws-lazy", replace(ws, lazy_rescale=True)),
-                ("hopper-ws-lazy-rows", replace(ws, lazy_rescale="rows"))]
+                ("hopper-ws-lazy", replace(ws, lazy_rescale=True)), _other_rescale(ws)]
         if d <= 128:
             out.append(("hopper-ws-s6", replace(ws, stages=6)))
         else:
@@ -132,6 +131,15 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
             # amortised over more scores, against local memory (sm_90 compiles spill some)
             out.append(("hopper-ws-wide", replace(ws, block_n=2 * ws.block_n)))
     return out
+
+
+def _other_rescale(ws) -> tuple:
+    """(label, config): the 16-bit-P rescale rule the route's config does not take --
+    "hopper-ws-rescale-all" (every tile) beside a per-row lazy default, else
+    "hopper-ws-lazy-rows"."""
+    if ws.lazy_rescale == "rows":
+        return "hopper-ws-rescale-all", replace(ws, lazy_rescale=False)
+    return "hopper-ws-lazy-rows", replace(ws, lazy_rescale="rows")
 
 
 def bench_case(rec, shape, prefix, kv_dtype, pvs):

@@ -3,7 +3,7 @@ lengths, a varlen batch with single-tile programs (the case of the illegal share
 read found in the in-flight PV schedule) and a stale-slot batch, for every route (int8,
 fp8 and bf16 caches with PV in their precision, int8 and fp8 with 16-bit PV) and config
 ``warp_specialized_config`` offers, the other QK schedule of each and, with 16-bit P, the
-per-row lazy rescale;
+other rescale rule (per row or every tile);
 then the Hopper multi-token decode kernels (:mod:`int8attn.ops.decode_hopper`) over odd
 lengths, one-tile contexts and several split counts (the keys-on-M kernel with two and three
 consumer warpgroups too, for int8 caches where the rows fit), against the portable decode
@@ -96,8 +96,9 @@ def main() -> int:
                                          kv_dtype=kv, seed=len(name), device="cuda")
             args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
             want = prefill_attention(*args, pv_mode=pv)
-            # 16-bit P: the per-row lazy rescale too (its multiplies behind divergent branches)
-            lazy = (replace(ws, lazy_rescale="rows"),) if pv == "bf16" else ()
+            # 16-bit P: the other rescale rule too (per row, its multiplies behind divergent
+            # branches, or every tile)
+            lazy = (replace(ws, lazy_rescale=False if ws.lazy_rescale else "rows"),) if pv == "bf16" else ()
             for cfg in (ws, replace(ws, qk_ahead=not ws.qk_ahead), *lazy):
                 out = testing.poisoned_like(want)
                 hop.prefill(*args, kernel="hopper", pv_mode=pv, out=out, config=cfg)

@@ -128,11 +128,24 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: gl.constexpr):
 
 
 @gluon.jit
+def _page_of(n, PAGE: gl.constexpr):
+    """The page of key positions ``n`` (>= 0), divided unsigned: a shift for a power-of-two
+    ``PAGE``, where a signed ``//`` adds a sign fix-up per element to the loader's loop."""
+    return (n.to(gl.uint32) // PAGE).to(gl.int32)
+
+
+@gluon.jit
+def _slot_of(n, PAGE: gl.constexpr):
+    """The slot in its page of key positions ``n`` (>= 0); unsigned like :func:`_page_of`."""
+    return (n.to(gl.uint32) % PAGE).to(gl.int32)
+
+
+@gluon.jit
 def _page_blocks(j, bt_row, last_page, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
     """The block id of each key of tile ``j`` (a ``[BLOCK_N]`` vector in ``LAYOUT``), pages
     past the sequence's last page read as that page (in bounds, P = 0)."""
     n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=LAYOUT)
-    return gl.load(bt_row + gl.minimum(n // PAGE, last_page)).to(gl.int64)
+    return gl.load(bt_row + gl.minimum(_page_of(n, PAGE), last_page)).to(gl.int64)
 
 
 @gluon.jit
@@ -151,7 +164,7 @@ def _issue_rows_at(j, kblk, buf, ptr, data_head, stride_cb, HEAD_DIM: gl.constex
     ``SliceLayout(1, LOAD)``)."""
     kn = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
     kd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
-    krow = gl.multiple_of(kblk * stride_cb + data_head + (kn % PAGE) * HEAD_DIM, 16)
+    krow = gl.multiple_of(kblk * stride_cb + data_head + _slot_of(kn, PAGE) * HEAD_DIM, 16)
     _gc.cp_async(buf, ptr + krow[:, None] + kd[None, :])
 
 
@@ -175,7 +188,7 @@ def _issue_v_pages_at(j, vblk, v_buf, v_ptr, data_head, stride_cb, HEAD_DIM: gl.
     RUN: gl.constexpr = PAGE if PAGE < BLOCK_N else BLOCK_N
     vd = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, LOAD_V))
     vn = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LOAD_V))
-    voff = vblk * stride_cb + data_head + vn % PAGE
+    voff = vblk * stride_cb + data_head + _slot_of(vn, PAGE)
     voff = gl.max_contiguous(gl.multiple_of(voff, 16), RUN)
     _gc.cp_async(v_buf, v_ptr + vd[:, None] * PAGE + voff[None, :])
 

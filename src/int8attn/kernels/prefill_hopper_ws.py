@@ -9,7 +9,7 @@ scale of the first KV tile) times V converted to fp16 by the loader, once per pr
 both consumers (the 16-bit MMA reads its B operand from shared memory only, so the
 conversion cannot happen in the consumers' registers).
 
-``LAZY`` (16-bit P only; an option, off by default; codes ``LAZY_RESCALE``): the old
+``LAZY`` (16-bit P only; codes ``LAZY_RESCALE``; the launcher's config picks it per route): the old
 maximum stays unless it grew by more than ``LAZY_TAU``, so p <= 2**LAZY_TAU -- the
 portable kernel's rule -- and the accumulator's FMUL per element per tile (36-44% of the
 consumers' instructions, Nsight Compute, head_dim 256) is skipped where no maximum moved.
@@ -61,8 +61,8 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 from . import _gluon_compat as _gc
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, LAZY_ROWS, LAZY_WARPGROUP, PV_BF16, PV_INT8
 from .prefill import INT8_TO_FP16_CONSTRAINTS, INT8_TO_FP16_PTX
-from .prefill_hopper import MAGIC_I, NEG_BIG, P_UNIT_MARGIN, _issue_rows, _issue_tile, _page_blocks, _checked_tile, \
-    _pv_8bit, _store_output, _zero_tail_keys
+from .prefill_hopper import MAGIC_I, NEG_BIG, P_UNIT_MARGIN, _issue_rows, _issue_tile, _page_blocks, _slot_of, \
+    _checked_tile, _pv_8bit, _store_output, _zero_tail_keys
 from .prefill_hopper_pipe import _issue_pv, _k_scaled, _online_softmax, _softmax_tile, _wait_and_fold
 
 #: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).
@@ -134,7 +134,7 @@ def _copy_scales_at(j, blk, ks_buf, vs_buf, k_scale_ptr, v_scale_ptr, scale_head
                     BLOCK_N: gl.constexpr, LOAD_S: gl.constexpr):
     """:func:`_copy_scales` with the tile's block ids given (``_page_blocks`` in ``LOAD_S``)."""
     n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=LOAD_S)
-    off = gl.max_contiguous(gl.multiple_of(blk * stride_sb + scale_head + n % PAGE, 4), 4)
+    off = gl.max_contiguous(gl.multiple_of(blk * stride_sb + scale_head + _slot_of(n, PAGE), 4), 4)
     _gc.cp_async(ks_buf, k_scale_ptr + off)
     _gc.cp_async(vs_buf, v_scale_ptr + off)
 
@@ -214,8 +214,14 @@ def _convert_rows(j, v_buf, v16_buf, kv_end, HEAD_DIM: gl.constexpr, BLOCK_N: gl
     """The conversion of :func:`_convert_v`, ``CVT_ROWS`` channels at a time (the loader's
     registers); ``MASK``: keys at or past ``kv_end`` become 0."""
     vn = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, CVT_V))
+    # the next slice is loaded before this one is stored: ptxas cannot move a shared load
+    # above a shared store it cannot prove disjoint, so in program order every slice's load
+    # latency would be exposed
+    nxt = v_buf.slice(0, CVT_ROWS, dim=0).load(CVT_V)
     for c in gl.static_range(HEAD_DIM // CVT_ROWS):
-        vt = v_buf.slice(c * CVT_ROWS, CVT_ROWS, dim=0).load(CVT_V)
+        vt = nxt
+        if c + 1 < HEAD_DIM // CVT_ROWS:
+            nxt = v_buf.slice((c + 1) * CVT_ROWS, CVT_ROWS, dim=0).load(CVT_V)
         if vt.dtype == gl.int8:
             vh = _int8_to_fp16(vt)
         else:

@@ -54,22 +54,33 @@ _LAZY_NAMES = {False: "off", True: "warpgroup"}  # HopperPrefillConfig.lazy_resc
 
 #: The routes "auto" runs on a Hopper kernel (sm_90, wherever it applies), each measured
 #: correct in the GPU tests and faster than the portable kernel on the same route in every
-#: H200 case timed (benchmarks/notes/prefill_hopper.md): (kv_dtype, pv_mode, head_dim) ->
-#: the config it launches: "ws" (:func:`warp_specialized_config`; chunk 4096 over prefix 0 /
-#: 28672: fp8 2.03-2.07x the portable kernel at 32q/8kv D128, 1.78-1.85x at 24q/4kv D256,
-#: 1.9x / 2.16x at 16q/4kv D64 (1.56x / 1.8x the synchronous Hopper kernel); int8 1.41-1.51x at
-#: D128, 1.43-1.44x at D256, 1.58x / 1.72x at D64; a BF16 cache 1.39-1.44x at D128, 1.13-1.17x
-#: at D256; prefix-0 figures at D64 from CUDA-graph replay, where eager timing includes host
-#: time; the 8-bit caches' 16-bit PV, their default, the loader converting V to fp16, on an
-#: H100, graph replay: int8 1.11-1.25x at D64 / D128 / D256, fp8 1.22-1.40x), "pipe"
-#: (:func:`pipelined_config`) or "sync" (:func:`default_config`). Elsewhere "auto" runs the
-#: portable kernel: BF16 caches at D64 (eager 0.84-0.93x the portable kernel at prefix 0, not
-#: timed by graph).
+#: case timed (benchmarks/notes/prefill_hopper.md): (kv_dtype, pv_mode, head_dim) -> the
+#: config it launches: "ws" (:func:`warp_specialized_config`; chunk 4096 over prefix 0 /
+#: 28672, on the H200: fp8 2.03-2.07x the portable kernel at 32q/8kv D128, 1.78-1.85x at
+#: 24q/4kv D256, 1.9x / 2.16x at 16q/4kv D64 (1.56x / 1.8x the synchronous Hopper kernel);
+#: int8 1.41-1.51x at D128, 1.43-1.44x at D256, 1.58x / 1.72x at D64; a BF16 cache 1.39-1.44x
+#: at D128, 1.13-1.17x at D256; prefix-0 figures at D64 from CUDA-graph replay, where eager
+#: timing includes host time; on an H100, graph replay: the 8-bit caches' 16-bit PV, their
+#: default, the loader converting V to fp16: int8 1.14-1.36x at D128 / D256, 1.23-1.30x at
+#: D64, fp8 1.28-1.58x, 1.30-1.36x at D64; a BF16 cache at D64 1.26x / 1.36x, eager 1.34x /
+#: 1.36x (eager on the H200, an earlier tree: 0.84-0.93x at prefix 0, host time included)),
+#: "pipe" (:func:`pipelined_config`) or "sync" (:func:`default_config`).
 AUTO_ROUTES = {("fp8", "fp8", 64): "ws", ("fp8", "fp8", 128): "ws", ("fp8", "fp8", 256): "ws",
                ("int8", "int8", 64): "ws", ("int8", "int8", 128): "ws", ("int8", "int8", 256): "ws",
                ("int8", "bf16", 64): "ws", ("int8", "bf16", 128): "ws", ("int8", "bf16", 256): "ws",
                ("fp8", "bf16", 64): "ws", ("fp8", "bf16", 128): "ws", ("fp8", "bf16", 256): "ws",
-               ("bf16", "bf16", 128): "ws", ("bf16", "bf16", 256): "ws"}
+               ("bf16", "bf16", 64): "ws", ("bf16", "bf16", 128): "ws", ("bf16", "bf16", 256): "ws"}
+
+#: The 16-bit-P routes (kv_dtype, pv_mode, head_dim) whose warp-specialized config rescales
+#: lazily per row (``lazy_rescale="rows"``): chunk 4096 over prefix 28672 / 0, CUDA-graph
+#: replay on an H100, against rescaling every tile in the same run: int8 1.02x / 1.02x at
+#: D256, 1.05x / 1.02x at D128; fp8 1.03x / 1.02x at D256, 1.04x / 1.02x at D128; a BF16
+#: cache 1.02x / 1.02x at D256. Every tile elsewhere: a BF16 cache 0.99x / 0.96x at D128 and
+#: 0.97x / 0.96x at D64 with it; the 8-bit caches at D64 (16q/4kv) no consistent sign
+#: (1.00-1.02x at prefix 28672, 0.97-1.01x at prefix 0 in two runs).
+LAZY_ROWS_ROUTES = frozenset({(kv, "bf16", d) for kv in ("int8", "fp8") for d in (128, 256)}
+                             | {("bf16", "bf16", 256)})
+
 
 @dataclass(frozen=True)
 class HopperPrefillConfig:
@@ -84,12 +95,12 @@ class HopperPrefillConfig:
     ``pipeline`` is then implied); qk_ahead (warp-specialized only): the next tile's QK runs
     across this tile's softmax (16-32 more live registers per consumer thread) rather than
     being issued after this tile's PV; lazy_rescale (warp-specialized 16-bit PV only):
-    False rescales the accumulator every tile (the default); True only in tiles where some
+    False rescales the accumulator every tile; True only in tiles where some
     row's running maximum grew by more than ``LAZY_TAU`` (a warpgroup-wide test per tile,
     measured slower than the multiplies it saves with a BF16 cache and an int8 cache's 16-bit
     PV); "rows" moves each row's maximum only when it grew by more than ``LAZY_TAU`` and
-    skips the multiply in every thread whose rows kept theirs (no cross-thread test; not yet
-    measured on a GPU, offered by no route);
+    skips the multiply in every thread whose rows kept theirs (no cross-thread test; the
+    default of the routes in :data:`LAZY_ROWS_ROUTES`, measured 1.02-1.05x faster there);
     convert_lag (warp-specialized 16-bit PV of an 8-bit cache only): tiles whose copies the
     loader keeps in flight past the one it converts to fp16, 1 .. stages - 1 (None: 1). The
     warp-specialized kernel takes up to 6 stages (shared memory permitting), the others up
@@ -151,14 +162,20 @@ def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = 
     fp16 PV) is not rounded per tile: one PV chunk; at head_dim 256 a BF16 cache takes 32-key
     tiles (64-key tiles of bf16 K and V in 3 stages would not fit in shared memory), an 8-bit
     cache's 16-bit PV 64-key tiles in 3 stages (1.10x its 32-key tiles in 4 stages on an
-    H100, chunk 4096 at prefix 0 and 28672; ptxas keeps its MMA chains pipelined)."""
+    H100, chunk 4096 at prefix 0 and 28672; ptxas keeps its MMA chains pipelined).
+    16-bit P rescales lazily per row (``lazy_rescale="rows"``) where that was measured faster
+    (:data:`LAZY_ROWS_ROUTES`)."""
+    lazy = "rows" if (kv_dtype, "bf16" if kv_dtype == "bf16" else pv_mode, head_dim) in LAZY_ROWS_ROUTES else False
     if pv_mode == "bf16" and kv_dtype != "bf16" and head_dim > 128:
-        return HopperPrefillConfig(block_n=64, dv=head_dim, stages=3, warp_specialized=True, qk_ahead=False)
+        return HopperPrefillConfig(block_n=64, dv=head_dim, stages=3, warp_specialized=True, qk_ahead=False,
+                                   lazy_rescale=lazy)
     if kv_dtype == "bf16" and head_dim > 128:
-        return HopperPrefillConfig(block_n=32, dv=head_dim, stages=4, warp_specialized=True, qk_ahead=False)
+        return HopperPrefillConfig(block_n=32, dv=head_dim, stages=4, warp_specialized=True, qk_ahead=False,
+                                   lazy_rescale=lazy)
     if kv_dtype == "int8" and head_dim > 128 and pv_mode in (None, "int8"):
         return HopperPrefillConfig(block_n=32, dv=32, stages=4, warp_specialized=True, qk_ahead=False)
-    return HopperPrefillConfig(block_n=64, dv=head_dim, stages=4, warp_specialized=True, qk_ahead=False)
+    return HopperPrefillConfig(block_n=64, dv=head_dim, stages=4, warp_specialized=True, qk_ahead=False,
+                               lazy_rescale=lazy)
 
 
 def requested_kernel(kernel: str | None = None) -> tuple[str, bool]:
