@@ -233,7 +233,8 @@ def bench_batches(rec, shape, kv_dtype):
     """Per-token cost of what "auto" runs (a plan: checked metadata, the query quantized in
     the call) for the single 4096-token chunk, a 4 x 4096 causal batch and a mixed batch
     (16 decode sequences at context 8192 beside one 4096-token chunk), one run; with the
-    cache's default (16-bit) PV and with its 8-bit PV."""
+    library's default PV (``pv_mode`` None: each kernel its own -- 16-bit in prefill, 8-bit
+    in decode; row ``pv_mode: "default"``), then 16-bit and 8-bit PV forced on both."""
     import int8attn
 
     hq, hkv, d = SHAPES[shape]
@@ -244,14 +245,15 @@ def bench_batches(rec, shape, kv_dtype):
                                      seed=11, device="cuda")
         args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
         ops = sum(unmasked_ops(hq, d, q, n - q) for n, q in zip(lens, qlens))
-        for pv in (DEFAULT_PV[kv_dtype], kv_dtype):  # the cache's default PV (16-bit), then 8-bit PV
+        for pv in (None, DEFAULT_PV[kv_dtype], kv_dtype):
             plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, hq, pv_mode=pv)
             out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
             plan.run(*args, out=out)
             torch.cuda.synchronize()
             us = bench.time_eager(lambda: plan.run(*args, out=out))
-            _record(rec, bench="prefill_hopper", shape=shape, kv_dtype=kv_dtype, pv_mode=pv, batch=name,
-                    kernel=f"plan:{plan.prefill_kernel}", us=us, tokens=int(sum(qlens)),
+            _record(rec, bench="prefill_hopper", shape=shape, kv_dtype=kv_dtype, pv_mode=pv or "default", batch=name,
+                    kernel=f"plan:{plan.prefill_kernel}", decode_kernel=plan.decode_kernel if plan.has_decode else None,
+                    us=us, tokens=int(sum(qlens)),
                     us_per_token=us / sum(qlens), tops=ops / us * 1e-6,
                     all_written=bool(torch.isfinite(out.float()).all()))
             del plan, out
