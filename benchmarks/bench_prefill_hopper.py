@@ -111,7 +111,10 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
                 ("hopper-ws-s5", replace(ws, stages=5)), ("hopper-ws-s5-lag2", replace(ws, stages=5, convert_lag=2)),
                 ("hopper-ws-lazy", replace(ws, lazy_rescale=True)), _other_rescale(ws)]
         if d <= 128:
-            out.append(("hopper-ws-s6", replace(ws, stages=6)))
+            # the next tile's QK in flight across this tile's softmax: the consumers' own chain
+            # sets the pace at D128 (sm_90 build, Triton 3.6: no local memory, MMAs pipelined;
+            # at D256 it spills 166)
+            out += [("hopper-ws-s6", replace(ws, stages=6)), ("hopper-ws-qk-ahead", replace(ws, qk_ahead=True))]
         else:
             # half the keys per tile at head_dim 256, 4 stages (the config before the 64-key
             # tiles; a fp16 V ring of 4 64-key stages would not fit in shared memory).
