@@ -235,14 +235,18 @@ def bench_bf16_peers(rec, shape, prefix):
 def bench_batches(rec, shape, kv_dtype):
     """Per-token cost of what "auto" runs (a plan: checked metadata, the query quantized in
     the call) for the single 4096-token chunk, a 4 x 4096 causal batch and a mixed batch
-    (16 decode sequences at context 8192 beside one 4096-token chunk), one run; with the
-    library's default PV (``pv_mode`` None: each kernel its own -- 16-bit in prefill, 8-bit
-    in decode; row ``pv_mode: "default"``), then 16-bit and 8-bit PV forced on both."""
+    (16 decode sequences at context 8192 beside one 4096-token chunk) and those decode
+    sequences alone, one run; with the library's default PV (``pv_mode`` None: each kernel
+    its own -- 16-bit in prefill, 8-bit in decode; row ``pv_mode: "default"``), then 16-bit
+    and 8-bit PV forced on both."""
     import int8attn
 
     hq, hkv, d = SHAPES[shape]
     cases = {"1x4096": ([CHUNK], [CHUNK]), "4x4096": ([CHUNK] * 4, [CHUNK] * 4),
-             "16dec+4096": ([8192] * 16 + [CHUNK], [1] * 16 + [CHUNK])}
+             "16dec+4096": ([8192] * 16 + [CHUNK], [1] * 16 + [CHUNK]),
+             # the mixed batch's decode sequences alone (a pure decode batch: its plan may take
+             # the Hopper decode kernel, where the mixed batch runs the portable one)
+             "16dec": ([8192] * 16, [1] * 16)}
     for name, (lens, qlens) in cases.items():
         b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, kv_dtype=kv_dtype,
                                      seed=11, device="cuda")
