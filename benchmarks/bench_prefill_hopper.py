@@ -117,9 +117,12 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
             out += [("hopper-ws-s6", replace(ws, stages=6)), ("hopper-ws-qk-ahead", replace(ws, qk_ahead=True))]
         else:
             # half the keys per tile at head_dim 256, 4 stages (the config before the 64-key
-            # tiles; a fp16 V ring of 4 64-key stages would not fit in shared memory).
-            # 128-key tiles at head_dim 128 spill (248 LDL/STL).
-            out.append(("hopper-ws-n32-s4", replace(ws, block_n=32, stages=4)))
+            # tiles; a fp16 V ring of 4 64-key stages would not fit in shared memory), and
+            # with the next QK across the softmax, which fits 32-key tiles only (sm_90 build,
+            # Triton 3.6, per-row lazy rescale: no local memory, MMAs pipelined; 166-178 with
+            # 64-key tiles). 128-key tiles at head_dim 128 spill (248 LDL/STL).
+            out += [("hopper-ws-n32-s4", replace(ws, block_n=32, stages=4)),
+                    ("hopper-ws-n32-s4-qk-ahead", replace(ws, block_n=32, stages=4, qk_ahead=True))]
         return out
     ws = hop.warp_specialized_config(kv_dtype, d)
     if ws is not None:
