@@ -92,8 +92,9 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     if kv_dtype == "bf16":  # the warp-specialized kernel only: the 8-bit routes' BF16 counterpart
         ws = hop.warp_specialized_config(kv_dtype, d)
         # the rescale rules: the warpgroup-wide lazy test, and per row or every tile (whichever
-        # the route's config does not take)
-        return [("hopper-ws", ws), ("hopper-ws-lazy", replace(ws, lazy_rescale=True)), _other_rescale(ws)]
+        # the route's config does not take); three consumer warpgroups
+        return [("hopper-ws", ws), ("hopper-ws-lazy", replace(ws, lazy_rescale=True)), _other_rescale(ws),
+                *_three_consumers(kv_dtype, d, pv)]
     sync = hop.default_config(kv_dtype, d, pv)
     out = [("hopper", sync)]
     pipe = hop.pipelined_config(kv_dtype, d) if pv != "bf16" else None
@@ -113,8 +114,9 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         if d <= 128:
             # the next tile's QK in flight across this tile's softmax: the consumers' own chain
             # sets the pace at D128 (sm_90 build, Triton 3.6: no local memory, MMAs pipelined;
-            # at D256 it spills 166)
-            out += [("hopper-ws-s6", replace(ws, stages=6)), ("hopper-ws-qk-ahead", replace(ws, qk_ahead=True))]
+            # at D256 it spills 166); three consumer warpgroups, with and without it
+            out += [("hopper-ws-s6", replace(ws, stages=6)), ("hopper-ws-qk-ahead", replace(ws, qk_ahead=True)),
+                    *_three_consumers(kv_dtype, d, pv)]
         else:
             # half the keys per tile at head_dim 256, 4 stages (the config before the 64-key
             # tiles; a fp16 V ring of 4 64-key stages would not fit in shared memory), and
@@ -137,6 +139,14 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
             # amortised over more scores, against local memory (sm_90 compiles spill some)
             out.append(("hopper-ws-wide", replace(ws, block_n=2 * ws.block_n)))
     return out
+
+
+def _three_consumers(kv_dtype: str, d: int, pv: str) -> list:
+    """(label, config) of the route's three-consumer config ("hopper-ws-m192"), also with the
+    next QK across the softmax ("hopper-ws-m192-qk-ahead"), where one exists."""
+    m192 = hop.three_consumer_config(kv_dtype, d, pv)
+    return [] if m192 is None else [("hopper-ws-m192", m192),
+                                    ("hopper-ws-m192-qk-ahead", replace(m192, qk_ahead=True))]
 
 
 def _other_rescale(ws) -> tuple:

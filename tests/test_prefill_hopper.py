@@ -81,6 +81,10 @@ VARIANTS = [
     pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
                                               "qk_ahead": False, "lazy_rescale": "rows"},
                  id="ws-int8-pv16-d128-lazy-rows"),
+    # three consumer warpgroups (block_m 192, 32-key tiles: none spills; 168 with 64-key tiles)
+    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "block_m": 192, "stages": 4, "block_n": 32,
+                                              "dv": 128, "qk_ahead": False, "lazy_rescale": "rows"},
+                 id="ws-int8-pv16-d128-m192-n32-lazy-rows"),
 ]
 #: PTX type suffix of the QK and PV warpgroup MMAs, and the SASS class each must show.
 PTX_TYPES = {"int8": "s32.s8.s8", "fp8": "f32.e4m3.e4m3", "bf16": "f32.f16.f16"}
@@ -120,20 +124,22 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   "ws-fp8-pv16-d64-bs64-s3": 48, "ws-bf16-d256-n32-lazy": 24},
                           # the warp-specialized kernel with Triton 3.9: 65, 282, 0, 32, 26; 16-bit PV of
                           # 8-bit caches: 94 / 106 / 86 (int8 / int8 lazy per row / fp8 lazy per row at
-                          # D256), 0, 30 (fp8: the loader's masked branch)
+                          # D256), 0, 30 (fp8: the loader's masked branch); three consumers at D128: 2
                           "3.9": {"ws-fp8-pv8-d128-s4": 80, "ws-fp8-pv8-d256-n64-s4": 350,
                                   "ws-int8-pv8-d256-n32-dv32": 24, "ws-bf16-d128": 40,
                                   "ws-bf16-d256-n32-lazy-rows": 48,
                                   "ws-int8-pv16-d256-n64-s3": 112, "ws-fp8-pv16-d256-n64-s3-lazy-rows": 104,
                                   "ws-int8-pv16-d256-n64-s3-lazy-rows": 120,
                                   "ws-int8-pv16-d128": 24, "ws-fp8-pv16-d64-bs64-s3": 48,
-                                  "ws-bf16-d256-n32-lazy": 48}}
+                                  "ws-bf16-d256-n32-lazy": 48, "ws-int8-pv16-d128-m192-n32-lazy-rows": 8}}
 
-#: Instructions allowed in the int8 16-bit-PV loader's tile loop (sm_90) per V value each
-#: loader thread converts (block_n * head_dim / 128): copies of one tile and the conversion of
-#: another (Triton 3.6: 243 / 428 instructions for 64 / 128 values at D128 / D256 n64; 502 at
-#: D256 with a signed page division; 483 for 64 values with a select per value).
-LOADER_LOOP_PER_VALUE = 5
+#: Instructions allowed in the int8 16-bit-PV loader's tile loop (sm_90): a fixed part per
+#: tile (waits, barriers, block ids) and a part per V value each loader thread converts
+#: (block_n * head_dim / 128): copies of one tile and the conversion of another (Triton 3.6:
+#: 243 / 428 instructions for 64 / 128 values at D128 / D256 n64; 163 for 32 values at D128
+#: n32 with Triton 3.9; 502 at D256 with a signed page division; 483 for 64 values with a
+#: select per value).
+LOADER_LOOP_FIXED, LOADER_LOOP_PER_VALUE = 48, 4
 
 _COMPILE_ALL = r"""
 import json, os, re, subprocess, sys, tempfile
@@ -233,7 +239,7 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
                 # 483 instructions at D256 n32); int8 needs no mask
                 values = over.get("block_n", 64) * d // 128
                 assert got["loader_loop_selects"] == 0, got
-                assert 0 < got["loader_loop"] <= LOADER_LOOP_PER_VALUE * values, (values, got)
+                assert 0 < got["loader_loop"] <= LOADER_LOOP_FIXED + LOADER_LOOP_PER_VALUE * values, (values, got)
         else:
             assert got["cp_async_mbarrier_arrives"] >= 1, got
         # the per-row lazy rescale: every accumulator multiply of both consumers (64 rows x
@@ -338,6 +344,9 @@ def test_forcing_hopper_where_it_does_not_apply_raises_before_launch():
     pytest.param(hop.HopperPrefillConfig(stages=1), "stages", id="stages"),
     pytest.param(hop.HopperPrefillConfig(pipeline=True, stages=2, dv=64), "stages >= 3", id="pipeline_stages"),
     pytest.param(hop.HopperPrefillConfig(qk_ahead=False, dv=64), "warp-specialized kernel only", id="qk_ahead_sync"),
+    pytest.param(hop.HopperPrefillConfig(block_m=192, dv=64), "head_dim <= 128", id="block_m_192_sync"),
+    pytest.param(hop.HopperPrefillConfig(block_m=192, warp_specialized=True, stages=4, block_n=32, dv=32),
+                 "head_dim <= 128", id="block_m_192_d256"),
 ])
 def test_bad_config_raises(config, match):
     class _C:
@@ -345,6 +354,35 @@ def test_bad_config_raises(config, match):
 
     with pytest.raises(ValueError, match=match):
         hop._check_config(config, _C(), 6, "int8")
+
+
+@pytest.mark.parametrize("kv,pv", [pytest.param("int8", "bf16", id="int8-pv16"),
+                                   pytest.param("fp8", "bf16", id="fp8-pv16"),
+                                   pytest.param("bf16", "bf16", id="bf16-cache"),
+                                   pytest.param("int8", "int8", id="int8-pv8"),
+                                   pytest.param("fp8", "fp8", id="fp8-pv8")])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_three_consumer_config_only_where_it_fits(kv, pv, d):
+    """Three consumer warpgroups (block_m 192): 16-bit P at head_dim <= 128 only (32-key tiles
+    for an 8-bit cache's 16-bit PV at 128), launched as 16 warps at 128 registers with the
+    consumers at 152 and the loader at 40; the route's config otherwise unchanged."""
+    class _C:
+        kv_dtype, head_dim, block_size = kv, d, 16
+
+    cfg = hop.three_consumer_config(kv, d, pv)
+    if d > 128 or pv != "bf16":
+        assert cfg is None
+        return
+    ws = hop.warp_specialized_config(kv, d, pv)
+    want_n = 32 if kv != "bf16" and d == 128 else ws.block_n
+    assert cfg == replace(ws, block_m=192, block_n=want_n)
+    checked = hop._check_config(cfg, _C(), 4, pv)
+    const = hop.constexprs(checked, _C(), 4, pv)
+    assert (const["BLOCK_M"], const["BLOCK_Q"], const["CONSUMER_REGS"], const["LOADER_REGS"]) == (192, 48, 152, 40)
+    assert hop.launch_options(checked) == dict(num_warps=4, maxnreg=128)
+    # 3 x 128 threads x 152 + 128 x 40 leaves the default partition's consumer 168 of 16 x 32 x 128
+    assert 16 * 32 * 128 - 2 * 128 * 152 - 128 * 40 == 128 * 168
+    assert hop.launch_options(hop._check_config(ws, _C(), 4, pv)) == dict(num_warps=4, maxnreg=168)
 
 
 @pytest.mark.parametrize("config", [pytest.param(hop.HopperPrefillConfig(dv=128), id="synchronous"),
@@ -690,6 +728,15 @@ def test_gpu_warp_specialized_other_rescale_rule(case, kv, pv):
     _check_schedule(case, kv, pv, _other_rescale_rule, "_prefill_hopper_ws_kernel")
 
 
+@pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16" and "d256" not in c.values[0]])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_three_consumer_warpgroups(case, kv, pv):
+    """Three consumer warpgroups of 64 rows (block_m 192, offered by no route until measured)
+    on every 16-bit-P route where they fit: the warp-specialized kernel's cases."""
+    _check_schedule(case, kv, pv, hop.three_consumer_config, "_prefill_hopper_ws_kernel")
+
+
 @pytest.mark.parametrize("kv", ["int8", "fp8", "bf16"])
 @pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.gpu
@@ -803,6 +850,7 @@ def test_gpu_auto_takes_hopper_for_plans_and_unplanned_calls(kv, pv, monkeypatch
 #: The Hopper prefill kernels and caches of the bad-metadata test: (kv, config name)
 BAD_METADATA_KERNELS = [pytest.param("int8", "ws", id="int8-ws"), pytest.param("fp8", "ws", id="fp8-ws"),
                         pytest.param("bf16", "ws", id="bf16-ws"), pytest.param("int8", "ws16", id="int8-ws-pv16"),
+                        pytest.param("int8", "ws16-m192", id="int8-ws-pv16-m192"),
                         pytest.param("int8", "sync", id="int8-sync"),
                         pytest.param("fp8", "pipe", id="fp8-pipe")]
 
@@ -821,8 +869,9 @@ def test_gpu_bad_metadata_gives_nan_rows_and_a_flag(case, kv, which, monkeypatch
 
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
     b = _batch([300, 400, 250], [120, 210, 90], hq=32, hkv=8, d=128, kv=kv, seed=17, device="cuda")
-    pv = "bf16" if which == "ws16" else kv
+    pv = "bf16" if which.startswith("ws16") else kv
     config = {"ws": hop.warp_specialized_config(kv, 128), "ws16": hop.warp_specialized_config(kv, 128, pv),
+              "ws16-m192": hop.three_consumer_config(kv, 128, pv),
               "sync": hop.default_config(kv, 128, kv), "pipe": hop.pipelined_config(kv, 128)}[which]
     kw = dict(pv_mode=pv, config=config)
     good = hop.prefill_attention_hopper(*_args(b), **kw)

@@ -261,14 +261,28 @@ def _checked_tile(query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr,
 @gluon.jit
 def _store_nan_rows(out_ptr, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh, GROUP: gl.constexpr,
                     BLOCK_M: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """NaN in every output row of the program's tile (a sequence whose metadata is out of range)."""
+    """NaN in every output row of the program's tile (a sequence whose metadata is out of range);
+    a block_m of 192 (no power of two) in three 64-row parts."""
+    if BLOCK_M == 192:
+        for r0 in gl.static_range(0, BLOCK_M, 64):
+            _store_nan_part(out_ptr, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh, r0, GROUP, 64, BLOCK_Q,
+                            HEAD_DIM)
+    else:
+        _store_nan_part(out_ptr, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh, 0, GROUP, BLOCK_M, BLOCK_Q,
+                        HEAD_DIM)
+
+
+@gluon.jit
+def _store_nan_part(out_ptr, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh, R0: gl.constexpr,
+                    GROUP: gl.constexpr, PART: gl.constexpr, BLOCK_Q: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """:func:`_store_nan_rows` for rows ``R0 .. R0 + PART`` of the tile."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, layout))
+    offs_m = R0 + gl.arange(0, PART, layout=gl.SliceLayout(1, layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     tok = q_tile * BLOCK_Q + offs_m // GROUP
     valid = (offs_m // GROUP < BLOCK_Q) & (tok < q_len)
     rows = (q_start + tok).to(gl.int64) * stride_ot + (kv_head * GROUP + offs_m % GROUP) * stride_oh
-    nan = gl.full([BLOCK_M, HEAD_DIM], float("nan"), out_ptr.dtype.element_ty, layout)
+    nan = gl.full([PART, HEAD_DIM], float("nan"), out_ptr.dtype.element_ty, layout)
     gl.store(out_ptr + rows[:, None] + offs_d[None, :], nan, mask=valid[:, None])
 
 

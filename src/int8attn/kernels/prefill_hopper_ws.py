@@ -21,7 +21,9 @@ cross-thread test. 8-bit P is rounded per tile on a per-row step, so its rescale
 factor changes every tile and is folded into the MMA as before.
 
 One program owns 128 query rows of one KV head (the packing of
-:mod:`int8attn.kernels.prefill_hopper`) and runs three partitions of four warps each:
+:mod:`int8attn.kernels.prefill_hopper`) and runs three partitions of four warps each (or
+192 rows and four partitions: ``BLOCK_M == 192``, a third consumer warpgroup, at head_dim
+<= 128 where the consumers fit 152-168 registers):
 
 * two consumer warpgroups (the default partition and worker 0), each owning 64 of the rows
   with its own Q tile in shared memory and its own online softmax. ``PV_IN_FLIGHT=False``
@@ -42,7 +44,7 @@ One program owns 128 query rows of one KV head (the packing of
 
 Hand-off per ring stage, two mbarriers: ``ready`` (count: the loader's 128 threads; each
 arrives through ``cp.async.mbarrier.arrive.noinc``, triggered when its copies of the stage
-landed) and ``empty`` (count 2: thread 0 of each consumer warpgroup once its ``PV`` of that
+landed) and ``empty`` (count: the consumer warpgroups; thread 0 of each once its ``PV`` of that
 stage completed, which implies every thread of the warpgroup issued it, after its last read
 of the stage's scales). A consumer fences the async proxy after its ``ready`` wait (the
 copies are generic-proxy writes, the MMAs read through the async proxy).
@@ -77,10 +79,14 @@ LAZY_TAU = gl.constexpr(4.0)
 CVT_ELEMS = 16
 #: Registers per thread: each consumer warpgroup and the loader (setmaxnreg), and the cap
 #: of the launch that splits them (12 warps: 2 x 128 x 232 + 128 x 40 = 384 x 168 = the
-#: 64K-register file of one SM, one program per SM).
+#: 64K-register file of one SM, one program per SM). With three consumer warpgroups (block_m
+#: 192, head_dim <= 128): the launch's 16 warps at 128 registers, the two worker consumers at
+#: 152 and the loader at 40, which leaves the default partition's consumer 168.
 CONSUMER_REGS = 232
 LOADER_REGS = 40
 KERNEL_MAXNREG = 168
+CONSUMER_REGS_3 = 152
+KERNEL_MAXNREG_3 = 128
 
 
 @gluon.jit
@@ -107,7 +113,8 @@ def _alloc_ring(elem: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
     return k_ring, v_ring, ks_ring, vs_ring, ready, empty
 
 
-def partition_constexprs(pv_in_flight: bool, qk_ahead: bool, block_n: int, convert_lag: int) -> dict:
+def partition_constexprs(pv_in_flight: bool, qk_ahead: bool, block_n: int, convert_lag: int,
+                         consumers: int = 2) -> dict:
     """The constexprs of :func:`_prefill_hopper_ws_kernel` beside those of
     :func:`int8attn.kernels.prefill_hopper.kernel_layouts` (built for 64 rows, 4 warps).
     ``CVT_V``: the loader's layout of a [CVT_ROWS, block_n] slice of a V^T tile it converts
@@ -116,7 +123,8 @@ def partition_constexprs(pv_in_flight: bool, qk_ahead: bool, block_n: int, conve
     cols = block_n // 8
     cvt_rows = CVT_ELEMS * 32 * LOADER_WARPS.value // block_n
     return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight,
-                QK_AHEAD=qk_ahead, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+                QK_AHEAD=qk_ahead, CONSUMER_REGS=CONSUMER_REGS if consumers == 2 else CONSUMER_REGS_3,
+                LOADER_REGS=LOADER_REGS,
                 CVT_V=gl.BlockedLayout([1, 8], [32 // cols, cols], [LOADER_WARPS.value, 1], [1, 0]),
                 CVT_ROWS=cvt_rows, CVT_LAG=convert_lag)
 
@@ -657,7 +665,8 @@ def _prefill_hopper_ws_kernel(
     LOADER_REGS: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr,
     LAZY: gl.constexpr,
 ):
-    gl.static_assert(BLOCK_M == 2 * WG_ROWS, "two consumer warpgroups of 64 rows")
+    NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
+    gl.static_assert((BLOCK_M == 2 * WG_ROWS) or (BLOCK_M == 3 * WG_ROWS), "two or three consumer warpgroups")
     gl.static_assert(STAGES >= 3, "tiles j - 1 (PV in flight), j and j + 1 are live")
     gl.static_assert((PV_KIND != PV_BF16) or (DV == HEAD_DIM), "16-bit PV: one column chunk")
     gl.static_assert((PV_KIND != PV_BF16) or not PV_IN_FLIGHT, "16-bit PV is waited in its own tile")
@@ -676,29 +685,55 @@ def _prefill_hopper_ws_kernel(
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
 
     elem: gl.constexpr = k_ptr.dtype.element_ty
-    q_bufs = gl.allocate_shared_memory(elem, [2, WG_ROWS, HEAD_DIM], Q_SMEM)
-    # both consumer warpgroups read every stage
+    q_bufs = gl.allocate_shared_memory(elem, [NUM_WG, WG_ROWS, HEAD_DIM], Q_SMEM)
+    # every consumer warpgroup reads every stage
     k_ring, v_ring, ks_ring, vs_ring, ready, empty = _alloc_ring(elem, STAGES, BLOCK_N, HEAD_DIM, KV_KIND, K_SMEM,
-                                                                 V_SMEM, 2)
+                                                                 V_SMEM, NUM_WG)
     if PV_KIND == PV_BF16 and KV_KIND != KIND_BF16:  # the loader's fp16 V^T (16-bit PV of an 8-bit cache)
         v16_ring = gl.allocate_shared_memory(gl.float16, [STAGES, HEAD_DIM, BLOCK_N], V16_SMEM)
     else:
         v16_ring = v_ring
 
-    gl.warp_specialize([
-        (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                     kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
-                     stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
-                     0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
-                     LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
-        (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                     kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
-                     stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
-                     1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
-                     LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
-        (_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
-                   kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,
-                   k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                   HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS,
-                   CVT_LAG)),
-    ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+    # the partitions are listed twice (Gluon takes no tuple of layouts to share): two
+    # consumer warpgroups, or three (block_m 192)
+    if NUM_WG == 2:
+        gl.warp_specialize([
+            (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
+                         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
+                         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
+                         0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
+                         LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+            (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
+                         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
+                         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
+                         1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
+                         LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+            (_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
+                       kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,
+                       k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
+                       HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS,
+                       CVT_LAG)),
+        ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
+                         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
+                         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
+                         0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
+                         LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+            (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
+                         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
+                         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
+                         1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
+                         LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+            (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
+                         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
+                         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
+                         2, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
+                         LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+            (_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
+                       kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,
+                       k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
+                       HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS,
+                       CVT_LAG)),
+        ], [4, 4, LOADER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

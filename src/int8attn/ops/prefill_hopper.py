@@ -85,7 +85,8 @@ LAZY_ROWS_ROUTES = frozenset({(kv, "bf16", d) for kv in ("int8", "fp8") for d in
 @dataclass(frozen=True)
 class HopperPrefillConfig:
     """Tiling: block_m query rows per program (64 or 128: one or two warpgroups, block_m //
-    16 warps), block_n keys per KV tile, dv output columns per PV MMA (None: the default for
+    16 warps; the warp-specialized kernel: 128 or, at head_dim <= 128, 192 -- two or three
+    consumer warpgroups), block_n keys per KV tile, dv output columns per PV MMA (None: the default for
     the PV precision), stages of the shared-memory K/V ring (>= 2); pipeline: the
     asynchronous-MMA schedule of :mod:`int8attn.kernels.prefill_hopper_pipe` (8-bit PV,
     stages >= 3: PV of one tile overlaps the next tile's softmax) instead of one MMA waited
@@ -178,6 +179,20 @@ def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = 
                                lazy_rescale=lazy)
 
 
+def three_consumer_config(kv_dtype: str, head_dim: int, pv_mode: str | None = None) -> HopperPrefillConfig | None:
+    """A 16-bit-P route's warp-specialized config with three consumer warpgroups (block_m
+    192: 50% more warps per program to hide each consumer's dependency chain, each at 152-168
+    registers), or None where it does not fit: head_dim 256 (the 128-register accumulator) and
+    8-bit PV (the sm_90 build spills ~620 local-memory instructions at head_dim 128). An 8-bit
+    cache's 16-bit PV at head_dim 128 takes 32-key tiles (120-168 with 64-key tiles, none with
+    32, whose doubled rescales the per-row lazy rule skips). Offered by no route until
+    measured."""
+    if head_dim > 128 or not (pv_mode == "bf16" or kv_dtype == "bf16"):
+        return None
+    ws = warp_specialized_config(kv_dtype, head_dim, pv_mode)
+    return replace(ws, block_m=192, block_n=32 if kv_dtype != "bf16" and head_dim == 128 else ws.block_n)
+
+
 def requested_kernel(kernel: str | None = None) -> tuple[str, bool]:
     """(kernel, forced): the ``kernel`` argument (forced) or ``INT8ATTN_PREFILL_KERNEL``."""
     forced = kernel is not None
@@ -258,8 +273,8 @@ def unsupported_reason(cache, num_q_heads: int, pv_mode: str | None) -> str | No
 def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) -> HopperPrefillConfig:
     d = cache.head_dim
     dv = config.dv or default_config(cache.kv_dtype, d, pv_mode).dv
-    if config.block_m not in (64, 128):
-        raise ValueError(f"block_m={config.block_m} must be 64 or 128")
+    if config.block_m not in (64, 128, 192):
+        raise ValueError(f"block_m={config.block_m} must be 64, 128 or 192")
     if config.block_n not in (32, 64, 128):
         raise ValueError(f"block_n={config.block_n} must be 32, 64 or 128")
     if group > config.block_m:
@@ -299,9 +314,12 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise TypeError(f"config.lazy_rescale must be False, True or 'rows', got {lazy!r}")
     if lazy and not (config.warp_specialized and sixteen_bit_p):
         raise ValueError("lazy_rescale applies to 16-bit PV on the warp-specialized kernel only")
-    if config.warp_specialized and config.block_m != 128:
-        raise ValueError(f"warp_specialized runs two 64-row consumer warpgroups: block_m must be 128, "
-                         f"got {config.block_m}")
+    if config.warp_specialized and config.block_m not in (128, 192):
+        raise ValueError(f"warp_specialized runs two or three 64-row consumer warpgroups: block_m must be 128 "
+                         f"or 192, got {config.block_m}")
+    if config.block_m == 192 and not (config.warp_specialized and d <= 128):
+        raise ValueError("block_m=192 (three consumer warpgroups at 152-168 registers each) needs the "
+                         f"warp-specialized kernel and head_dim <= 128, got head_dim {d}")
     lag = _convert_lag(config)
     if config.convert_lag is not None:
         if not converts_v:
@@ -347,7 +365,7 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
         # every partition is one warpgroup: layouts of 64 rows and 4 warps
         const.update(kernel_layouts(64, config.block_n, head_dim, config.dv, kv, pv),
                      **partition_constexprs(config.pipeline, config.qk_ahead, config.block_n,
-                                            _convert_lag(config)),
+                                            _convert_lag(config), config.block_m // 64),
                      LAZY=LAZY_RESCALE[_LAZY_NAMES.get(config.lazy_rescale, config.lazy_rescale)])
     else:
         const.update(kernel_layouts(config.block_m, config.block_n, head_dim, config.dv, kv, pv))
@@ -357,8 +375,8 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
 def launch_options(config: HopperPrefillConfig) -> dict:
     """num_warps (and the register cap of a warp-specialized kernel) of a config's launch."""
     if config.warp_specialized:
-        from ..kernels.prefill_hopper_ws import KERNEL_MAXNREG
-        return dict(num_warps=4, maxnreg=KERNEL_MAXNREG)
+        from ..kernels.prefill_hopper_ws import KERNEL_MAXNREG, KERNEL_MAXNREG_3
+        return dict(num_warps=4, maxnreg=KERNEL_MAXNREG if config.block_m == 128 else KERNEL_MAXNREG_3)
     return dict(num_warps=config.block_m // 16)
 
 
