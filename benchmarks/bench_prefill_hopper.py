@@ -153,9 +153,7 @@ def _other_rescale(ws) -> tuple:
     """(label, config): the 16-bit-P rescale rule the route's config does not take --
     "hopper-ws-rescale-all" (every tile) beside a per-row lazy default, else
     "hopper-ws-lazy-rows"."""
-    if ws.lazy_rescale == "rows":
-        return "hopper-ws-rescale-all", replace(ws, lazy_rescale=False)
-    return "hopper-ws-lazy-rows", replace(ws, lazy_rescale="rows")
+    return "hopper-ws-rescale-all" if ws.lazy_rescale == "rows" else "hopper-ws-lazy-rows", hop.other_rescale_rule(ws)
 
 
 def bench_case(rec, shape, prefix, kv_dtype, pvs):

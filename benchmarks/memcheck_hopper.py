@@ -98,7 +98,7 @@ def main() -> int:
             want = prefill_attention(*args, pv_mode=pv)
             # 16-bit P: the other rescale rule too (per row, its multiplies behind divergent
             # branches, or every tile), and three consumer warpgroups where they fit
-            lazy = (replace(ws, lazy_rescale=False if ws.lazy_rescale else "rows"),) if pv == "bf16" else ()
+            lazy = (hop.other_rescale_rule(ws),) if pv == "bf16" else ()
             m192 = hop.three_consumer_config(kv, d, pv)
             for cfg in (ws, replace(ws, qk_ahead=not ws.qk_ahead), *lazy, *((m192,) if m192 else ())):
                 out = testing.poisoned_like(want)

@@ -715,8 +715,7 @@ def _lazy_rows(kv, d, pv):
 
 
 def _other_rescale_rule(kv, d, pv):
-    ws = hop.warp_specialized_config(kv, d, pv)
-    return replace(ws, lazy_rescale=False if ws.lazy_rescale else "rows")
+    return hop.other_rescale_rule(hop.warp_specialized_config(kv, d, pv))
 
 
 @pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16"])

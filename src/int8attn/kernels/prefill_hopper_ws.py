@@ -77,16 +77,13 @@ LAZY_TAU = gl.constexpr(4.0)
 #: Elements of V each loader thread converts at a time (16-bit PV of an 8-bit cache): the
 #: loader runs on LOADER_REGS registers.
 CVT_ELEMS = 16
-#: Registers per thread: each consumer warpgroup and the loader (setmaxnreg), and the cap
-#: of the launch that splits them (12 warps: 2 x 128 x 232 + 128 x 40 = 384 x 168 = the
-#: 64K-register file of one SM, one program per SM). With three consumer warpgroups (block_m
-#: 192, head_dim <= 128): the launch's 16 warps at 128 registers, the two worker consumers at
-#: 152 and the loader at 40, which leaves the default partition's consumer 168.
-CONSUMER_REGS = 232
-LOADER_REGS = 40
-KERNEL_MAXNREG = 168
-CONSUMER_REGS_3 = 152
-KERNEL_MAXNREG_3 = 128
+#: Registers per thread by consumer warpgroups: (each worker consumer, the loader -- both
+#: setmaxnreg -- and the cap of the launch that splits them), one program per SM. Two: 12
+#: warps, 2 x 128 x 232 + 128 x 40 = 384 x 168 = the 64K-register file. Three (block_m 192,
+#: head_dim <= 128): 16 warps at 128, the two worker consumers at 152 and the loader at 40,
+#: which leaves the default partition's consumer 168.
+REGISTER_BUDGETS = {2: (232, 40, 168), 3: (152, 40, 128)}
+CONSUMER_REGS, LOADER_REGS, KERNEL_MAXNREG = REGISTER_BUDGETS[2]
 
 
 @gluon.jit
@@ -122,9 +119,9 @@ def partition_constexprs(pv_in_flight: bool, qk_ahead: bool, block_n: int, conve
     tiles whose copies the loader keeps in flight past the one it converts (:func:`_loader_16`)."""
     cols = block_n // 8
     cvt_rows = CVT_ELEMS * 32 * LOADER_WARPS.value // block_n
+    consumer_regs, loader_regs, _ = REGISTER_BUDGETS[consumers]
     return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight,
-                QK_AHEAD=qk_ahead, CONSUMER_REGS=CONSUMER_REGS if consumers == 2 else CONSUMER_REGS_3,
-                LOADER_REGS=LOADER_REGS,
+                QK_AHEAD=qk_ahead, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
                 CVT_V=gl.BlockedLayout([1, 8], [32 // cols, cols], [LOADER_WARPS.value, 1], [1, 0]),
                 CVT_ROWS=cvt_rows, CVT_LAG=convert_lag)
 
@@ -148,11 +145,11 @@ def _copy_scales_at(j, blk, ks_buf, vs_buf, k_scale_ptr, v_scale_ptr, scale_head
 
 
 @gluon.jit
-def _loader(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
-            kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-            HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+def _loader(shared, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
             LOAD_S: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr):
+    k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb, \
+        kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty = shared
     if PV_KIND == PV_BF16 and KV_KIND != KIND_BF16:
         _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
                    kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
@@ -462,13 +459,13 @@ def _v_chunk(v_buf, c: gl.constexpr, DV: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-              kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
-              stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
-              WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
+def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
               BLOCK_N: gl.constexpr, DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr,
               STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, LAZY: gl.constexpr,
               QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr):
+    q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty, \
+        kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale, \
+        stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh = shared
     ROW: gl.constexpr = gl.SliceLayout(1, QK_LAYOUT)
     COL: gl.constexpr = gl.SliceLayout(0, QK_LAYOUT)
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV_LAYOUT)
@@ -694,46 +691,33 @@ def _prefill_hopper_ws_kernel(
     else:
         v16_ring = v_ring
 
-    # the partitions are listed twice (Gluon takes no tuple of layouts to share): two
-    # consumer warpgroups, or three (block_m 192)
+    # the partitions' runtime arguments, each a tuple of tensors (Gluon builds no tuple holding
+    # layouts outside the partition list): what every consumer warpgroup takes beside its
+    # index and the constexprs, and the loader's
+    shared = (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
+              kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
+              stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh)
+    loads = (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
+             kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,
+             k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty)
     if NUM_WG == 2:
         gl.warp_specialize([
-            (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
-                         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
-                         0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
-                         LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
-            (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
-                         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
-                         1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
-                         LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
-            (_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
-                       kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,
-                       k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                       HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS,
-                       CVT_LAG)),
+            (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+            (_consumer, (shared, 1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+            (_loader, (loads, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V,
+                       CVT_ROWS, CVT_LAG)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
-    else:
+    else:  # three consumer warpgroups (block_m 192)
         gl.warp_specialize([
-            (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
-                         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
-                         0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
-                         LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
-            (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
-                         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
-                         1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
-                         LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
-            (_consumer, (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
-                         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh,
-                         2, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT, QK_AHEAD,
-                         LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
-            (_loader, (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
-                       kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,
-                       k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                       HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS,
-                       CVT_LAG)),
+            (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+            (_consumer, (shared, 1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+            (_consumer, (shared, 2, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+            (_loader, (loads, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V,
+                       CVT_ROWS, CVT_LAG)),
         ], [4, 4, LOADER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
+

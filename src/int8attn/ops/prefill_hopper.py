@@ -179,6 +179,12 @@ def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = 
                                lazy_rescale=lazy)
 
 
+def other_rescale_rule(config: HopperPrefillConfig) -> HopperPrefillConfig:
+    """``config`` with the 16-bit-P rescale rule it does not take: every tile for a per-row
+    lazy config, the per-row lazy rescale otherwise (the A/B of benchmarks and tests)."""
+    return replace(config, lazy_rescale=False if config.lazy_rescale else "rows")
+
+
 def three_consumer_config(kv_dtype: str, head_dim: int, pv_mode: str | None = None) -> HopperPrefillConfig | None:
     """A 16-bit-P route's warp-specialized config with three consumer warpgroups (block_m
     192: 50% more warps per program to hide each consumer's dependency chain, each at 152-168
@@ -375,8 +381,8 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
 def launch_options(config: HopperPrefillConfig) -> dict:
     """num_warps (and the register cap of a warp-specialized kernel) of a config's launch."""
     if config.warp_specialized:
-        from ..kernels.prefill_hopper_ws import KERNEL_MAXNREG, KERNEL_MAXNREG_3
-        return dict(num_warps=4, maxnreg=KERNEL_MAXNREG if config.block_m == 128 else KERNEL_MAXNREG_3)
+        from ..kernels.prefill_hopper_ws import REGISTER_BUDGETS
+        return dict(num_warps=4, maxnreg=REGISTER_BUDGETS[config.block_m // 64][2])
     return dict(num_warps=config.block_m // 16)
 
 
