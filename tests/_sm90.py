@@ -102,16 +102,53 @@ sys.stdout.write(json.dumps(out))
 """
 
 
+def _workers(n_items: int) -> int:
+    """Compile subprocesses to run side by side: one per CPU core, at most one per item (each
+    compile is one single-threaded process; the test process itself only waits)."""
+    return max(1, min(n_items, os.cpu_count() or 1))
+
+
+def _run_side_by_side(script: list, payloads: list, env: dict) -> list:
+    """Run ``python -c`` + ``script`` once per payload (stdin or argv, see callers), all at once;
+    returns their stdout texts in order, or raises with the first failure's stderr."""
+    procs = []
+    for argv, stdin in payloads:
+        proc = subprocess.Popen([sys.executable, "-c", *script, *argv], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        procs.append((proc, stdin))
+    outs, failures = [], []
+    for proc, stdin in procs:
+        try:
+            stdout, stderr = proc.communicate(stdin, timeout=900)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+            stderr += "\n(timed out after 900 s)"
+        outs.append(stdout)
+        if proc.returncode != 0:
+            failures.append(stderr[-4000:])
+    if failures:
+        raise RuntimeError("sm_90 compile subprocess failed: " + failures[0])
+    return outs
+
+
+def _round_robin(items: list, n: int) -> list:
+    """``items`` dealt into ``n`` lists (neighbours, which tend to cost alike, go apart)."""
+    return [items[i::n] for i in range(n) if items[i::n]]
+
+
 def compile_for_sm90(records: list) -> list:
-    """Compile each recorded launch for sm_90 (subprocess, interpreter off); returns one
-    dict per record: name, ok, and the error text when it failed."""
+    """Compile each recorded launch for sm_90 (subprocesses side by side, interpreter off);
+    returns one dict per record, in order: name, ok, and the error text when it failed."""
     env = dict(os.environ, TRITON_INTERPRET="0")
-    payload = json.dumps(records, default=lambda v: None)
-    proc = subprocess.run([sys.executable, "-c", _COMPILE], input=payload, capture_output=True, text=True,
-                          env=env, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(f"sm_90 compile subprocess failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout)
+    order = list(range(len(records)))
+    chunks = _round_robin(order, _workers(len(records)))
+    payloads = [([], json.dumps([records[i] for i in chunk], default=lambda v: None)) for chunk in chunks]
+    results = [None] * len(records)
+    for chunk, text in zip(chunks, _run_side_by_side([_COMPILE], payloads, env)):
+        for i, result in zip(chunk, json.loads(text)):
+            results[i] = result
+    return results
 
 
 def gluon_facts(ptx: str, sass_text: str) -> dict:
@@ -137,14 +174,22 @@ def gluon_facts(ptx: str, sass_text: str) -> dict:
 
 
 def run_compile_script(script: str, spec: dict) -> dict:
-    """Run a compile ``script`` (``python -c``, ``spec`` as JSON in argv[1]) with the
-    interpreter off and ``src`` and ``tests`` importable; returns the JSON object its last
-    output line holds (this session may run Triton's interpreter, the compiles must not)."""
+    """Run a compile ``script`` (``python -c``, a part of ``spec`` as JSON in argv[1]) with the
+    interpreter off and ``src`` and ``tests`` importable, in one subprocess per CPU core, each
+    given a share of ``spec``'s entries; returns the JSON object the last output line of each
+    holds, merged: their ``"variants"`` dicts joined, other keys from the first (this session
+    may run Triton's interpreter, the compiles must not)."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, TRITON_INTERPRET="0")
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(here), "src"), here,
                                          env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", script, json.dumps(spec)], capture_output=True, text=True,
-                          env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    chunks = _round_robin(list(spec.items()), _workers(len(spec))) or [[]]
+    texts = _run_side_by_side([script], [([json.dumps(dict(chunk))], None) for chunk in chunks], env)
+    merged: dict = {}
+    for text in texts:
+        part = json.loads(text.strip().splitlines()[-1])
+        variants = part.pop("variants", {})
+        for key, value in part.items():
+            merged.setdefault(key, value)
+        merged.setdefault("variants", {}).update(variants)
+    return merged
