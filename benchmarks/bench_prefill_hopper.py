@@ -84,6 +84,17 @@ def _record(rec, **row):
 
 
 def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
+    """:func:`_all_hopper_configs`, each config once (its first label: a variant equal to the
+    route's config is not timed twice)."""
+    seen, out = set(), []
+    for label, config in _all_hopper_configs(kv_dtype, d, pv):
+        if config not in seen:
+            seen.add(config)
+            out.append((label, config))
+    return out
+
+
+def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     """(label, config) of the Hopper kernel to time per route: the synchronous default; for
     8-bit PV the pipelined config too, and block_m 64 (one warpgroup per program: two
     programs per SM run unsynchronised, where 128 rows share one CTA barrier per KV tile)
@@ -92,9 +103,9 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     if kv_dtype == "bf16":  # the warp-specialized kernel only: the 8-bit routes' BF16 counterpart
         ws = hop.warp_specialized_config(kv_dtype, d)
         # the rescale rules: the warpgroup-wide lazy test, and per row or every tile (whichever
-        # the route's config does not take); three consumer warpgroups
+        # the route's config does not take); two and three consumer warpgroups
         return [("hopper-ws", ws), ("hopper-ws-lazy", replace(ws, lazy_rescale=True)), _other_rescale(ws),
-                *_three_consumers(kv_dtype, d, pv)]
+                ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d)), *_three_consumers(kv_dtype, d, pv)]
     sync = hop.default_config(kv_dtype, d, pv)
     out = [("hopper", sync)]
     pipe = hop.pipelined_config(kv_dtype, d) if pv != "bf16" else None
@@ -104,7 +115,8 @@ def hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         out.append(("hopper-m64", replace(sync, block_m=64)))
     if pv == "bf16":  # 16-bit PV: the loader converts V to fp16
         ws = hop.warp_specialized_config(kv_dtype, d, pv)
-        out.append(("hopper-ws", ws))
+        # the route's config; the two-consumer config with QK after PV where the route's differs
+        out += [("hopper-ws", ws), ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d, pv))]
         # the loader's copies in flight past the tile it converts (convert_lag; None: 1) and
         # the ring depth; the rescale rules (a warpgroup-wide lazy test per tile; per row with
         # each thread's multiplies behind a branch, or every tile)

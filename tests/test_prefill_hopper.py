@@ -66,8 +66,8 @@ VARIANTS = [
     pytest.param("fp8", "bf16", 64, 64, 8, {"warp_specialized": True, "stages": 3, "block_n": 64, "dv": 64,
                                             "qk_ahead": False}, id="ws-fp8-pv16-d64-bs64-s3"),
     # a BF16 cache on the same kernel (bf16 Q, P and V)
-    pytest.param("bf16", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "qk_ahead": False},
-                 id="ws-bf16-d128"),
+    pytest.param("bf16", "bf16", 128, 16, 4, {"warp_specialized": True, "block_m": 128, "stages": 4,
+                                              "qk_ahead": False}, id="ws-bf16-d128"),
     pytest.param("bf16", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 4, "block_n": 32,
                                               "qk_ahead": False, "lazy_rescale": "rows"},
                  id="ws-bf16-d256-n32-lazy-rows"),
@@ -85,6 +85,15 @@ VARIANTS = [
     pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "block_m": 192, "stages": 4, "block_n": 32,
                                               "dv": 128, "qk_ahead": False, "lazy_rescale": "rows"},
                  id="ws-int8-pv16-d128-m192-n32-lazy-rows"),
+    # the routes SCHEDULE_ROUTES sets: three consumers for a BF16 cache at D128; at D64 with
+    # the next QK across the softmax; the 8-bit caches' 16-bit PV at D128 with QK ahead
+    pytest.param("bf16", "bf16", 128, 16, 4, {"warp_specialized": True, "block_m": 192, "stages": 4,
+                                              "qk_ahead": False}, id="ws-bf16-d128-m192"),
+    pytest.param("fp8", "bf16", 64, 16, 4, {"warp_specialized": True, "block_m": 192, "stages": 4, "block_n": 64,
+                                            "dv": 64, "qk_ahead": True}, id="ws-fp8-pv16-d64-m192-qk-ahead"),
+    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
+                                              "qk_ahead": True, "lazy_rescale": "rows"},
+                 id="ws-int8-pv16-d128-qk-ahead-lazy-rows"),
 ]
 #: PTX type suffix of the QK and PV warpgroup MMAs, and the SASS class each must show.
 PTX_TYPES = {"int8": "s32.s8.s8", "fp8": "f32.e4m3.e4m3", "bf16": "f32.f16.f16"}
@@ -112,7 +121,9 @@ SPILL_BUDGET = {"int8-pv8-d256": 16,
                 # 16-bit PV of 8-bit caches at head_dim 256, 64-key tiles (Triton 3.6: 20 int8
                 # rescaling every tile; 12 int8 and 12 fp8 with the per-row lazy rescale)
                 "ws-int8-pv16-d256-n64-s3": 24, "ws-int8-pv16-d256-n64-s3-lazy-rows": 16,
-                "ws-fp8-pv16-d256-n64-s3-lazy-rows": 16}
+                "ws-fp8-pv16-d256-n64-s3-lazy-rows": 16,
+                # three consumers at 152 registers: a BF16 cache at D128 (Triton 3.6: 4)
+                "ws-bf16-d128-m192": 8}
 #: Triton 3.8 (the default CUDA torch 2.14 wheel's) spills more at head_dim 256: measured 41
 #: (int8 PV) and 48 (fp16 PV of an fp8 cache) local-memory instructions.
 SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
@@ -121,17 +132,21 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   "ws-int8-pv16-d256-n64-s3": 48, "ws-fp8-pv16-d256-n64-s3-lazy-rows": 40,
                                   "ws-int8-pv16-d128": 8,
                                   "ws-int8-pv16-d256-n64-s3-lazy-rows": 56,
-                                  "ws-fp8-pv16-d64-bs64-s3": 48, "ws-bf16-d256-n32-lazy": 24},
+                                  "ws-fp8-pv16-d64-bs64-s3": 48, "ws-bf16-d256-n32-lazy": 24,
+                                  # three consumers: 9 (BF16 cache, D128), 2 (fp8, D64, QK ahead)
+                                  "ws-bf16-d128-m192": 16, "ws-fp8-pv16-d64-m192-qk-ahead": 8},
                           # the warp-specialized kernel with Triton 3.9: 65, 282, 0, 32, 26; 16-bit PV of
                           # 8-bit caches: 94 / 106 / 86 (int8 / int8 lazy per row / fp8 lazy per row at
-                          # D256), 0, 30 (fp8: the loader's masked branch); three consumers at D128: 2
+                          # D256), 0, 30 (fp8: the loader's masked branch); three consumers: 2 (int8 16-bit
+                          # PV, D128), 38 (BF16 cache, D128), 45 (fp8 16-bit PV, D64, QK ahead)
                           "3.9": {"ws-fp8-pv8-d128-s4": 80, "ws-fp8-pv8-d256-n64-s4": 350,
                                   "ws-int8-pv8-d256-n32-dv32": 24, "ws-bf16-d128": 40,
                                   "ws-bf16-d256-n32-lazy-rows": 48,
                                   "ws-int8-pv16-d256-n64-s3": 112, "ws-fp8-pv16-d256-n64-s3-lazy-rows": 104,
                                   "ws-int8-pv16-d256-n64-s3-lazy-rows": 120,
                                   "ws-int8-pv16-d128": 24, "ws-fp8-pv16-d64-bs64-s3": 48,
-                                  "ws-bf16-d256-n32-lazy": 48, "ws-int8-pv16-d128-m192-n32-lazy-rows": 8}}
+                                  "ws-bf16-d256-n32-lazy": 48, "ws-int8-pv16-d128-m192-n32-lazy-rows": 8,
+                                  "ws-bf16-d128-m192": 48, "ws-fp8-pv16-d64-m192-qk-ahead": 56}}
 
 #: Instructions allowed in the int8 16-bit-PV loader's tile loop (sm_90): a fixed part per
 #: tile (waits, barriers, block ids) and a part per V value each loader thread converts
@@ -373,7 +388,7 @@ def test_three_consumer_config_only_where_it_fits(kv, pv, d):
     if d > 128 or pv != "bf16":
         assert cfg is None
         return
-    ws = hop.warp_specialized_config(kv, d, pv)
+    ws = hop.two_consumer_config(kv, d, pv)
     want_n = 32 if kv != "bf16" and d == 128 else ws.block_n
     assert cfg == replace(ws, block_m=192, block_n=want_n)
     checked = hop._check_config(cfg, _C(), 4, pv)
@@ -383,6 +398,25 @@ def test_three_consumer_config_only_where_it_fits(kv, pv, d):
     # 3 x 128 threads x 152 + 128 x 40 leaves the default partition's consumer 168 of 16 x 32 x 128
     assert 16 * 32 * 128 - 2 * 128 * 152 - 128 * 40 == 128 * 168
     assert hop.launch_options(hop._check_config(ws, _C(), 4, pv)) == dict(num_warps=4, maxnreg=168)
+
+
+@pytest.mark.parametrize("kv,pv", [pytest.param("int8", "bf16", id="int8-pv16"),
+                                   pytest.param("fp8", "bf16", id="fp8-pv16"),
+                                   pytest.param("bf16", "bf16", id="bf16-cache"),
+                                   pytest.param("int8", "int8", id="int8-pv8"),
+                                   pytest.param("fp8", "fp8", id="fp8-pv8")])
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+def test_route_schedule_follows_schedule_routes(kv, pv, d):
+    """warp_specialized_config is the two-consumer config with QK after PV, except where
+    SCHEDULE_ROUTES names three consumers and / or the next QK ahead (16-bit P only)."""
+    consumers, qk_ahead = hop.SCHEDULE_ROUTES.get((kv, pv, d), (2, False))
+    base = hop.three_consumer_config(kv, d, pv) if consumers == 3 else hop.two_consumer_config(kv, d, pv)
+    got = hop.warp_specialized_config(kv, d, pv)
+    assert got == replace(base, qk_ahead=qk_ahead)
+    assert got.block_m == 64 * consumers, got
+    if pv != "bf16":  # 8-bit P keeps two consumers and QK after PV
+        assert (consumers, qk_ahead) == (2, False) and got == hop.two_consumer_config(kv, d, pv)
+    assert all(p == "bf16" and dim <= 128 for _, p, dim in hop.SCHEDULE_ROUTES)
 
 
 @pytest.mark.parametrize("config", [pytest.param(hop.HopperPrefillConfig(dv=128), id="synchronous"),

@@ -81,6 +81,24 @@ AUTO_ROUTES = {("fp8", "fp8", 64): "ws", ("fp8", "fp8", 128): "ws", ("fp8", "fp8
 LAZY_ROWS_ROUTES = frozenset({(kv, "bf16", d) for kv in ("int8", "fp8") for d in (128, 256)}
                              | {("bf16", "bf16", 256)})
 
+#: The 16-bit-P routes (kv_dtype, pv_mode, head_dim) whose warp-specialized config is not the
+#: two-consumer one with QK after PV: (consumer warpgroups, next tile's QK in flight across the
+#: softmax). Chunk 4096 over prefix 28672 / 8192 / 0, CUDA-graph replay on an H100, two runs
+#: against the two-consumer config in the same run: at D64 (16q/4kv) three consumers with QK
+#: ahead, int8 1.06x / 1.06x / 0.95x, fp8 1.08-1.09x / 1.07x / 0.95x, a BF16 cache 1.13x /
+#: 1.14x / 1.01-1.02x (the first chunk of a prompt pays ~7 us, long contexts gain 40-190 us);
+#: at D128 (32q/8kv) the 8-bit caches' QK ahead, int8 1.02x / 1.02x / 1.00x, fp8 1.01-1.02x /
+#: 1.01x / 1.00x (three consumers 0.88-0.93x there: 32-key tiles), a BF16 cache's three
+#: consumers 1.05-1.06x / 1.05x / 1.00x (with QK ahead 0.70-0.73x).
+SCHEDULE_ROUTES = {("int8", "bf16", 64): (3, True), ("fp8", "bf16", 64): (3, True), ("bf16", "bf16", 64): (3, True),
+                   ("int8", "bf16", 128): (2, True), ("fp8", "bf16", 128): (2, True),
+                   ("bf16", "bf16", 128): (3, False)}
+
+
+def _route_key(kv_dtype: str, head_dim: int, pv_mode: str | None) -> tuple:
+    """(kv_dtype, pv_mode, head_dim) as the route tables spell it (a BF16 cache's PV: "bf16")."""
+    return kv_dtype, "bf16" if kv_dtype == "bf16" else pv_mode, head_dim
+
 
 @dataclass(frozen=True)
 class HopperPrefillConfig:
@@ -147,12 +165,22 @@ def pipelined_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None
 
 
 def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = None) -> HopperPrefillConfig:
-    """The warp-specialized config of a route (``pv_mode`` None: PV in the cache's
+    """The warp-specialized config a route launches (``pv_mode`` None: PV in the cache's
     precision; "bf16" with an 8-bit cache: its default 16-bit PV, fp16 V converted by the
-    loader). Each consumer warpgroup holds 232 registers (two of them and the loader share
-    one SM's register file) and runs its tile in order -- QK, softmax, PV -- with nothing in
-    flight across the softmax: the two warpgroups overlap each other's MMAs. Measured on the
-    H200 (notes/prefill_hopper.md) against the next tile's QK in flight (``qk_ahead=True``):
+    loader): :func:`two_consumer_config`, or where :data:`SCHEDULE_ROUTES` says so three
+    consumer warpgroups (:func:`three_consumer_config`) and / or the next tile's QK in flight
+    across the softmax."""
+    consumers, qk_ahead = SCHEDULE_ROUTES.get(_route_key(kv_dtype, head_dim, pv_mode), (2, False))
+    config = (three_consumer_config if consumers == 3 else two_consumer_config)(kv_dtype, head_dim, pv_mode)
+    return replace(config, qk_ahead=qk_ahead)
+
+
+def two_consumer_config(kv_dtype: str, head_dim: int, pv_mode: str | None = None) -> HopperPrefillConfig:
+    """The warp-specialized config with two consumer warpgroups (block_m 128). Each consumer
+    warpgroup holds 232 registers (two of them and the loader share one SM's register file)
+    and runs its tile in order -- QK, softmax, PV -- with nothing in flight across the
+    softmax: the two warpgroups overlap each other's MMAs. Measured on the H200
+    (notes/prefill_hopper.md) against the next tile's QK in flight (``qk_ahead=True``):
     1.02-1.22x faster in all eight cases, since that schedule needs a second score tile's
     registers (spills at head_dim 256, ptxas serialised MMAs where it ran short). PV in flight
     across the next softmax (``pipeline=True``) faulted on the H200 in single-tile fp8
@@ -166,7 +194,7 @@ def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = 
     H100, chunk 4096 at prefix 0 and 28672; ptxas keeps its MMA chains pipelined).
     16-bit P rescales lazily per row (``lazy_rescale="rows"``) where that was measured faster
     (:data:`LAZY_ROWS_ROUTES`)."""
-    lazy = "rows" if (kv_dtype, "bf16" if kv_dtype == "bf16" else pv_mode, head_dim) in LAZY_ROWS_ROUTES else False
+    lazy = "rows" if _route_key(kv_dtype, head_dim, pv_mode) in LAZY_ROWS_ROUTES else False
     if pv_mode == "bf16" and kv_dtype != "bf16" and head_dim > 128:
         return HopperPrefillConfig(block_n=64, dv=head_dim, stages=3, warp_specialized=True, qk_ahead=False,
                                    lazy_rescale=lazy)
@@ -191,11 +219,11 @@ def three_consumer_config(kv_dtype: str, head_dim: int, pv_mode: str | None = No
     registers), or None where it does not fit: head_dim 256 (the 128-register accumulator) and
     8-bit PV (the sm_90 build spills ~620 local-memory instructions at head_dim 128). An 8-bit
     cache's 16-bit PV at head_dim 128 takes 32-key tiles (120-168 with 64-key tiles, none with
-    32, whose doubled rescales the per-row lazy rule skips). Offered by no route until
-    measured."""
+    32, whose doubled rescales the per-row lazy rule skips). QK after PV, as
+    :func:`two_consumer_config`; the routes that take it: :data:`SCHEDULE_ROUTES`."""
     if head_dim > 128 or not (pv_mode == "bf16" or kv_dtype == "bf16"):
         return None
-    ws = warp_specialized_config(kv_dtype, head_dim, pv_mode)
+    ws = two_consumer_config(kv_dtype, head_dim, pv_mode)
     return replace(ws, block_m=192, block_n=32 if kv_dtype != "bf16" and head_dim == 128 else ws.block_n)
 
 
