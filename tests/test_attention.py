@@ -7,6 +7,7 @@ import torch
 from _ids import cases
 from int8attn import PagedKVCache, _checks, reference, testing
 from int8attn.ops import attention as attention_mod
+from int8attn.ops import decode as decode_mod
 from int8attn.ops import producer as producer_mod
 from int8attn.ops.attention import AttentionPlan, attention, plan_attention
 from int8attn.ops.decode import MAX_DECODE_QUERY_LEN, decode_attention
@@ -89,6 +90,30 @@ def test_plan_run_equals_no_plan(device):
     out = attention(*args_of(b), out=poisoned(b))
     assert torch.equal(out, out_plan)
     assert bool(torch.isfinite(out_plan.float()).all())
+
+
+@cases("q_lens,want_tokens", [([1] * 6 + [40], 1), ([1, 3, 1, 1, 2, 1, 40], 3), ([1] * 6, None)])
+def test_mixed_plan_sizes_its_decode_rows_by_the_decode_queries(q_lens, want_tokens, device):
+    """A mixed batch's plan sizes the decode launch by its longest decode query (read with
+    the lengths), not by the mean query length a prefill chunk inflates; a pure decode batch
+    keeps the mean. The result equals the reference and, per decode sequence, the sequence
+    attended alone."""
+    seq_lens = [q + 30 for q in q_lens]
+    b = mixed(seq_lens=seq_lens, q_lens=q_lens, seed=5, device=device, hq=12, hkv=2)
+    plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, b.query.shape[1])
+    shape, table = tuple(b.query.shape), tuple(b.block_table.shape)
+    assert plan.decode_plan == decode_mod.plan_decode(shape, b.cache, table, max_query_len=want_tokens)
+    if want_tokens is not None:  # against the mean's plan: fewer rows, fewer programs re-reading a KV head
+        by_mean = decode_mod.plan_decode(shape, b.cache, table)
+        assert plan.decode_plan.tokens_per_pass == want_tokens < by_mean.tokens_per_pass
+        assert plan.decode_plan.head_split < by_mean.head_split
+    out = plan.run(*args_of(b), out=poisoned(b))
+    testing.assert_close_verbose(out, reference.attention_reference(*args_of(b)), rel_l2=TOL["int8"])
+    qsl = b.query_start_loc.tolist()
+    for s, q_len in enumerate(q_lens[:2]):
+        one = attention(b.query[qsl[s]:qsl[s + 1]], b.cache, b.block_table[s:s + 1], b.seq_lens[s:s + 1],
+                        torch.tensor([0, q_len], dtype=torch.int32, device=device))
+        testing.assert_close_verbose(out[qsl[s]:qsl[s + 1]], one, rel_l2=2e-3, name=f"decode sequence {s}")
 
 
 def test_plan_prefill_quantizes_the_query_into_its_own_buffers(device):
@@ -512,7 +537,11 @@ def test_head_dims_that_are_not_powers_of_two(device, monkeypatch, kv, d):
     ref = reference.attention_reference(*args_of(b))
     testing.assert_close_verbose(out, ref, rel_l2=TOL[kv], name=f"{kv} D{d}")
     plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 6)
-    assert torch.equal(attention(*args_of(b), out=poisoned(b), plan=plan), out)
+    planned = attention(*args_of(b), out=poisoned(b), plan=plan)
+    # the plan sizes its decode launch by the longest decode query it read (3 tokens), the
+    # unplanned call by the mean query length (8): prefill rows equal bit for bit, decode rows close
+    assert torch.equal(planned[4:], out[4:])
+    testing.assert_close_verbose(planned[:4], out[:4], rel_l2=2e-3, name=f"{kv} D{d} decode rows")
 
 
 @pytest.mark.parametrize("d", [pytest.param(72, id="D72"), pytest.param(272, id="D272")])

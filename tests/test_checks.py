@@ -131,10 +131,10 @@ def test_value_read_reports_the_batch_facts(device):
     args = attention_args(device, q_lens=(1, 9, 0), seq_lens=(5, 30, 16))
     facts = _checks.check_attention_values(None, args["cache"], args["block_table"], args["seq_lens"],
                                            args["query_start_loc"], decode_limit=8)
-    assert facts == (10, 9, True, True)
+    assert facts == (10, 9, True, True, 1)
     args = attention_args(device, q_lens=(2, 8, 0))
     assert _checks.check_attention_values(10, args["cache"], args["block_table"], args["seq_lens"],
-                                          args["query_start_loc"], decode_limit=8) == (10, 8, True, False)
+                                          args["query_start_loc"], decode_limit=8) == (10, 8, True, False, 8)
     assert _checks.check_attention_values(10, args["cache"], args["block_table"], args["seq_lens"],
                                           args["query_start_loc"]) is None
     with pytest.raises(ValueError, match="end at num_tokens=11"):
@@ -145,7 +145,7 @@ def test_value_read_reports_the_batch_facts(device):
                  seq_lens=torch.zeros(3, dtype=torch.int32, device=device),
                  query_start_loc=torch.zeros(4, dtype=torch.int32, device=device))
     assert _checks.check_attention_values(0, empty["cache"], empty["block_table"], empty["seq_lens"],
-                                          empty["query_start_loc"], decode_limit=8) == (0, 0, False, False)
+                                          empty["query_start_loc"], decode_limit=8) == (0, 0, False, False, 0)
     with pytest.raises(ValueError, match="capacity"):
         _checks.check_attention_values(0, empty["cache"], empty["block_table"], empty["seq_lens"] + 1,
                                        empty["query_start_loc"])

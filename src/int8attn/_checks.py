@@ -368,8 +368,9 @@ def check_attention_values(num_tokens, cache, block_table, seq_lens, query_start
 
     ``num_tokens`` None skips the check that ``query_start_loc`` ends at it. With
     ``decode_limit`` the same sync also returns what a planner needs:
-    ``(num_tokens, max_query_len, has_decode, has_prefill)`` where a decode sequence has
-    ``1 <= q_len <= decode_limit`` and a prefill sequence more; else returns None.
+    ``(num_tokens, max_query_len, has_decode, has_prefill, max_decode_query_len)`` where a
+    decode sequence has ``1 <= q_len <= decode_limit`` and a prefill sequence more (the last:
+    the longest decode query, 0 without one); else returns None.
     Needs ``num_seqs >= 1``.
     """
     bs = cache.block_size
@@ -387,7 +388,8 @@ def check_attention_values(num_tokens, cache, block_table, seq_lens, query_start
         parts.append(torch.stack(torch.aminmax(torch.where(read, block_table, 0))).long())
     if decode_limit is not None:
         shortest_nonempty = torch.where(q_lens >= 1, q_lens, decode_limit + 1).amin()
-        parts.append(torch.stack([q_lens.amax(), shortest_nonempty]))
+        longest_decode = torch.where(q_lens <= decode_limit, q_lens, 0).amax()
+        parts.append(torch.stack([q_lens.amax(), shortest_nonempty, longest_decode]))
     got = torch.cat(parts).tolist()  # the one sync
     first, last, q_room, len_room, cap_room = got[:5]
     ids_min, ids_max = got[5:7] if max_blocks else (0, 0)
@@ -418,8 +420,8 @@ def check_attention_values(num_tokens, cache, block_table, seq_lens, query_start
         )
     if decode_limit is None:
         return None
-    longest, shortest_nonempty = got[-2:]
-    return last, longest, shortest_nonempty <= decode_limit, longest > decode_limit
+    longest, shortest_nonempty, longest_decode = got[-3:]
+    return last, longest, shortest_nonempty <= decode_limit, longest > decode_limit, longest_decode
 
 
 # --------------------------------------------------------------------------- writes

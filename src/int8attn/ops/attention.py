@@ -232,7 +232,7 @@ class AttentionPlan:
             if self.num_seqs > 0 and _checks.value_checks_enabled(cache.device):
                 facts = _checks.check_attention_values(self.num_tokens, cache, block_table, seq_lens,
                                                        query_start_loc, decode_limit=MAX_DECODE_QUERY_LEN)
-                self._check_facts(*facts[1:])
+                self._check_facts(*facts[1:4])
             self._metadata = (block_table, seq_lens, query_start_loc)
             self._launch_by_layout.clear()  # the block table's stride is part of every launch
         scale_strides = self._admit_cache(cache)[2]
@@ -334,7 +334,10 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     ``max_query_len``, ``has_decode``, ``has_prefill``), or checks the given ones against
     the lengths. With value checks off (``INT8ATTN_CHECK_VALUES=0``, or while a CUDA graph
     is being captured) and all four facts given, nothing is read: a plan for bounds the
-    caller knows. Runs with these metadata tensors do not check their values again.
+    caller knows. Runs with these metadata tensors do not check their values again. The
+    decode launch of a mixed batch is sized by its longest decode query where the lengths
+    were read (else by the mean query length, which the prefill tokens inflate: tiles for up
+    to ``MAX_DECODE_QUERY_LEN`` tokens per decode sequence).
     ``prefill_kernel`` ("auto" | "hopper" | "portable", None: ``INT8ATTN_PREFILL_KERNEL``)
     picks the prefill kernel once, for every run (see :mod:`int8attn.ops.prefill_hopper`);
     ``decode_kernel`` (the same names, None: ``INT8ATTN_DECODE_KERNEL``) the decode kernel
@@ -393,8 +396,13 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     decode_kernel_name = "portable"
     if has_decode:
         _decode.check_num_seqs(num_seqs)
+        # a mixed batch's decode rows per program follow its longest decode query where the
+        # lengths were read (else the mean query length, which a prefill chunk inflates to
+        # MAX_DECODE_QUERY_LEN tokens: 8-token tiles and GQA groups split over programs that
+        # each re-read the K/V, for what are mostly one-token decode steps)
+        decode_query_len = seen[4] if seen is not None and has_prefill else None
         decode_plan = _decode.plan_decode(query_shape, cache, tuple(block_table.shape), pv_mode=pv_mode,
-                                          num_splits=num_splits)
+                                          num_splits=num_splits, max_query_len=decode_query_len)
         # the Hopper decode serves pure decode batches: in a mixed batch the longest decode
         # query is not known on the host (max_query_len is a prefill's), and its q1 rows run
         # faster on the portable kernel
@@ -442,15 +450,16 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
 
 
 def _read_facts(query_start_loc, num_seqs: int) -> tuple:
-    """(num_tokens, max_query_len, has_decode, has_prefill) from query_start_loc alone (one
-    sync; used when value checks are off but the caller left facts to the plan)."""
+    """(num_tokens, max_query_len, has_decode, has_prefill, max_decode_query_len) from
+    query_start_loc alone (one sync; used when value checks are off but the caller left
+    facts to the plan)."""
     qsl = query_start_loc.to("cpu", torch.int64)
     q_lens = qsl[1:] - qsl[:-1]
     if num_seqs and (int(qsl[0]) != 0 or bool((q_lens < 0).any())):
         raise ValueError("query_start_loc must start at 0 and be non-decreasing")
-    return (int(qsl[-1]), int(q_lens.max()) if num_seqs else 0,
-            bool(((q_lens >= 1) & (q_lens <= MAX_DECODE_QUERY_LEN)).any()),
-            bool((q_lens > MAX_DECODE_QUERY_LEN).any()))
+    decode = (q_lens >= 1) & (q_lens <= MAX_DECODE_QUERY_LEN)
+    return (int(qsl[-1]), int(q_lens.max()) if num_seqs else 0, bool(decode.any()),
+            bool((q_lens > MAX_DECODE_QUERY_LEN).any()), int(q_lens[decode].max()) if bool(decode.any()) else 0)
 
 
 def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scale=None, out=None, *,
