@@ -140,7 +140,8 @@ def cfg_label(c) -> str:
     c = c if isinstance(c, dec.DecodeConfig) else dec.DecodeConfig(*c)
     return (f"{c.block_n}/{c.num_warps}/{c.num_stages}" + (f"/m{c.min_block_m}" if c.min_block_m != 16 else "")
             + ("/swap" if c.swap_ab else "") + (f"/r{c.maxnreg}" if c.maxnreg else "")
-            + ({True: "/fused", "last": "/fused", "barrier": "/barrier"}.get(c.fused_merge, "")))
+            + ({True: "/fused", "last": "/fused", "barrier": "/barrier"}.get(c.fused_merge, ""))
+            + ("/pdl" if c.pdl else ""))
 # head_dim 128, 16 rows (32q/8kv): int8 128/4/4 is 22 warp-instructions per key, 198 regs;
 # int8 128/4/5 swapped 29, 233 regs (row-major 128/4/5: 23, 223 regs);
 # fp8 swapped 64/4/6 39 per key, 193 regs; 128/4/5 27, 255 regs (128/4/4 keeps one tile: unpipelined)
@@ -248,16 +249,17 @@ class Decode:
 def _variant_key(kv, pv, shape, plan):
     c = plan.config
     return (kv, pv, shape["hq"], shape["hkv"], shape["d"], shape["page"], plan.tokens_per_pass, plan.block_m,
-            c.block_n, c.num_warps, c.num_stages, c.min_block_m, c.swap_ab, c.maxnreg, c.fused_merge, plan.head_split)
+            c.block_n, c.num_warps, c.num_stages, c.min_block_m, c.swap_ab, c.maxnreg, c.fused_merge, plan.head_split,
+            c.pdl)
 
 
 def _compile_worker(key):
     """Run one variant once on toy inputs with the same specialization (worker process)."""
-    kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm, swap, maxnreg, fused, hsplit = key
+    kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm, swap, maxnreg, fused, hsplit, pdl = key
     shape = dict(hq=hq, hkv=hkv, d=d, page=page)
     bs, ctx = 2, 4 * max(block_n, page)
     cache = make_cache(kv, bs * ctx // page, shape)
-    cfg = dec.DecodeConfig(block_n, warps, stages, min_bm, swap, maxnreg, fused)
+    cfg = dec.DecodeConfig(block_n, warps, stages, min_bm, swap, maxnreg, fused, pdl)
     plan = dec.DecodePlan(num_splits=2, tokens_per_pass=tpp, block_m=block_m, config=cfg, pv_mode=pv, head_split=hsplit)
     q = torch.randn(bs * tpp, hq, d, device=DEV).to(torch.bfloat16)
     bt = torch.arange(bs * ctx // page, dtype=torch.int32, device=DEV).view(bs, -1)
@@ -290,7 +292,8 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
                num_splits=p.num_splits, block_m=p.block_m, tokens_per_pass=p.tokens_per_pass,
                block_n=p.config.block_n, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
                min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, maxnreg=p.config.maxnreg,
-               fused_merge=p.config.fused_merge, merge=p.merge, head_split=p.head_split, bytes=nbytes,
+               fused_merge=p.config.fused_merge, merge=p.merge, head_split=p.head_split, pdl=p.config.pdl,
+               bytes=nbytes,
                quantize_in_call=quantize_in_call,
                config_source="tuned" if cfg is not None and cfg == r.best.get(kv) else (
                    "default" if cfg is None else "explicit"), **res)
@@ -568,7 +571,8 @@ def _plain_launch():
 def fused_merge(r: Run) -> None:
     """One launch (the split programs merge their own partials: the last to finish, or
     all of them after a barrier) against split + merge kernels, same config, graph and
-    eager, at the grid points; then the barrier merge over small batches (graph)."""
+    eager, at the grid points -- the two kernels also with the merge as the split kernel's
+    programmatic dependent launch ("pdl"); then the barrier merge over small batches (graph)."""
     for bs in BATCHES:
         for ctx in CONTEXTS if not QUICK else (L8K, CONTEXTS[-1]):
             for kv in ("int8", "fp8", "bf16"):
@@ -576,6 +580,9 @@ def fused_merge(r: Run) -> None:
                     return
                 base = dec.plan_decode((bs, 24, 256), r.caches[kv], (bs, ctx // 16)).config
                 time_path(r, "fused", f"{kv} two-launch", kv, None, _fused(base, False), HEADLINE, bs, ctx)
+                # the merge kernel as the split kernel's programmatic dependent launch
+                pdl = dataclasses.replace(_fused(base, False), pdl=True)
+                time_path(r, "fused", f"{kv} two-launch pdl", kv, None, pdl, HEADLINE, bs, ctx)
                 time_path(r, "fused", f"{kv} auto", kv, None, _fused(base, None), HEADLINE, bs, ctx)
                 time_path(r, "fused", f"{kv} fused", kv, None, _fused(base), HEADLINE, bs, ctx)
                 time_path(r, "fused", f"{kv} barrier", kv, None, _fused(base, "barrier"), HEADLINE, bs, ctx)
@@ -590,6 +597,8 @@ def fused_merge(r: Run) -> None:
             base = dec.plan_decode((bs, 24, 256), r.caches["int8"], (bs, ctx // 16)).config
             time_path(r, "fused", "int8 two-launch", "int8", None, _fused(base, False), HEADLINE, bs, ctx,
                       graph_only=True)
+            pdl = dataclasses.replace(_fused(base, False), pdl=True)
+            time_path(r, "fused", "int8 two-launch pdl", "int8", None, pdl, HEADLINE, bs, ctx, graph_only=True)
             time_path(r, "fused", "int8 barrier", "int8", None, _fused(base, "barrier"), HEADLINE, bs, ctx,
                       graph_only=True)
     for q_len in MT_QLENS:

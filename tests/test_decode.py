@@ -1085,3 +1085,40 @@ def test_choose_head_split():
     for bad in (0, 4, 7, 2.0):
         with pytest.raises(ValueError, match="head_split"):
             plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), head_split=bad)
+
+
+@pytest.mark.parametrize("kv", ["int8", "bf16"])
+def test_programmatic_dependent_merge(device, monkeypatch, kv):
+    """``DecodeConfig(pdl=True)``: the merge kernel launched as the split kernel's
+    programmatic dependent (sm_90; the interpreter runs it as the plain merge) gives the
+    plain merge's result bit for bit, eagerly and replayed from a CUDA graph; on the GPU the
+    merge kernel is compiled for that launch; a non-bool value is refused at planning. Its
+    instructions: test_sm90_compile.test_programmatic_dependent_merge_compiles_for_sm90."""
+    import int8attn.ops.decode as dec
+
+    plain = DecodeConfig(block_n=32, num_warps=4, num_stages=3, fused_merge=False)
+    b = testing.make_paged_batch([300, 97, 1000], [1, 2, 1], num_q_heads=12, num_kv_heads=2, head_dim=64,
+                                 kv_dtype=kv, seed=61, device=device)
+    args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    monkeypatch.setattr(dec, "default_config", lambda *a, **k: plain)
+    want = decode_attention(*args, num_splits=7)
+    monkeypatch.setattr(dec, "default_config", lambda *a, **k: dataclasses.replace(plain, pdl=True))
+    launches.clear()
+    got = decode_attention(*args, out=testing.poisoned_like(b.query), num_splits=7)
+    assert torch.equal(got, want)
+    assert launches.last("_decode_split_kernel").facts["plan"].config.pdl
+    assert launches.last("_decode_merge_kernel") is not None
+    if device == "cuda":
+        compiled = launches.last("_decode_merge_kernel").compiled
+        assert getattr(compiled.metadata, "launch_pdl", None) is True
+        out = torch.empty_like(b.query)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            decode_attention(*args, out=out, num_splits=7)
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="pdl must be a bool"):
+        dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape),
+                        config=dataclasses.replace(plain, pdl=1))

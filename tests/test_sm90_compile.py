@@ -78,3 +78,52 @@ def test_safe_decode_compiles_for_sm90(kv_dtype, monkeypatch):
     results = compile_for_sm90(records)
     failed = [r for r in results if not r["ok"]]
     assert not failed, "\n".join(f"{r['name']}: {r['error']}" for r in failed)
+
+
+_PDL_FACTS = r"""
+import importlib, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+out = {"variants": {}}
+for key, rec in json.loads(sys.argv[1]).items():
+    fn = getattr(importlib.import_module(rec["module"]), rec["name"])
+    c = triton.compile(ASTSource(fn=fn, signature=rec["signature"], constexprs=rec["constexprs"]),
+                       target=GPUTarget("cuda", 90, 32), options=rec["options"])
+    ptx = c.asm["ptx"]
+    out["variants"][key] = {"wait": ptx.count("griddepcontrol.wait"),
+                            "trigger": ptx.count("griddepcontrol.launch_dependents"),
+                            "launch_pdl": bool(getattr(c.metadata, "launch_pdl", False))}
+print(json.dumps(out))
+"""
+
+
+def test_programmatic_dependent_merge_compiles_for_sm90():
+    """``DecodeConfig(pdl=True)`` (which the interpreter runs as the plain merge): the split
+    kernel with PDL_TRIGGER issues one griddepcontrol.launch_dependents, the merge kernel
+    with PDL one griddepcontrol.wait and is compiled for a programmatic dependent launch;
+    the default launches hold neither instruction."""
+    from _sm90 import run_compile_script
+    from int8attn.ops.decode import decode_attention
+
+    torch.manual_seed(0)
+    cache = int8attn.PagedKVCache(8, 16, 2, 64, kv_dtype="int8", device="cpu")
+    alloc = int8attn.BlockAllocator.for_cache(cache)
+    n = 70
+    int8attn.write_kv(cache, torch.randn(n, 2, 64, dtype=torch.bfloat16), torch.randn(n, 2, 64, dtype=torch.bfloat16),
+                      alloc.slot_mapping(0, n))
+    query = torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    with launched_kernels() as records:
+        decode_attention(query, cache, alloc.block_table([0]), alloc.seq_lens([0]),
+                         torch.tensor([0, 1], dtype=torch.int32), num_splits=2)
+    split = next(r for r in records if r["name"] == "_decode_split_kernel")
+    merge = next(r for r in records if r["name"] == "_decode_merge_kernel")
+    spec = {"split": split, "merge": merge,
+            "split-pdl": {**split, "constexprs": {**split["constexprs"], "PDL_TRIGGER": True}},
+            "merge-pdl": {**merge, "constexprs": {**merge["constexprs"], "PDL": True},
+                          "options": {**merge["options"], "launch_pdl": True}}}
+    facts = run_compile_script(_PDL_FACTS, spec)["variants"]
+    assert facts["split-pdl"] == {"wait": 0, "trigger": 1, "launch_pdl": False}, facts
+    assert facts["merge-pdl"] == {"wait": 1, "trigger": 0, "launch_pdl": True}, facts
+    for key in ("split", "merge"):
+        assert facts[key] == {"wait": 0, "trigger": 0, "launch_pdl": False}, facts

@@ -90,6 +90,7 @@ The merge kernel folds a sequence's split partials online, a chunk of splits per
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN, _raise_error
 from ._masks import _visible
@@ -188,8 +189,13 @@ def _decode_split_kernel(
     INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr = False, SAFE: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = 0, MERGE_GROUP: tl.constexpr = 8, MERGE_M: tl.constexpr = 16,
     MERGE_CHUNK: tl.constexpr = 1, HEAD_SPLIT: tl.constexpr = 1, MERGE_COLS: tl.constexpr = 16,
-    QUERY_IN: tl.constexpr = 0, WINDOW: tl.constexpr = 0,
+    QUERY_IN: tl.constexpr = 0, WINDOW: tl.constexpr = 0, PDL_TRIGGER: tl.constexpr = False,
 ):
+    if PDL_TRIGGER:
+        # the merge kernel (launched as this grid's programmatic dependent) may start once
+        # every program got here: its programs load their metadata while these run, then
+        # wait for this whole grid (griddepcontrol.wait) before reading a partial
+        gdc_launch_dependents()
     split = tl.program_id(0)
     # HEAD_SPLIT programs share a KV head, each with GROUP // HEAD_SPLIT of its query heads
     # (siblings read the same K/V tiles at about the same time: part of the second read
@@ -955,17 +961,24 @@ def _decode_merge_kernel(
     num_tokens, max_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MAX_QUERY_LEN: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr = 16, SAFE: tl.constexpr = False, WINDOW: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     """One program per (query head, sequence, BLOCK_D output columns): combine the split
     partials of each of the sequence's query tokens into ``out`` (log-sum-exp weights in
     base 2). Column blocks multiply the programs of a small batch (24 heads x 1 sequence
-    would leave most SMs idle while each program walks every split's partial row)."""
+    would leave most SMs idle while each program walks every split's partial row). ``PDL``:
+    launched as the split kernel's programmatic dependent, so it may run beside it."""
     head = tl.program_id(0)
     seq = tl.program_id(1)
     col0 = tl.program_id(2) * BLOCK_D
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)  # tested with q_len: one round trip (see the split kernel)
+    if PDL:
+        # The metadata is the caller's, not the split kernel's: loaded before the wait. Every
+        # program waits, also those that exit below, so this grid never completes before the
+        # split grid does (the stream's next kernel may read what the split kernel wrote).
+        gdc_wait()
     if SAFE:  # the split kernel's clamps (its partials of a bad sequence are NaN)
         q_start, q_len, seq_len, bad_q, bad_len = _untrusted_metadata(q_start, q_len, seq_len, num_tokens,
                                                                      max_blocks, PAGE, MAX_QUERY_LEN)

@@ -95,6 +95,13 @@ class DecodeConfig:
     #: slots; a grid that still does not fit takes "last". Under the interpreter, which runs
     #: programs one by one, "barrier" runs as "last" and None as the merge kernel.
     fused_merge: bool | str | None = None
+    #: The merge kernel as a programmatic dependent launch of the split kernel (sm_90+, not
+    #: under the interpreter): the split programs trigger it at their start, the merge
+    #: programs load their metadata while the split grid runs and wait for its completion
+    #: (griddepcontrol.wait) before reading a partial, so the second launch's latency
+    #: overlaps the first's tail. Applies where the merge kernel runs (eager "kernel" plans,
+    #: CUDA-graph captures of "auto" ones). An option until measured.
+    pdl: bool = False
 
 
 #: Bytes of one K+V tile the default configs aim at, and the shared memory they may
@@ -376,6 +383,10 @@ def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None
         raise ValueError(f"maxnreg must be None or an int in [32, 255], got {config.maxnreg!r}")
     if config.fused_merge not in FUSED_MERGES:
         raise ValueError(f"fused_merge must be one of {FUSED_MERGES}, got {config.fused_merge!r}")
+    if not isinstance(config.pdl, bool):
+        raise ValueError(f"pdl must be a bool, got {config.pdl!r}")
+    if config.pdl and cache.device.type == "cuda" and torch.cuda.get_device_capability(cache.device)[0] < 9:
+        raise ValueError("pdl (programmatic dependent launch) needs an sm_90 or newer GPU")
     elem = cache.elem_bytes
     slots = resident_slots(config, cache.device, head_dim, elem)
     programs = num_seqs * cache.num_kv_heads * head_split
@@ -686,6 +697,8 @@ class DecodeLaunch:
             fused_args = split_args(raw_q_strides, (0, 0), (self._q_codes, self._q_scales,
                                                             *self._q_codes.stride()[:2], *self._q_scales.stride()))
         safe = _checks.decode_clamps_enabled()
+        # the merge kernel as the split kernel's programmatic dependent (DecodeConfig.pdl)
+        pdl = plan.config.pdl and splits > 1 and not interpret
         group = num_q_heads // cache.num_kv_heads // hs
         base = dict(
             GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
@@ -708,6 +721,8 @@ class DecodeLaunch:
             if mode == "barrier":
                 # the barrier waits for every split: the driver must co-schedule the grid
                 constexprs["launch_cooperative_grid"] = True
+            elif mode == "kernel" and pdl:
+                constexprs["PDL_TRIGGER"] = True
             # launched through CachedLaunch: Triton binds the arguments on the first call only;
             # recorded in int8attn.launches: launches.last("_decode_split_kernel").facts
             if not fused:
@@ -739,7 +754,7 @@ class DecodeLaunch:
             self._merge_constexprs = dict(
                 HEAD_DIM=head_dim, BLOCK_N=block_n, MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN,
                 SPLIT_CHUNK=chunk, BLOCK_D=merge_cols, **({"PAGE": cache.block_size, "SAFE": True} if safe else {}),
-                **({"WINDOW": window} if window else {}),
+                **({"WINDOW": window} if window else {}), **({"PDL": True, "launch_pdl": True} if pdl else {}),
                 num_warps=max(1, min(4, chunk * merge_cols // 256)),
             )
             self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs,
