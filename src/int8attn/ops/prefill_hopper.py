@@ -181,8 +181,9 @@ def two_consumer_config(kv_dtype: str, head_dim: int, pv_mode: str | None = None
     and runs its tile in order -- QK, softmax, PV -- with nothing in flight across the
     softmax: the two warpgroups overlap each other's MMAs. Measured on the H200
     (notes/prefill_hopper.md) against the next tile's QK in flight (``qk_ahead=True``):
-    1.02-1.22x faster in all eight cases, since that schedule needs a second score tile's
-    registers (spills at head_dim 256, ptxas serialised MMAs where it ran short). PV in flight
+    1.02-1.22x faster in all eight cases of 8-bit P, since that schedule needs a second score
+    tile's registers (spills at head_dim 256, ptxas serialised MMAs where it ran short; 16-bit
+    P at head_dim <= 128 has them: :data:`SCHEDULE_ROUTES`). PV in flight
     across the next softmax (``pipeline=True``) faulted on the H200 in single-tile fp8
     programs. sm_90 AOT compile, Triton 3.6, local-memory instructions: 0 for int8 at 64 and
     128, 3 at 256 (PV in eight 32-column chunks beside the 128-register accumulator); fp8 10
