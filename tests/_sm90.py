@@ -108,12 +108,12 @@ def _workers(n_items: int) -> int:
     return max(1, min(n_items, os.cpu_count() or 1))
 
 
-def _run_side_by_side(script: list, payloads: list, env: dict) -> list:
-    """Run ``python -c`` + ``script`` once per payload (stdin or argv, see callers), all at once;
+def _run_side_by_side(script: str, payloads: list, env: dict) -> list:
+    """Run ``python -c script`` once per (argv, stdin) payload, all at once;
     returns their stdout texts in order, or raises with the first failure's stderr."""
     procs = []
     for argv, stdin in payloads:
-        proc = subprocess.Popen([sys.executable, "-c", *script, *argv], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-c", script, *argv], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         procs.append((proc, stdin))
     outs, failures = [], []
@@ -145,7 +145,7 @@ def compile_for_sm90(records: list) -> list:
     chunks = _round_robin(order, _workers(len(records)))
     payloads = [([], json.dumps([records[i] for i in chunk], default=lambda v: None)) for chunk in chunks]
     results = [None] * len(records)
-    for chunk, text in zip(chunks, _run_side_by_side([_COMPILE], payloads, env)):
+    for chunk, text in zip(chunks, _run_side_by_side(_COMPILE, payloads, env)):
         for i, result in zip(chunk, json.loads(text)):
             results[i] = result
     return results
@@ -184,7 +184,7 @@ def run_compile_script(script: str, spec: dict) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(here), "src"), here,
                                          env.get("PYTHONPATH", "")])
     chunks = _round_robin(list(spec.items()), _workers(len(spec))) or [[]]
-    texts = _run_side_by_side([script], [([json.dumps(dict(chunk))], None) for chunk in chunks], env)
+    texts = _run_side_by_side(script, [([json.dumps(dict(chunk))], None) for chunk in chunks], env)
     merged: dict = {}
     for text in texts:
         part = json.loads(text.strip().splitlines()[-1])

@@ -458,8 +458,9 @@ def _read_facts(query_start_loc, num_seqs: int) -> tuple:
     if num_seqs and (int(qsl[0]) != 0 or bool((q_lens < 0).any())):
         raise ValueError("query_start_loc must start at 0 and be non-decreasing")
     decode = (q_lens >= 1) & (q_lens <= MAX_DECODE_QUERY_LEN)
-    return (int(qsl[-1]), int(q_lens.max()) if num_seqs else 0, bool(decode.any()),
-            bool((q_lens > MAX_DECODE_QUERY_LEN).any()), int(q_lens[decode].max()) if bool(decode.any()) else 0)
+    has_decode = bool(decode.any())
+    return (int(qsl[-1]), int(q_lens.max()) if num_seqs else 0, has_decode,
+            bool((q_lens > MAX_DECODE_QUERY_LEN).any()), int(q_lens[decode].max()) if has_decode else 0)
 
 
 def attention(query, cache, block_table, seq_lens, query_start_loc, softmax_scale=None, out=None, *,
