@@ -337,6 +337,22 @@ def print_table(rows, key: str = "us") -> None:
             print("error:", {k: r.get(k) for k in ("shape", "prefix", "kv_dtype", "pv_mode", "kernel", "error")})
 
 
+def print_batch_table(rows) -> None:
+    """The batch rows (``bench_batches``): per-token cost and its ratio to the single chunk's
+    with the same shape, cache and PV choice (all from this run)."""
+    batch = [r for r in rows if "batch" in r and "us_per_token" in r]
+    if not batch:
+        return
+    single = {(r["shape"], r["kv_dtype"], r["pv_mode"]): r["us_per_token"] for r in batch if r["batch"] == "1x4096"}
+    print(f"{'shape':<14} {'kv':<5} {'pv':<8} {'batch':<11} {'kernel':<26} {'decode':<24} {'us':>9} "
+          f"{'us/token':>9} {'x 1x4096':>8}")
+    for r in batch:
+        base = single.get((r["shape"], r["kv_dtype"], r["pv_mode"]))
+        ratio = f"{r['us_per_token'] / base:8.2f}" if base else f"{'-':>8}"
+        print(f"{r['shape']:<14} {r['kv_dtype']:<5} {r['pv_mode']:<8} {r['batch']:<11} {r['kernel']:<26} "
+              f"{str(r.get('decode_kernel')):<24} {r['us']:9.1f} {r['us_per_token']:9.4f} {ratio}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="directory of prefill_hopper.jsonl (default benchmarks/results)")
@@ -374,6 +390,7 @@ def main():
         print_table(rec.rows)
         if any("graph_us" in r for r in rec.rows):
             print_table(rec.rows, "graph_us")
+        print_batch_table(rec.rows)
         print("rows ->", rec.save())
 
 
