@@ -25,6 +25,7 @@ and a mixed batch of 16 decode sequences beside one chunk.)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -255,6 +256,24 @@ def bench_bf16_peers(rec, shape, prefix):
         _record(rec, **base, kernel="fa4_bf16", error=repr(e)[:400])
 
 
+#: Mixed-batch overlap variants: (label) -> (side stream priority, prefill launched first)
+OVERLAP_VARIANTS = {"decode-first hi": (-1, False), "decode-first": (0, False), "prefill-first hi": (-1, True)}
+
+
+@contextlib.contextmanager
+def _overlap(variant):
+    """The attention module's overlap order and priority set to ``variant`` inside the block."""
+    from int8attn.ops import attention as A
+
+    saved = A.OVERLAP_PRIORITY, A.OVERLAP_PREFILL_FIRST
+    if variant is not None:
+        A.OVERLAP_PRIORITY, A.OVERLAP_PREFILL_FIRST = OVERLAP_VARIANTS[variant]
+    try:
+        yield
+    finally:
+        A.OVERLAP_PRIORITY, A.OVERLAP_PREFILL_FIRST = saved
+
+
 def bench_batches(rec, shape, kv_dtype):
     """Per-token cost of what "auto" runs (a plan: checked metadata, the query quantized in
     the call) for the single 4096-token chunk, a 4 x 4096 causal batch and a mixed batch
@@ -275,16 +294,23 @@ def bench_batches(rec, shape, kv_dtype):
                                      seed=11, device="cuda")
         args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
         ops = sum(unmasked_ops(hq, d, q, n - q) for n, q in zip(lens, qlens))
-        for pv in (None, DEFAULT_PV[kv_dtype], kv_dtype):
-            plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, hq, pv_mode=pv)
-            out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
-            plan.run(*args, out=out)
-            torch.cuda.synchronize()
-            us = bench.time_eager(lambda: plan.run(*args, out=out))
+        runs = [(pv, None) for pv in (None, DEFAULT_PV[kv_dtype], kv_dtype)]
+        if name == "16dec+4096":  # the decode launch beside the prefill launch, each order / priority
+            runs += [(None, variant) for variant in OVERLAP_VARIANTS]
+        for pv, variant in runs:
+            with _overlap(variant):
+                plan = int8attn.plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, hq, pv_mode=pv,
+                                               overlap=variant is not None)
+                out = testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device="cuda"))
+                plan.run(*args, out=out)
+                torch.cuda.synchronize()
+                us = bench.time_eager(lambda: plan.run(*args, out=out))
+                graph_us = bench.time_graph(lambda: plan.run(*args, out=out)) if GRAPH else None
             _record(rec, bench="prefill_hopper", shape=shape, kv_dtype=kv_dtype, pv_mode=pv or "default", batch=name,
                     kernel=f"plan:{plan.prefill_kernel}", decode_kernel=plan.decode_kernel if plan.has_decode else None,
-                    us=us, tokens=int(sum(qlens)),
+                    overlap=variant or "off", us=us, tokens=int(sum(qlens)),
                     us_per_token=us / sum(qlens), tops=ops / us * 1e-6,
+                    **({"graph_us": graph_us, "graph_us_per_token": graph_us / sum(qlens)} if graph_us else {}),
                     all_written=bool(torch.isfinite(out.float()).all()))
             del plan, out
         del b
@@ -344,13 +370,18 @@ def print_batch_table(rows) -> None:
     if not batch:
         return
     single = {(r["shape"], r["kv_dtype"], r["pv_mode"]): r["us_per_token"] for r in batch if r["batch"] == "1x4096"}
-    print(f"{'shape':<14} {'kv':<5} {'pv':<8} {'batch':<11} {'kernel':<26} {'decode':<24} {'us':>9} "
-          f"{'us/token':>9} {'x 1x4096':>8}")
+    gsingle = {(r["shape"], r["kv_dtype"], r["pv_mode"]): r["graph_us_per_token"] for r in batch
+               if r["batch"] == "1x4096" and "graph_us_per_token" in r}
+    print(f"{'shape':<14} {'kv':<5} {'pv':<8} {'batch':<11} {'overlap':<17} {'kernel':<14} {'decode':<9} {'us':>8} "
+          f"{'us/token':>9} {'x 1x4096':>8} {'graph us':>9} {'x 1x4096':>8}")
     for r in batch:
-        base = single.get((r["shape"], r["kv_dtype"], r["pv_mode"]))
-        ratio = f"{r['us_per_token'] / base:8.2f}" if base else f"{'-':>8}"
-        print(f"{r['shape']:<14} {r['kv_dtype']:<5} {r['pv_mode']:<8} {r['batch']:<11} {r['kernel']:<26} "
-              f"{str(r.get('decode_kernel')):<24} {r['us']:9.1f} {r['us_per_token']:9.4f} {ratio}")
+        key = (r["shape"], r["kv_dtype"], r["pv_mode"])
+        ratio = f"{r['us_per_token'] / single[key]:8.2f}" if key in single else f"{'-':>8}"
+        g = r.get("graph_us")
+        gratio = f"{r['graph_us_per_token'] / gsingle[key]:8.2f}" if g and key in gsingle else f"{'-':>8}"
+        print(f"{r['shape']:<14} {r['kv_dtype']:<5} {r['pv_mode']:<8} {r['batch']:<11} {r.get('overlap', 'off'):<17} "
+              f"{r['kernel']:<14} {str(r.get('decode_kernel')):<9} {r['us']:8.1f} {r['us_per_token']:9.4f} {ratio} "
+              f"{g if g is None else round(g, 1)!s:>9} {gratio}")
 
 
 def main():

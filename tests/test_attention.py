@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from _ids import cases
-from int8attn import PagedKVCache, _checks, reference, testing
+from int8attn import PagedKVCache, _checks, launches, reference, testing
 from int8attn.ops import attention as attention_mod
 from int8attn.ops import decode as decode_mod
 from int8attn.ops import producer as producer_mod
@@ -32,11 +32,12 @@ def poisoned(b):
     return testing.poisoned_like(torch.empty(b.query.shape, dtype=torch.bfloat16, device=b.query.device))
 
 
-#: Every Triton kernel an attention call can launch, by the module attribute it goes through.
-KERNELS = {"_decode_split_kernel": (attention_mod._decode, "decode"),
-           "_decode_merge_kernel": (attention_mod._decode, "decode"),
-           "_quantize_query_kernel": (producer_mod, "decode"),
-           "_prefill_kernel": (attention_mod._prefill, "prefill")}
+#: The portable Triton kernels an attention call can launch, by the module attribute it goes
+#: through (watched before their launch).
+KERNELS = {"_decode_split_kernel": attention_mod._decode,
+           "_decode_merge_kernel": attention_mod._decode,
+           "_quantize_query_kernel": producer_mod,
+           "_prefill_kernel": attention_mod._prefill}
 
 
 class _Watched:
@@ -53,15 +54,28 @@ class _Watched:
 
 
 def watch_launches(monkeypatch, forbid=False) -> list:
-    """Log (or forbid) every kernel launch; returns the log of kernel names."""
+    """Log (or forbid) every kernel launch; returns the log of kernel names. The portable
+    kernels are caught before they launch; every launch of any kernel (the Hopper ones on
+    sm_90 included) is caught by the launch record, right after it."""
     log = []
-    for name, (mod, _) in KERNELS.items():
+    for name, mod in KERNELS.items():
         monkeypatch.setattr(mod, name, _Watched(name, getattr(mod, name), log, forbid))
+    real_record = launches.record
+
+    def recorded(kernel, compiled, facts=None):
+        if forbid:
+            pytest.fail(f"{kernel} launched despite bad input")
+        log.append(kernel)
+        return real_record(kernel, compiled, facts)
+
+    monkeypatch.setattr(launches, "record", recorded)
     return log
 
 
 def routes(log) -> tuple:
-    return tuple(sorted({KERNELS[name][1] for name in log}))
+    """The attention launches in ``log``: "decode" and / or "prefill" (the query quantizer
+    serves both, so it names neither)."""
+    return tuple(sorted({route for name in log for route in ("decode", "prefill") if route in name}))
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8", "bf16"])
@@ -135,16 +149,16 @@ def test_plan_prefill_quantizes_the_query_into_its_own_buffers(device):
     assert torch.equal(outs[0], out) and torch.equal(outs[1], out)
 
 
-@cases("q_lens,launches", [([1, 2, 8], ("decode",)), ([9, 30, 12], ("prefill",))])
-def test_plan_launches_only_what_is_needed(q_lens, launches, device, monkeypatch):
+@cases("q_lens,want", [([1, 2, 8], ("decode",)), ([9, 30, 12], ("prefill",))])
+def test_plan_launches_only_what_is_needed(q_lens, want, device, monkeypatch):
     seq_lens = [q + 7 for q in q_lens]
     b = mixed(seq_lens=seq_lens, q_lens=q_lens, seed=2, device=device)
     plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, b.query.shape[1])
-    assert plan.launches == launches
+    assert plan.launches == want
     ref = attention(*args_of(b))
     log = watch_launches(monkeypatch)
     out = attention(*args_of(b), out=poisoned(b), plan=plan)
-    assert routes(log) == launches
+    assert routes(log) == want
     assert torch.equal(out, ref)
 
 
@@ -501,6 +515,45 @@ def test_plan_run_in_cuda_graph():
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
     assert isinstance(plan, AttentionPlan)
+
+
+def test_overlap_option(device):
+    """``overlap`` takes effect only for a mixed batch on a GPU; anything but None / True /
+    False is refused at planning."""
+    b = mixed(device=device)
+    plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 4, overlap=True)
+    assert plan.overlap == (device == "cuda")
+    assert not plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 4, overlap=False).overlap
+    dec = mixed(seq_lens=[9, 12, 30], q_lens=[2, 3, 1], device=device)
+    assert not plan_attention(dec.cache, dec.block_table, dec.seq_lens, dec.query_start_loc, 4, overlap=True).overlap
+    with pytest.raises(ValueError, match="overlap"):
+        plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 4, overlap="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@cases("kv,prefill_first", [("int8", False), ("int8", True), ("fp8", False), ("bf16", False)])
+def test_overlapped_plan_equals_serial_plan(kv, prefill_first, monkeypatch):
+    """A mixed plan whose decode launch runs on a side stream beside its prefill launch
+    writes every row, bit-equal to the serial plan's, eagerly and replayed from a CUDA graph
+    (the fork and join are captured too); the caller's stream sees the finished output."""
+    monkeypatch.setattr(attention_mod, "OVERLAP_PREFILL_FIRST", prefill_first)
+    b = mixed(kv, seq_lens=[3000, 700, 9, 1000, 4100], q_lens=[1, 4, 9, 500, 2100], hq=24, hkv=4, d=256, seed=17,
+              device="cuda")
+    q, cache, bt, sl, qsl = args_of(b)
+    want = plan_attention(cache, bt, sl, qsl, 24, overlap=False).run(q, cache, bt, sl, qsl)
+    plan = plan_attention(cache, bt, sl, qsl, 24, overlap=True)
+    assert plan.overlap and plan.launches == ("decode", "prefill")
+    out = poisoned(b)
+    plan.run(q, cache, bt, sl, qsl, None, out)
+    got = out.clone()  # on the caller's stream: ordered after the join
+    assert torch.equal(got, want)
+    out.fill_(float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(q, cache, bt, sl, qsl, None, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -2,7 +2,7 @@
 
 * :func:`interpret_mode`, :func:`default_device` -- Triton's CPU interpreter or a GPU;
 * :func:`sm_count`, :func:`device_guard`, :func:`stream_id`, :func:`capturing` -- the launch
-  device and stream;
+  device and stream; :func:`side_stream` -- a second stream for work that overlaps it;
 * :func:`default_num_warps`, :func:`heads_per_program`, :func:`full_tiles` -- the
   [rows, head_dim] program tile of the quantize / producer kernels (``TILE_ELEMS``).
 """
@@ -79,6 +79,20 @@ def stream_id(device: torch.device) -> int | None:
     # the raw handle: torch.cuda.current_stream builds a Stream object (~2 us per call)
     index = device.index if device.index is not None else current_device()
     return raw_stream(index)
+
+
+def side_stream(device: torch.device, priority: int) -> "torch.cuda.Stream":
+    """A second stream of the CUDA ``device`` with ``priority`` (torch's convention: lower is
+    higher; -1 the highest on current GPUs), one per (device, priority), made on first use.
+    Work on it is forked from and joined back into the current stream by its user."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _side_stream(index, priority)
+
+
+@functools.lru_cache(maxsize=64)
+def _side_stream(index: int, priority: int) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(index, priority=priority)
 
 
 def capturing(device: torch.device) -> bool:

@@ -49,7 +49,7 @@ import torch
 from .. import _checks
 from ..cache import PagedKVCache
 from ..errors import check_errors
-from ..runtime import capturing, interpret_mode, stream_id
+from ..runtime import capturing, interpret_mode, side_stream, stream_id
 from . import decode as _decode
 from . import decode_hopper as _decode_hopper
 from . import prefill as _prefill
@@ -57,6 +57,16 @@ from . import prefill_hopper as _hopper
 from .decode import MAX_DECODE_QUERY_LEN
 
 _MISSING = object()
+#: ``plan_attention(overlap=None)``: whether a mixed plan (decode and prefill sequences) on a
+#: GPU runs its decode launch on a side stream beside its prefill launch, so the decode
+#: kernel's K/V streaming (memory-bound) shares the GPU with the prefill kernel's MMAs
+#: (compute-bound) instead of running before them.
+OVERLAP_DEFAULT = False
+#: The side stream's priority (torch's convention: lower is higher): the decode launch's
+#: programs take the multiprocessors the prefill programs free first.
+OVERLAP_PRIORITY = -1
+#: Launch the prefill kernel before the decode kernel when overlapping (False: decode first).
+OVERLAP_PREFILL_FIRST = False
 #: Caches / input layouts a plan remembers at most (then forgets them all and starts over).
 _MAX_REMEMBERED = 256
 
@@ -144,6 +154,9 @@ class AttentionPlan:
     #: consumer warpgroups)
     decode_hopper: tuple | None = None
     launches: tuple = field(default=())
+    #: the decode launch runs on a side stream beside the prefill launch (both needed, on a
+    #: GPU; see ``OVERLAP_DEFAULT``), forked from and joined back into the caller's stream
+    overlap: bool = False
     #: whether plan_attention checked the metadata values (False: value checks were off)
     values_checked: bool = False
     # --- run-time memory (private): what earlier runs validated
@@ -189,16 +202,39 @@ class AttentionPlan:
         if out is None:
             out = torch.empty((self.num_tokens, self.num_q_heads, self.head_dim), dtype=torch.bfloat16,
                               device=cache.device)
+        decode_args = (query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
+        if launch is not None and self.overlap:
+            # fork: the side stream starts after everything the caller queued (its inputs);
+            # the two launches write disjoint rows of out; join before returning, so any
+            # later work on the caller's stream (and a freed out's memory) comes after both
+            main = torch.cuda.current_stream(cache.device)
+            side = side_stream(cache.device, OVERLAP_PRIORITY)
+            side.wait_stream(main)
+            if OVERLAP_PREFILL_FIRST:
+                self._run_prefill(kernel, config, win, query, cache, block_table, seq_lens, query_start_loc,
+                                  softmax_scale, out, q_quant, q_scale)
+            with torch.cuda.stream(side):
+                launch(*decode_args)
+            if not OVERLAP_PREFILL_FIRST:
+                self._run_prefill(kernel, config, win, query, cache, block_table, seq_lens, query_start_loc,
+                                  softmax_scale, out, q_quant, q_scale)
+            main.wait_stream(side)
+            return out
         if launch is not None:
-            launch(query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
+            launch(*decode_args)
         if self.has_prefill:
-            if q_quant is None and self.kv_dtype != "bf16" and (kernel == "hopper"
-                                                                or cache.key_channel_scale is not None):
-                q_quant, q_scale = self._prefill_query_codes(query, cache)
-            _run_prefill(kernel, config, self.prefill_pv_mode, query, cache, block_table,
-                         seq_lens, query_start_loc, softmax_scale, out, q_quant, q_scale,
-                         MAX_DECODE_QUERY_LEN if self.has_decode else 0, self.max_query_len, window=win)
+            self._run_prefill(kernel, config, win, query, cache, block_table, seq_lens, query_start_loc,
+                              softmax_scale, out, q_quant, q_scale)
         return out
+
+    def _run_prefill(self, kernel, config, window, query, cache, block_table, seq_lens, query_start_loc,
+                     softmax_scale, out, q_quant, q_scale) -> None:
+        """The prefill launch of a run (its query codes first where the kernel needs them)."""
+        if q_quant is None and self.kv_dtype != "bf16" and (kernel == "hopper" or cache.key_channel_scale is not None):
+            q_quant, q_scale = self._prefill_query_codes(query, cache)
+        _run_prefill(kernel, config, self.prefill_pv_mode, query, cache, block_table, seq_lens, query_start_loc,
+                     softmax_scale, out, q_quant, q_scale, MAX_DECODE_QUERY_LEN if self.has_decode else 0,
+                     self.max_query_len, window=window)
 
     def _prefill_query_codes(self, query, cache) -> tuple:
         """The query's codes and scales for a prefill launch that needs them (the Hopper
@@ -322,7 +358,8 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
                    num_tokens: int | None = None, max_query_len: int | None = None,
                    has_decode: bool | None = None, has_prefill: bool | None = None,
                    pv_mode: str | None = None, num_splits: int | None = None,
-                   prefill_kernel: str | None = None, decode_kernel: str | None = None) -> AttentionPlan:
+                   prefill_kernel: str | None = None, decode_kernel: str | None = None,
+                   overlap: bool | None = None) -> AttentionPlan:
     """Plan a batch once: which kernels it needs, its longest query, decode splits,
     workspace and query-code buffers.
 
@@ -343,9 +380,14 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
     ``decode_kernel`` (the same names, None: ``INT8ATTN_DECODE_KERNEL``) the decode kernel
     (see :func:`int8attn.ops.decode_hopper.route`: "auto" runs a batch of decode sequences
     only whose longest query packs more than 16 rows -- GQA group x tokens -- on the Hopper
-    kernel on sm_90; a mixed batch keeps the portable decode kernel).
+    kernel on sm_90; a mixed batch keeps the portable decode kernel). ``overlap`` (None:
+    ``OVERLAP_DEFAULT``): a mixed batch on a GPU runs its decode launch on a side stream
+    beside its prefill launch (forked from the caller's stream and joined back within each
+    run, CUDA-graph capturable); elsewhere, or for a batch needing one kernel, it is ignored.
     """
     _checks.check_cache(cache)
+    if overlap not in (None, True, False):
+        raise ValueError(f"overlap must be None, True or False, got {overlap!r}")
     if not _checks.is_int(num_q_heads, 1) or num_q_heads % cache.num_kv_heads:
         raise ValueError(f"num_q_heads must be a positive multiple of the cache's {cache.num_kv_heads} KV heads, "
                          f"got {num_q_heads!r}")
@@ -438,7 +480,9 @@ def plan_attention(cache: PagedKVCache, block_table, seq_lens, query_start_loc, 
                          has_prefill=has_prefill, decode_plan=decode_plan, workspace=workspace,
                          prefill_config=prefill_config, prefill_kernel=prefill_kernel_name, pv_mode=pv_mode,
                          prefill_pv_mode=prefill_pv, decode_kernel=decode_kernel_name,
-                         decode_hopper=decode_hopper, launches=launches, values_checked=values_checked)
+                         decode_hopper=decode_hopper, launches=launches, values_checked=values_checked,
+                         overlap=bool(OVERLAP_DEFAULT if overlap is None else overlap) and has_decode and has_prefill
+                         and dev.type == "cuda" and not interpret_mode())
     plan._geometry = _geometry(cache)
     plan._metadata = (block_table, seq_lens, query_start_loc)
     if has_prefill and prefill_kernel_name == "hopper" and cache.kv_dtype != "bf16":
