@@ -204,3 +204,32 @@ def test_direct_runner_calls_the_compiled_launcher_unless_a_hook_is_registered(m
     runner("z", 9)
     assert calls[-1][0] == "run"
     assert launch_mod._direct_runner(object(), (1, 1, 1), None) is None  # not a compiled kernel
+
+
+def test_prepare_compiles_and_loads_without_launching(monkeypatch):
+    """``prepare`` compiles the kernel for the per-call and fixed arguments, with the
+    launch's grid and constexprs, and loads its module -- no launch; nothing under the
+    interpreter, nor once a launch compiled the kernel."""
+    from int8attn import runtime
+
+    class Loadable(_Compiled):
+        loaded = 0
+
+        def _init_handles(self):
+            self.loaded += 1
+
+    kern = _Kernel()
+    compiled = Loadable(kern.log)
+    kern.warmup = lambda *args, grid, **kw: kern.log.append(("warmup", grid, args, kw)) or compiled
+    launch = CachedLaunch(kern, (3, 2), {"BLOCK": 16, "FLAG": True}, fixed_args=(7,))
+    x = torch.zeros(4)
+    monkeypatch.setattr(runtime, "interpret_mode", lambda: True)
+    launch.prepare(x)
+    assert kern.log == [] and compiled.loaded == 0
+    monkeypatch.setattr(runtime, "interpret_mode", lambda: False)
+    launch.prepare(x)
+    assert kern.log == [("warmup", (3, 2, 1), (x, 7), {"BLOCK": 16, "FLAG": True})] and compiled.loaded == 1
+    launch(x)  # the first launch compiles through the bound path
+    kern.log.clear()
+    launch.prepare(x)
+    assert kern.log == [] and compiled.loaded == 1

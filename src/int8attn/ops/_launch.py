@@ -172,6 +172,18 @@ class CachedLaunch:
         self._held, self._last_ids = tuple(held), ids
         return True
 
+    def prepare(self, *args) -> None:
+        """Compile and load the kernel for these per-call arguments without launching it
+        (nothing under the interpreter, or once a launch compiled it). A kernel's first
+        launch loads its module into the CUDA context, which the driver refuses while a
+        stream is being captured (the capture is invalidated): a launch whose first use may
+        be inside a CUDA-graph capture is prepared by an eager call first."""
+        if self._compiled is not None or runtime.interpret_mode():
+            return
+        compiled = self.kernel.warmup(*args, *self.fixed_args, grid=self.grid, **self.constexprs)
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled  # asynchronous compile mode
+        compiled._init_handles()  # the module load a first launch would do
+
     def __call__(self, *args):
         """Launch; returns the compiled kernel (None under the interpreter)."""
         compiled = self._compiled

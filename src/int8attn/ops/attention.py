@@ -60,8 +60,11 @@ _MISSING = object()
 #: ``plan_attention(overlap=None)``: whether a mixed plan (decode and prefill sequences) on a
 #: GPU runs its decode launch on a side stream beside its prefill launch, so the decode
 #: kernel's K/V streaming (memory-bound) shares the GPU with the prefill kernel's MMAs
-#: (compute-bound) instead of running before them.
-OVERLAP_DEFAULT = False
+#: (compute-bound) instead of running before them. Measured on an H100 (one 4096-token chunk
+#: beside 16 decode sequences at context 8192, benchmarks/notes/prefill_hopper.md): 4-6%
+#: less time per eager step, 2-4% per graph replay, for INT8 and FP8 caches at head_dim 128
+#: and 256, every order and priority tried.
+OVERLAP_DEFAULT = True
 #: The side stream's priority (torch's convention: lower is higher): the decode launch's
 #: programs take the multiprocessors the prefill programs free first.
 OVERLAP_PRIORITY = -1

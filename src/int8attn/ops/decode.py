@@ -617,7 +617,7 @@ class DecodeLaunch:
     __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_part_acc", "_part_ml",
                  "_split_grid", "_split_args", "_merge_grid", "_merge_args",
                  "_merge_constexprs", "_quantize_kernel", "_split_kernel", "_merge_kernel", "_quantize_kernel_lam",
-                 "_query_dims", "_counters", "_eager_split")
+                 "_query_dims", "_counters", "_eager_split", "_graph_ready")
 
     def __init__(self, plan: DecodePlan, cache: PagedKVCache, num_tokens: int, num_q_heads: int, num_seqs: int, *,
                  device, q_strides, q_scale_strides, out_strides, block_table_stride: int,
@@ -735,6 +735,7 @@ class DecodeLaunch:
 
         self._split_kernel = split_launch(merge, fuse_split)
         self._eager_split = split_launch(eager, fuse_eager) if eager else None
+        self._graph_ready = self._eager_split is None  # eager calls run what a capture runs
         self._quantize_kernel = self._merge_kernel = self._quantize_kernel_lam = None
         self._query_dims = (num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
         if quantize:
@@ -791,6 +792,8 @@ class DecodeLaunch:
             if self._eager_split is not None and not torch.cuda.is_current_stream_capturing():
                 try:
                     self._run_split(self._eager_split, query, q_quant, q_scale, cache, tail)
+                    if not self._graph_ready:
+                        self._prepare_graph_path(query, q_quant, q_scale, cache, tail)
                     return
                 except RuntimeError as exc:
                     # the driver refused the cooperative grid (fewer programs resident than
@@ -801,6 +804,36 @@ class DecodeLaunch:
             self._run_split(self._split_kernel, query, q_quant, q_scale, cache, tail)
             if self._merge_kernel is not None:
                 self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc)
+
+    def _prepare_graph_path(self, query, q_quant, q_scale, cache, tail) -> None:
+        """Compile and load, without launching, the kernels a CUDA-graph capture of this
+        launch runs (the query quantization, the split kernel merging through the merge
+        kernel, the merge kernel): eager calls take the barrier launch instead, and a
+        capture that is the first to load a kernel is invalidated by the driver. Done once,
+        after the first eager call (``CachedLaunch.prepare``; its arguments are that call's,
+        laid out as every later call's)."""
+        self._graph_ready = True
+        lam = cache.key_channel_scale
+        launch = self._split_kernel
+        if isinstance(launch, tuple):  # launches that quantize the float query themselves
+            if lam is None:
+                launch[0].prepare(query, self._q_scales, *tail)
+            else:
+                launch[1].prepare(query, lam, *tail)
+        else:
+            if self.quantize:
+                q_quant, q_scale = self._q_codes, self._q_scales
+                if lam is None:
+                    self._quantize_kernel.prepare(*quantize_query_args(query, q_quant, q_scale))
+                else:
+                    if self._quantize_kernel_lam is None:
+                        self._quantize_kernel_lam = CachedLaunch(_quantize_query_kernel,
+                                                                 *_query_launch(*self._query_dims, True))
+                    self._quantize_kernel_lam.prepare(*quantize_query_args(query, q_quant, q_scale, lam))
+            launch.prepare(q_quant, q_scale, *tail)
+        if self._merge_kernel is not None:
+            out, part_acc, part_ml, seq_lens, query_start_loc = tail[7], tail[8], tail[9], tail[5], tail[6]
+            self._merge_kernel.prepare(out, part_acc, part_ml, seq_lens, query_start_loc)
 
     def _run_split(self, launch, query, q_quant, q_scale, cache, tail) -> None:
         """One split-kernel launch: ``launch`` a CachedLaunch reading the query's codes
