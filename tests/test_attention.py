@@ -52,6 +52,9 @@ class _Watched:
         self.log.append(self.name)
         return self.real[grid]
 
+    def warmup(self, *args, **kwargs):  # compiles, launches nothing (CachedLaunch.prepare)
+        return self.real.warmup(*args, **kwargs)
+
 
 def watch_launches(monkeypatch, forbid=False) -> list:
     """Log (or forbid) every kernel launch; returns the log of kernel names. The portable
