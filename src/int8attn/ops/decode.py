@@ -100,7 +100,9 @@ class DecodeConfig:
     #: programs load their metadata while the split grid runs and wait for its completion
     #: (griddepcontrol.wait) before reading a partial, so the second launch's latency
     #: overlaps the first's tail. Applies where the merge kernel runs (eager "kernel" plans,
-    #: CUDA-graph captures of "auto" ones). An option until measured.
+    #: CUDA-graph captures of "auto" ones). Measured on an H100 (24 q / 4 KV, D256): graph
+    #: replays 0.5-1.9 us slower at batch 1-4 over 8k-32k contexts, 0.3-0.7 us faster at 1k,
+    #: equal from batch 8 (benchmarks/notes/decode.md); off by default.
     pdl: bool = False
 
 
