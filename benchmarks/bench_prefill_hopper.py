@@ -117,7 +117,9 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     if pv == "bf16":  # 16-bit PV: the loader converts V to fp16
         ws = hop.warp_specialized_config(kv_dtype, d, pv)
         # the route's config; the two-consumer config with QK after PV where the route's differs
-        out += [("hopper-ws", ws), ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d, pv))]
+        out += [("hopper-ws", ws), ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d, pv)),
+                # V scaled by the loader: P is the plain fp16 p (one multiply per score fewer)
+                ("hopper-ws-v-scaled", replace(ws, v_scaled=True))]
         # the loader's copies in flight past the tile it converts (convert_lag; None: 1) and
         # the ring depth; the rescale rules (a warpgroup-wide lazy test per tile; per row with
         # each thread's multiplies behind a branch, or every tile)

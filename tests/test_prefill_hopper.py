@@ -94,6 +94,13 @@ VARIANTS = [
     pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
                                               "qk_ahead": True, "lazy_rescale": "rows"},
                  id="ws-int8-pv16-d128-qk-ahead-lazy-rows"),
+    # V scaled by the loader (HopperPrefillConfig.v_scaled; offered by no route until measured)
+    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
+                                              "qk_ahead": True, "lazy_rescale": "rows", "v_scaled": True},
+                 id="ws-int8-pv16-d128-v-scaled"),
+    pytest.param("fp8", "bf16", 64, 16, 4, {"warp_specialized": True, "block_m": 192, "stages": 4, "block_n": 64,
+                                            "dv": 64, "qk_ahead": True, "v_scaled": True},
+                 id="ws-fp8-pv16-d64-m192-v-scaled"),
 ]
 #: PTX type suffix of the QK and PV warpgroup MMAs, and the SASS class each must show.
 PTX_TYPES = {"int8": "s32.s8.s8", "fp8": "f32.e4m3.e4m3", "bf16": "f32.f16.f16"}
@@ -122,8 +129,9 @@ SPILL_BUDGET = {"int8-pv8-d256": 16,
                 # rescaling every tile; 12 int8 and 12 fp8 with the per-row lazy rescale)
                 "ws-int8-pv16-d256-n64-s3": 24, "ws-int8-pv16-d256-n64-s3-lazy-rows": 16,
                 "ws-fp8-pv16-d256-n64-s3-lazy-rows": 16,
-                # three consumers at 152 registers: a BF16 cache at D128 (Triton 3.6: 4)
-                "ws-bf16-d128-m192": 8}
+                # three consumers at 152 registers: a BF16 cache at D128 (Triton 3.6: 4); fp8 at
+                # D64 with QK ahead and V scaled by the loader (Triton 3.6: 12)
+                "ws-bf16-d128-m192": 8, "ws-fp8-pv16-d64-m192-v-scaled": 16}
 #: Triton 3.8 (the default CUDA torch 2.14 wheel's) spills more at head_dim 256: measured 41
 #: (int8 PV) and 48 (fp16 PV of an fp8 cache) local-memory instructions.
 SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
@@ -134,7 +142,8 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   "ws-int8-pv16-d256-n64-s3-lazy-rows": 56,
                                   "ws-fp8-pv16-d64-bs64-s3": 48, "ws-bf16-d256-n32-lazy": 24,
                                   # three consumers: 9 (BF16 cache, D128), 2 (fp8, D64, QK ahead)
-                                  "ws-bf16-d128-m192": 16, "ws-fp8-pv16-d64-m192-qk-ahead": 8},
+                                  "ws-bf16-d128-m192": 16, "ws-fp8-pv16-d64-m192-qk-ahead": 8,
+                                  "ws-fp8-pv16-d64-m192-v-scaled": 24},
                           # the warp-specialized kernel with Triton 3.9: 65, 282, 0, 32, 26; 16-bit PV of
                           # 8-bit caches: 94 / 106 / 86 (int8 / int8 lazy per row / fp8 lazy per row at
                           # D256), 0, 30 (fp8: the loader's masked branch); three consumers: 2 (int8 16-bit
@@ -146,7 +155,9 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   "ws-int8-pv16-d256-n64-s3-lazy-rows": 120,
                                   "ws-int8-pv16-d128": 24, "ws-fp8-pv16-d64-bs64-s3": 48,
                                   "ws-bf16-d256-n32-lazy": 48, "ws-int8-pv16-d128-m192-n32-lazy-rows": 8,
-                                  "ws-bf16-d128-m192": 48, "ws-fp8-pv16-d64-m192-qk-ahead": 56}}
+                                  "ws-bf16-d128-m192": 48, "ws-fp8-pv16-d64-m192-qk-ahead": 56,
+                                  # V scaled by the loader: 25 (int8 D128), 97 (fp8 D64 m192)
+                                  "ws-int8-pv16-d128-v-scaled": 32, "ws-fp8-pv16-d64-m192-v-scaled": 112}}
 
 #: Instructions allowed in the int8 16-bit-PV loader's tile loop (sm_90): a fixed part per
 #: tile (waits, barriers, block ids) and a part per V value each loader thread converts
@@ -254,7 +265,9 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
                 # 483 instructions at D256 n32); int8 needs no mask
                 values = over.get("block_n", 64) * d // 128
                 assert got["loader_loop_selects"] == 0, got
-                assert 0 < got["loader_loop"] <= LOADER_LOOP_FIXED + LOADER_LOOP_PER_VALUE * values, (values, got)
+                # V scaled by the loader: a paired multiply per two values and the scales' load
+                per_value = LOADER_LOOP_PER_VALUE + (1 if over.get("v_scaled") else 0)
+                assert 0 < got["loader_loop"] <= LOADER_LOOP_FIXED + per_value * values, (values, got)
         else:
             assert got["cp_async_mbarrier_arrives"] >= 1, got
         # the per-row lazy rescale: every accumulator multiply of both consumers (64 rows x
@@ -794,6 +807,19 @@ def test_gpu_lazy_rows_with_growing_scores(kv, d):
     hop.prefill(*_args(b), kernel="hopper", out=lazy, pv_mode="bf16", config=rows)
     hop.prefill(*_args(b), kernel="hopper", out=eager, pv_mode="bf16", config=replace(rows, lazy_rescale=False))
     testing.assert_close_verbose(lazy, eager, rel_l2=2e-3, name="lazy rows vs rescaling every tile")
+
+
+def _v_scaled(kv, d, pv):
+    return replace(hop.warp_specialized_config(kv, d, pv), v_scaled=True)
+
+
+@pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16" and c.values[1] != "bf16"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_warp_specialized_v_scaled_by_the_loader(case, kv, pv):
+    """The 8-bit caches' 16-bit PV with V scaled by the loader (``v_scaled``: P is the plain
+    fp16 p), on the routed configs: the warp-specialized kernel's cases."""
+    _check_schedule(case, kv, pv, _v_scaled, "_prefill_hopper_ws_kernel")
 
 
 def _check_schedule(case, kv, pv, config_of, kernel_name):

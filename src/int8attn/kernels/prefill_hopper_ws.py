@@ -111,19 +111,20 @@ def _alloc_ring(elem: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 def partition_constexprs(pv_in_flight: bool, qk_ahead: bool, block_n: int, convert_lag: int,
-                         consumers: int = 2) -> dict:
+                         consumers: int = 2, v_scaled: bool = False) -> dict:
     """The constexprs of :func:`_prefill_hopper_ws_kernel` beside those of
     :func:`int8attn.kernels.prefill_hopper.kernel_layouts` (built for 64 rows, 4 warps).
     ``CVT_V``: the loader's layout of a [CVT_ROWS, block_n] slice of a V^T tile it converts
     to fp16 (8 keys per thread: one 8-byte shared load, one 16-byte store); ``CVT_LAG``: the
-    tiles whose copies the loader keeps in flight past the one it converts (:func:`_loader_16`)."""
+    tiles whose copies the loader keeps in flight past the one it converts (:func:`_loader_16`);
+    ``V_SCALED``: the loader writes V scaled by its keys' scales (:func:`_convert_v`)."""
     cols = block_n // 8
     cvt_rows = CVT_ELEMS * 32 * LOADER_WARPS.value // block_n
     consumer_regs, loader_regs, _ = REGISTER_BUDGETS[consumers]
     return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight,
                 QK_AHEAD=qk_ahead, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
                 CVT_V=gl.BlockedLayout([1, 8], [32 // cols, cols], [LOADER_WARPS.value, 1], [1, 0]),
-                CVT_ROWS=cvt_rows, CVT_LAG=convert_lag)
+                CVT_ROWS=cvt_rows, CVT_LAG=convert_lag, V_SCALED=v_scaled)
 
 
 @gluon.jit
@@ -147,13 +148,14 @@ def _copy_scales_at(j, blk, ks_buf, vs_buf, k_scale_ptr, v_scale_ptr, scale_head
 @gluon.jit
 def _loader(shared, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
-            LOAD_S: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr):
+            LOAD_S: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr,
+            V_SCALED: gl.constexpr):
     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb, \
         kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty = shared
     if PV_KIND == PV_BF16 and KV_KIND != KIND_BF16:
         _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
                    kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                   HEAD_DIM, PAGE, BLOCK_N, STAGES, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS, CVT_LAG)
+                   HEAD_DIM, PAGE, BLOCK_N, STAGES, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS, CVT_LAG, V_SCALED)
     else:
         _loader_8(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
                   kv_end, last_page, num_kv_tiles, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
@@ -165,14 +167,16 @@ def _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_
                kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
                HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr, CVT_V: gl.constexpr,
-               CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr):
+               CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr, V_SCALED: gl.constexpr):
     """The loader of 16-bit PV over an 8-bit cache: tile ``j``'s copies (K, V^T into the
     8-bit staging ring, scales) are issued, then tile ``j - CVT_LAG``'s V^T is converted to
     fp16 and its stage signalled ``ready``: ``CVT_LAG`` tiles' copies stay in flight while one
     converts, since this loader waits on its own copies (``wait_group``). Tile ``j``'s stage
     was released by the consumers of tile ``j - STAGES``; converting tile ``j - CVT_LAG`` then
     leaves them ``STAGES - CVT_LAG - 1`` tiles of work before they need it. The staging
-    stage of a tile is rewritten only ``STAGES`` tiles later, after its conversion."""
+    stage of a tile is rewritten only ``STAGES`` tiles later, after its conversion.
+    ``V_SCALED``: ``1 / unit`` of :func:`_convert_v`, set by tile 0's conversion."""
+    inv_unit = gl.to_tensor(1.0)
     for j in range(0, num_kv_tiles):
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
@@ -184,40 +188,58 @@ def _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_
         if j >= CVT_LAG:
             c = j - CVT_LAG
             async_copy.wait_group(CVT_LAG)  # this thread's copies of tile c
-            _convert_v(c, v_ring.index(c % STAGES), v16_ring.index(c % STAGES), ready.index(c % STAGES), kv_end,
-                       HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS)
+            inv_unit = _convert_v(c, v_ring.index(c % STAGES), v16_ring.index(c % STAGES), vs_ring.index(c % STAGES),
+                                  ready.index(c % STAGES), kv_end, inv_unit, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS,
+                                  V_SCALED)
     async_copy.wait_group(0)
     for c in range(gl.maximum(num_kv_tiles - CVT_LAG, 0), num_kv_tiles):
-        _convert_v(c, v_ring.index(c % STAGES), v16_ring.index(c % STAGES), ready.index(c % STAGES), kv_end,
-                   HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS)
+        inv_unit = _convert_v(c, v_ring.index(c % STAGES), v16_ring.index(c % STAGES), vs_ring.index(c % STAGES),
+                              ready.index(c % STAGES), kv_end, inv_unit, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS, V_SCALED)
 
 
 @gluon.jit
-def _convert_v(j, v_buf, v16_buf, ready_bar, kv_end, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-               CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr):
-    """V^T tile ``j`` (8-bit, its copies landed for this thread) to fp16, then ``ready``. The
-    first partition barrier makes every loader thread's copies visible before any reads
-    them. Keys past the sequence end are zeroed only where they could poison the MMA: fp8
-    stale bytes may be NaN (NaN * 0 = NaN), int8 bytes never are, and their P is 0 (the
-    consumers zero stale keys' scales). The masked conversion is its own branch (its
-    selects and half-word repacks cost more than the conversion itself)."""
+def _convert_v(j, v_buf, v16_buf, vs_buf, ready_bar, kv_end, inv_unit, HEAD_DIM: gl.constexpr,
+               BLOCK_N: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, V_SCALED: gl.constexpr):
+    """V^T tile ``j`` (8-bit, its copies landed for this thread) to fp16, then ``ready``;
+    returns ``inv_unit``. The first partition barrier makes every loader thread's copies
+    visible before any reads them. Keys past the sequence end are zeroed only where they
+    could poison the MMA: fp8 stale bytes may be NaN (NaN * 0 = NaN), int8 bytes never are,
+    and their P is 0 (the consumers zero stale keys' scales). The masked conversion is its
+    own branch (its selects and half-word repacks cost more than the conversion itself).
+
+    ``V_SCALED``: each key's column is multiplied by ``sV / unit`` (fp16), so the consumers'
+    P is the plain fp16 ``p`` -- one multiply per score fewer in the consumers, half a
+    paired multiply per value more here. ``unit`` is the consumers' own (P_UNIT_MARGIN x the
+    largest V scale of tile 0, keys past the sequence end as 0: an exact maximum, so both
+    partitions compute the same value) and set when tile 0 converts; stale keys' scales are
+    0, so their V is 0 (int8) or NaN-safe in the masked branch (fp8)."""
     _gc.cta_barrier()  # the loader's warps only (a named barrier inside a partition)
+    vf = None
+    if V_SCALED:
+        vn = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, CVT_V))
+        vs = gl.where(vn < kv_end, vs_buf.load(gl.SliceLayout(0, CVT_V)), 0.0)
+        if j == 0:
+            unit = gl.max(vs, 0) * P_UNIT_MARGIN
+            inv_unit = 1.0 / gl.where(unit > 0.0, unit, 1.0)
+        vf = (vs * inv_unit).to(gl.float16)
     if v_buf.dtype == gl.int8:
-        _convert_rows(j, v_buf, v16_buf, kv_end, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS, False)
+        _convert_rows(j, v_buf, v16_buf, kv_end, vf, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS, False)
     elif (j + 1) * BLOCK_N > kv_end:
-        _convert_rows(j, v_buf, v16_buf, kv_end, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS, True)
+        _convert_rows(j, v_buf, v16_buf, kv_end, vf, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS, True)
     else:
-        _convert_rows(j, v_buf, v16_buf, kv_end, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS, False)
+        _convert_rows(j, v_buf, v16_buf, kv_end, vf, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS, False)
     fence_async_shared()
     _gc.cta_barrier()
     mbarrier.arrive(ready_bar, count=LOADER_WARPS * 32)
+    return inv_unit
 
 
 @gluon.jit
-def _convert_rows(j, v_buf, v16_buf, kv_end, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, CVT_V: gl.constexpr,
-                  CVT_ROWS: gl.constexpr, MASK: gl.constexpr):
+def _convert_rows(j, v_buf, v16_buf, kv_end, vf, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                  CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, MASK: gl.constexpr):
     """The conversion of :func:`_convert_v`, ``CVT_ROWS`` channels at a time (the loader's
-    registers); ``MASK``: keys at or past ``kv_end`` become 0."""
+    registers); ``MASK``: keys at or past ``kv_end`` become 0; ``vf`` (fp16 per key, or
+    None): each key's column multiplied by it."""
     vn = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, CVT_V))
     # the next slice is loaded before this one is stored: ptxas cannot move a shared load
     # above a shared store it cannot prove disjoint, so in program order every slice's load
@@ -231,6 +253,8 @@ def _convert_rows(j, v_buf, v16_buf, kv_end, HEAD_DIM: gl.constexpr, BLOCK_N: gl
             vh = _int8_to_fp16(vt)
         else:
             vh = vt.to(gl.float16)
+        if vf is not None:
+            vh = vh * vf[None, :]
         if MASK:
             vh = gl.where((vn < kv_end)[None, :], vh, gl.zeros_like(vh))
         v16_buf.slice(c * CVT_ROWS, CVT_ROWS, dim=0).store(vh)
@@ -293,9 +317,12 @@ def _zero_tail_rows(v_buf, start, kv_end, BLOCK_N: gl.constexpr, LOAD_V: gl.cons
 
 @gluon.jit
 def _p_operand_16(p, v_scale, inv_unit, KV_KIND: gl.constexpr, P_LAYOUT: gl.constexpr):
-    """The 16-bit P operand: bf16 ``p`` for a BF16 cache, fp16 ``p * sV / unit`` for an 8-bit one."""
+    """The 16-bit P operand: bf16 ``p`` for a BF16 cache, fp16 ``p * sV / unit`` for an 8-bit
+    one, fp16 ``p`` where the loader scaled V (``v_scale`` None: ``V_SCALED``)."""
     if KV_KIND == KIND_BF16:
         p_op = gl.convert_layout(p.to(gl.bfloat16), P_LAYOUT)
+    elif v_scale is None:
+        p_op = gl.convert_layout(p.to(gl.float16), P_LAYOUT)
     else:
         p_op = gl.convert_layout((p * (v_scale * inv_unit)[None, :]).to(gl.float16), P_LAYOUT)
     return p_op
@@ -405,6 +432,15 @@ def _qk(q_smem, k_buf, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_KIND: gl
 
 
 @gluon.jit
+def _stage_k_scale(ks_buf, start, kv_end, BLOCK_N: gl.constexpr, COL: gl.constexpr):
+    """:func:`_stage_scales` of the K scales only (the loader applied the V scales)."""
+    ks = ks_buf.load(COL)
+    if start + BLOCK_N > kv_end:
+        ks = gl.where(start + gl.arange(0, BLOCK_N, layout=COL) < kv_end, ks, 0.0)
+    return ks
+
+
+@gluon.jit
 def _stage_scales(ks_buf, vs_buf, start, kv_end, BLOCK_N: gl.constexpr, COL: gl.constexpr):
     """A tile's K and V scales from its ring stage, in the score columns' layout; 0 past the
     sequence end (stale slots never reach arithmetic), masked only in the tile that crosses it."""
@@ -462,7 +498,8 @@ def _v_chunk(v_buf, c: gl.constexpr, DV: gl.constexpr):
 def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
               BLOCK_N: gl.constexpr, DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr,
               STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, LAZY: gl.constexpr,
-              QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr):
+              QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr,
+              V_SCALED: gl.constexpr):
     q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty, \
         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale, \
         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh = shared
@@ -555,20 +592,27 @@ def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.conste
                 s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
         if not PV_IN_FLIGHT and KV_KIND != KIND_BF16:
             # read from the ring stage here, not carried from the last tile: not live during PV
-            k_scale, v_scale = _stage_scales(ks_ring.index(j % STAGES), vs_ring.index(j % STAGES), start, kv_end,
-                                             BLOCK_N, COL)
+            if V_SCALED:  # the loader applied the V scales: P is p itself
+                k_scale = _stage_k_scale(ks_ring.index(j % STAGES), start, kv_end, BLOCK_N, COL)
+                p_scale = None
+            else:
+                k_scale, v_scale = _stage_scales(ks_ring.index(j % STAGES), vs_ring.index(j % STAGES), start,
+                                                 kv_end, BLOCK_N, COL)
+                p_scale = v_scale
+        else:
+            p_scale = v_scale
         # ---- softmax of S_j
         if SIXTEEN:
             t = _k_scaled(s, k_scale, KV_KIND)
             if LAZY == LAZY_ROWS:
-                p_op, acc0, m_i, l_i = _softmax_tile_16_rows(t, v_scale, acc0, m_i, l_i, row_scale, row_limit,
+                p_op, acc0, m_i, l_i = _softmax_tile_16_rows(t, p_scale, acc0, m_i, l_i, row_scale, row_limit,
                                                              inv_unit, start, full_end, BLOCK_N, KV_KIND, COL,
                                                              PV_ROW, P_LAYOUT)
             elif LAZY == LAZY_WARPGROUP:
-                p_op, acc0, m_i, l_i = _softmax_tile_16(t, v_scale, acc0, m_i, l_i, row_scale, row_limit, inv_unit,
+                p_op, acc0, m_i, l_i = _softmax_tile_16(t, p_scale, acc0, m_i, l_i, row_scale, row_limit, inv_unit,
                                                         start, full_end, BLOCK_N, KV_KIND, COL, PV_ROW, P_LAYOUT)
             else:
-                p_op, factor, m_i, l_i = _softmax_tile_16_eager(t, v_scale, m_i, l_i, row_scale, row_limit,
+                p_op, factor, m_i, l_i = _softmax_tile_16_eager(t, p_scale, m_i, l_i, row_scale, row_limit,
                                                                 inv_unit, start, full_end, BLOCK_N, KV_KIND, COL,
                                                                 PV_ROW, P_LAYOUT)
         else:
@@ -660,7 +704,7 @@ def _prefill_hopper_ws_kernel(
     LOAD_Q: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
     LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     LOADER_REGS: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr,
-    LAZY: gl.constexpr,
+    LAZY: gl.constexpr, V_SCALED: gl.constexpr,
 ):
     NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
     gl.static_assert((BLOCK_M == 2 * WG_ROWS) or (BLOCK_M == 3 * WG_ROWS), "two or three consumer warpgroups")
@@ -669,6 +713,8 @@ def _prefill_hopper_ws_kernel(
     gl.static_assert((PV_KIND != PV_BF16) or not PV_IN_FLIGHT, "16-bit PV is waited in its own tile")
     gl.static_assert((PV_KIND == PV_BF16) or not LAZY, "lazy rescaling: 16-bit P only")
     gl.static_assert((CVT_LAG >= 1) and (CVT_LAG < STAGES), "the loader converts a tile it still holds")
+    gl.static_assert(not V_SCALED or (PV_KIND == PV_BF16 and KV_KIND != KIND_BF16),
+                     "V scaled by the loader: an 8-bit cache's 16-bit PV")
 
     run, kv_head, seq, q_start, q_tile, q_len, seq_len = _checked_tile(
         query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, out_ptr, num_seqs, num_tiles, num_tokens,
@@ -703,21 +749,21 @@ def _prefill_hopper_ws_kernel(
     if NUM_WG == 2:
         gl.warp_specialize([
             (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
             (_consumer, (shared, 1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
             (_loader, (loads, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V,
-                       CVT_ROWS, CVT_LAG)),
+                       CVT_ROWS, CVT_LAG, V_SCALED)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
     else:  # three consumer warpgroups (block_m 192)
         gl.warp_specialize([
             (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
             (_consumer, (shared, 1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
             (_consumer, (shared, 2, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
             (_loader, (loads, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V,
-                       CVT_ROWS, CVT_LAG)),
+                       CVT_ROWS, CVT_LAG, V_SCALED)),
         ], [4, 4, LOADER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 

@@ -121,7 +121,10 @@ class HopperPrefillConfig:
     skips the multiply in every thread whose rows kept theirs (no cross-thread test; the
     default of the routes in :data:`LAZY_ROWS_ROUTES`, measured 1.02-1.05x faster there);
     convert_lag (warp-specialized 16-bit PV of an 8-bit cache only): tiles whose copies the
-    loader keeps in flight past the one it converts to fp16, 1 .. stages - 1 (None: 1). The
+    loader keeps in flight past the one it converts to fp16, 1 .. stages - 1 (None: 1);
+    v_scaled (the same route only): the loader multiplies each key's fp16 V by its scale
+    (over the program's P unit), so the consumers' P is the plain fp16 ``p``: one multiply per
+    score fewer in the consumers, half a paired multiply per V value more in the loader. The
     warp-specialized kernel takes up to 6 stages (shared memory permitting), the others up
     to 4."""
 
@@ -134,6 +137,7 @@ class HopperPrefillConfig:
     qk_ahead: bool = True
     lazy_rescale: bool | str = False
     convert_lag: int | None = None
+    v_scaled: bool = False
 
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillConfig:
@@ -361,6 +365,10 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
             raise ValueError("convert_lag applies to an 8-bit cache's 16-bit PV on the warp-specialized kernel only")
         if not isinstance(lag, int) or isinstance(lag, bool) or not 1 <= lag < config.stages:
             raise ValueError(f"convert_lag={lag!r} must be an int in 1 .. stages - 1 = {config.stages - 1}")
+    if not isinstance(config.v_scaled, bool):
+        raise TypeError(f"config.v_scaled must be a bool, got {config.v_scaled!r}")
+    if config.v_scaled and not converts_v:
+        raise ValueError("v_scaled applies to an 8-bit cache's 16-bit PV on the warp-specialized kernel only")
     _checks.check_pv_tile_keys(config.block_n, pv_mode)
     # resolved where the loader converts V, None elsewhere (a checked config checks again)
     return replace(config, dv=dv, convert_lag=lag if converts_v else None)
@@ -400,7 +408,7 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
         # every partition is one warpgroup: layouts of 64 rows and 4 warps
         const.update(kernel_layouts(64, config.block_n, head_dim, config.dv, kv, pv),
                      **partition_constexprs(config.pipeline, config.qk_ahead, config.block_n,
-                                            _convert_lag(config), config.block_m // 64),
+                                            _convert_lag(config), config.block_m // 64, config.v_scaled),
                      LAZY=LAZY_RESCALE[_LAZY_NAMES.get(config.lazy_rescale, config.lazy_rescale)])
     else:
         const.update(kernel_layouts(config.block_m, config.block_n, head_dim, config.dv, kv, pv))
