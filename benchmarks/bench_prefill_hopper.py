@@ -118,8 +118,9 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         ws = hop.warp_specialized_config(kv_dtype, d, pv)
         # the route's config; the two-consumer config with QK after PV where the route's differs
         out += [("hopper-ws", ws), ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d, pv)),
-                # V scaled by the loader: P is the plain fp16 p (one multiply per score fewer)
-                ("hopper-ws-v-scaled", replace(ws, v_scaled=True))]
+                # V scaled by the loader (P the plain fp16 p: one multiply per score fewer), or
+                # not, whichever the route's config does not do
+                ("hopper-ws-v-" + ("unscaled" if ws.v_scaled else "scaled"), replace(ws, v_scaled=not ws.v_scaled))]
         # the loader's copies in flight past the tile it converts (convert_lag; None: 1) and
         # the ring depth; the rescale rules (a warpgroup-wide lazy test per tile; per row with
         # each thread's multiplies behind a branch, or every tile)

@@ -94,7 +94,8 @@ VARIANTS = [
     pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
                                               "qk_ahead": True, "lazy_rescale": "rows"},
                  id="ws-int8-pv16-d128-qk-ahead-lazy-rows"),
-    # V scaled by the loader (HopperPrefillConfig.v_scaled; offered by no route until measured)
+    # V scaled by the loader (HopperPrefillConfig.v_scaled): the routed int8 D128 config; fp8
+    # at D64 (not routed) with three consumers
     pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
                                               "qk_ahead": True, "lazy_rescale": "rows", "v_scaled": True},
                  id="ws-int8-pv16-d128-v-scaled"),
@@ -421,15 +422,17 @@ def test_three_consumer_config_only_where_it_fits(kv, pv, d):
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
 def test_route_schedule_follows_schedule_routes(kv, pv, d):
     """warp_specialized_config is the two-consumer config with QK after PV, except where
-    SCHEDULE_ROUTES names three consumers and / or the next QK ahead (16-bit P only)."""
+    SCHEDULE_ROUTES names three consumers and / or the next QK ahead (16-bit P only), with V
+    scaled by the loader where V_SCALED_ROUTES says so (8-bit caches' 16-bit PV only)."""
     consumers, qk_ahead = hop.SCHEDULE_ROUTES.get((kv, pv, d), (2, False))
     base = hop.three_consumer_config(kv, d, pv) if consumers == 3 else hop.two_consumer_config(kv, d, pv)
     got = hop.warp_specialized_config(kv, d, pv)
-    assert got == replace(base, qk_ahead=qk_ahead)
+    assert got == replace(base, qk_ahead=qk_ahead, v_scaled=(kv, pv, d) in hop.V_SCALED_ROUTES)
     assert got.block_m == 64 * consumers, got
     if pv != "bf16":  # 8-bit P keeps two consumers and QK after PV
         assert (consumers, qk_ahead) == (2, False) and got == hop.two_consumer_config(kv, d, pv)
     assert all(p == "bf16" and dim <= 128 for _, p, dim in hop.SCHEDULE_ROUTES)
+    assert all(k != "bf16" and p == "bf16" for k, p, _ in hop.V_SCALED_ROUTES)
 
 
 @pytest.mark.parametrize("config", [pytest.param(hop.HopperPrefillConfig(dv=128), id="synchronous"),
@@ -510,6 +513,11 @@ def test_convert_lag_and_deep_rings_are_rejected_where_they_do_not_apply():
         hop._check_config(replace(hop.warp_specialized_config("int8", 128), convert_lag=1), _C(), 4, "int8")
     with pytest.raises(ValueError, match="stages=7"):
         hop._check_config(replace(ws16, stages=7), _C(), 4, "bf16")
+    # V scaled by the loader: an 8-bit cache's 16-bit PV on the warp-specialized kernel only
+    with pytest.raises(ValueError, match="v_scaled applies"):
+        hop._check_config(replace(hop.warp_specialized_config("int8", 128), v_scaled=True), _C(), 4, "int8")
+    with pytest.raises(TypeError, match="v_scaled must be a bool"):
+        hop._check_config(replace(ws16, v_scaled=1), _C(), 4, "bf16")
     with pytest.raises(ValueError, match="stages=5 must be 2 .. 4"):
         hop._check_config(replace(hop.default_config("int8", 128, "int8"), stages=5), _C(), 4, "int8")
 
@@ -809,17 +817,19 @@ def test_gpu_lazy_rows_with_growing_scores(kv, d):
     testing.assert_close_verbose(lazy, eager, rel_l2=2e-3, name="lazy rows vs rescaling every tile")
 
 
-def _v_scaled(kv, d, pv):
-    return replace(hop.warp_specialized_config(kv, d, pv), v_scaled=True)
+def _other_v_scaling(kv, d, pv):
+    cfg = hop.warp_specialized_config(kv, d, pv)
+    return replace(cfg, v_scaled=not cfg.v_scaled)
 
 
 @pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16" and c.values[1] != "bf16"])
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_warp_specialized_v_scaled_by_the_loader(case, kv, pv):
-    """The 8-bit caches' 16-bit PV with V scaled by the loader (``v_scaled``: P is the plain
-    fp16 p), on the routed configs: the warp-specialized kernel's cases."""
-    _check_schedule(case, kv, pv, _v_scaled, "_prefill_hopper_ws_kernel")
+def test_gpu_warp_specialized_other_v_scaling(case, kv, pv):
+    """The 8-bit caches' 16-bit PV with the V scaling its route does not take (``v_scaled``:
+    the loader multiplies V by its scales and P is the plain fp16 p; or P carries them): the
+    warp-specialized kernel's cases."""
+    _check_schedule(case, kv, pv, _other_v_scaling, "_prefill_hopper_ws_kernel")
 
 
 def _check_schedule(case, kv, pv, config_of, kernel_name):
