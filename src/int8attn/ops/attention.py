@@ -206,6 +206,8 @@ class AttentionPlan:
             out = torch.empty((self.num_tokens, self.num_q_heads, self.head_dim), dtype=torch.bfloat16,
                               device=cache.device)
         decode_args = (query, q_quant, q_scale, cache, block_table, seq_lens, query_start_loc, out, qk_scale)
+        prefill_args = (kernel, config, win, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
+                        out, q_quant, q_scale)
         if launch is not None and self.overlap:
             # fork: the side stream starts after everything the caller queued (its inputs);
             # the two launches write disjoint rows of out; join before returning, so any
@@ -214,20 +216,17 @@ class AttentionPlan:
             side = side_stream(cache.device, OVERLAP_PRIORITY)
             side.wait_stream(main)
             if OVERLAP_PREFILL_FIRST:
-                self._run_prefill(kernel, config, win, query, cache, block_table, seq_lens, query_start_loc,
-                                  softmax_scale, out, q_quant, q_scale)
+                self._run_prefill(*prefill_args)
             with torch.cuda.stream(side):
                 launch(*decode_args)
             if not OVERLAP_PREFILL_FIRST:
-                self._run_prefill(kernel, config, win, query, cache, block_table, seq_lens, query_start_loc,
-                                  softmax_scale, out, q_quant, q_scale)
+                self._run_prefill(*prefill_args)
             main.wait_stream(side)
             return out
         if launch is not None:
             launch(*decode_args)
         if self.has_prefill:
-            self._run_prefill(kernel, config, win, query, cache, block_table, seq_lens, query_start_loc,
-                              softmax_scale, out, q_quant, q_scale)
+            self._run_prefill(*prefill_args)
         return out
 
     def _run_prefill(self, kernel, config, window, query, cache, block_table, seq_lens, query_start_loc,

@@ -795,7 +795,14 @@ class DecodeLaunch:
                 try:
                     self._run_split(self._eager_split, query, q_quant, q_scale, cache, tail)
                     if not self._graph_ready:
-                        self._prepare_graph_path(query, q_quant, q_scale, cache, tail)
+                        # what a CUDA-graph capture of this launch runs instead (the query
+                        # quantization, the split kernel merging through the merge kernel, the
+                        # merge kernel), compiled and loaded once without launching: a capture
+                        # that is the first to load a kernel is invalidated by the driver
+                        self._graph_ready = True
+                        self._run_split(self._split_kernel, query, q_quant, q_scale, cache, tail, prepare=True)
+                        if self._merge_kernel is not None:
+                            self._merge_kernel.prepare(out, part_acc, part_ml, seq_lens, query_start_loc)
                     return
                 except RuntimeError as exc:
                     # the driver refused the cooperative grid (fewer programs resident than
@@ -807,54 +814,25 @@ class DecodeLaunch:
             if self._merge_kernel is not None:
                 self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc)
 
-    def _prepare_graph_path(self, query, q_quant, q_scale, cache, tail) -> None:
-        """Compile and load, without launching, the kernels a CUDA-graph capture of this
-        launch runs (the query quantization, the split kernel merging through the merge
-        kernel, the merge kernel): eager calls take the barrier launch instead, and a
-        capture that is the first to load a kernel is invalidated by the driver. Done once,
-        after the first eager call (``CachedLaunch.prepare``; its arguments are that call's,
-        laid out as every later call's)."""
-        self._graph_ready = True
-        lam = cache.key_channel_scale
-        launch = self._split_kernel
-        if isinstance(launch, tuple):  # launches that quantize the float query themselves
-            if lam is None:
-                launch[0].prepare(query, self._q_scales, *tail)
-            else:
-                launch[1].prepare(query, lam, *tail)
-        else:
-            if self.quantize:
-                q_quant, q_scale = self._q_codes, self._q_scales
-                if lam is None:
-                    self._quantize_kernel.prepare(*quantize_query_args(query, q_quant, q_scale))
-                else:
-                    if self._quantize_kernel_lam is None:
-                        self._quantize_kernel_lam = CachedLaunch(_quantize_query_kernel,
-                                                                 *_query_launch(*self._query_dims, True))
-                    self._quantize_kernel_lam.prepare(*quantize_query_args(query, q_quant, q_scale, lam))
-            launch.prepare(q_quant, q_scale, *tail)
-        if self._merge_kernel is not None:
-            out, part_acc, part_ml, seq_lens, query_start_loc = tail[7], tail[8], tail[9], tail[5], tail[6]
-            self._merge_kernel.prepare(out, part_acc, part_ml, seq_lens, query_start_loc)
-
-    def _run_split(self, launch, query, q_quant, q_scale, cache, tail) -> None:
+    def _run_split(self, launch, query, q_quant, q_scale, cache, tail, prepare: bool = False) -> None:
         """One split-kernel launch: ``launch`` a CachedLaunch reading the query's codes
         (quantized first, with ``quantize``), or a (plain, migrated) pair that quantizes
-        the float ``query`` itself."""
+        the float ``query`` itself. ``prepare``: each kernel compiled and loaded for these
+        arguments instead of launched (``CachedLaunch.prepare``)."""
         lam = cache.key_channel_scale  # channel migration: Q times lam before its rounding
         if isinstance(launch, tuple):
-            if lam is None:
-                launch[0](query, self._q_scales, *tail)  # (the second pointer is unused)
-            else:
-                launch[1](query, lam, *tail)
+            launch = launch[0] if lam is None else launch[1]
+            # (the plain launch's second pointer is unused)
+            (launch.prepare if prepare else launch)(query, self._q_scales if lam is None else lam, *tail)
             return
         if self.quantize:
             q_quant, q_scale = self._q_codes, self._q_scales
             if lam is None:
-                self._quantize_kernel(*quantize_query_args(query, q_quant, q_scale))
+                quantize = self._quantize_kernel
             else:
                 if self._quantize_kernel_lam is None:
                     self._quantize_kernel_lam = CachedLaunch(_quantize_query_kernel,
                                                              *_query_launch(*self._query_dims, True))
-                self._quantize_kernel_lam(*quantize_query_args(query, q_quant, q_scale, lam))
-        launch(q_quant, q_scale, *tail)
+                quantize = self._quantize_kernel_lam
+            (quantize.prepare if prepare else quantize)(*quantize_query_args(query, q_quant, q_scale, lam))
+        (launch.prepare if prepare else launch)(q_quant, q_scale, *tail)
