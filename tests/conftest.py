@@ -44,3 +44,18 @@ def host_value_checks(monkeypatch):
     when asked (INT8ATTN_CHECK_VALUES=1), CPU tensors by default. Tests of host-side value
     errors take this fixture so they assert the same thing on both."""
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "1")
+
+
+@pytest.fixture
+def unloaded_decode_kernels():
+    """The decode kernels' in-process caches emptied (the portable split, merge and query
+    quantization kernels, and the launches unplanned decode calls remember), so the test's
+    first use of each compiles and loads it again: no earlier test can have loaded what a
+    CUDA-graph capture in it must find loaded."""
+    from int8attn.kernels.decode import _decode_merge_kernel, _decode_split_kernel
+    from int8attn.kernels.quantize import _quantize_query_kernel
+    from int8attn.ops import decode
+
+    for kernel in (_decode_split_kernel, _decode_merge_kernel, _quantize_query_kernel):
+        kernel.device_caches.clear()
+    decode._LAUNCHES.clear()

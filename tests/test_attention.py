@@ -524,17 +524,12 @@ def _assert_decode_rows_close_prefill_rows_equal(got, want, b):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_plan_run_in_cuda_graph():
+def test_plan_run_in_cuda_graph(unloaded_decode_kernels):
     """Captured after eager runs (the usual warm-up, also on a side stream), a plan's run
     replays every row: the captured decode launch's kernels -- which no eager run launches
     -- were loaded by the first eager run (a capture that loads a module is invalidated);
     the kernels' in-process caches are emptied first so this capture cannot find them
     loaded by an earlier test."""
-    from int8attn.kernels.decode import _decode_merge_kernel, _decode_split_kernel
-    from int8attn.kernels.quantize import _quantize_query_kernel
-
-    for kernel in (_decode_split_kernel, _decode_merge_kernel, _quantize_query_kernel):
-        kernel.device_caches.clear()
     b = mixed(seq_lens=[300, 70, 9, 1000], q_lens=[1, 4, 9, 500], hq=24, hkv=4, d=256, seed=6, device="cuda")
     plan = plan_attention(b.cache, b.block_table, b.seq_lens, b.query_start_loc, 24)
     eager = attention(*args_of(b), plan=plan)

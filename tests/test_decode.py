@@ -941,7 +941,7 @@ def test_refused_cooperative_launch_falls_back_to_the_merge_kernel(device, monke
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_auto_merge_eager_barrier_graph_kernels(monkeypatch):
+def test_auto_merge_eager_barrier_graph_kernels(monkeypatch, unloaded_decode_kernels):
     """Default plans on the GPU: an eager call is one launch (the barrier merge, no merge
     kernel), the same call captured into a CUDA graph is split + merge kernels; both agree
     with the merge kernel's eager result (to fp32 summation order) and with the reference.
@@ -949,11 +949,6 @@ def test_auto_merge_eager_barrier_graph_kernels(monkeypatch):
     captured path's kernels without launching them -- the kernels' in-process caches are
     emptied first, so no earlier test loaded them."""
     import int8attn.ops.decode as dec
-    from int8attn.kernels.decode import _decode_merge_kernel, _decode_split_kernel
-    from int8attn.kernels.quantize import _quantize_query_kernel
-
-    for kernel in (_decode_split_kernel, _decode_merge_kernel, _quantize_query_kernel):
-        kernel.device_caches.clear()
 
     batch = testing.make_paged_batch([300, 1000, 77], [1, 2, 1], num_q_heads=24, num_kv_heads=4, head_dim=256,
                                      kv_dtype="int8", seed=9, device="cuda")
