@@ -106,7 +106,6 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         # the rescale rules: the warpgroup-wide lazy test, and per row or every tile (whichever
         # the route's config does not take); two and three consumer warpgroups
         return [("hopper-ws", ws), ("hopper-ws-lazy", replace(ws, lazy_rescale=True)), _other_rescale(ws),
-                (f"hopper-ws-unroll{3 - ws.unroll}", replace(ws, unroll=3 - ws.unroll)),
                 ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d)), *_three_consumers(kv_dtype, d, pv)]
     sync = hop.default_config(kv_dtype, d, pv)
     out = [("hopper", sync)]
@@ -121,9 +120,7 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         out += [("hopper-ws", ws), ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d, pv)),
                 # V scaled by the loader (P the plain fp16 p: one multiply per score fewer), or
                 # not, whichever the route's config does not do
-                ("hopper-ws-v-" + ("unscaled" if ws.v_scaled else "scaled"), replace(ws, v_scaled=not ws.v_scaled)),
-                # one or two KV tiles per consumer loop iteration, whichever the route's config does not take
-                (f"hopper-ws-unroll{3 - ws.unroll}", replace(ws, unroll=3 - ws.unroll))]
+                ("hopper-ws-v-" + ("unscaled" if ws.v_scaled else "scaled"), replace(ws, v_scaled=not ws.v_scaled))]
         # the loader's copies in flight past the tile it converts (convert_lag; None: 1) and
         # the ring depth; the rescale rules (a warpgroup-wide lazy test per tile; per row with
         # each thread's multiplies behind a branch, or every tile)

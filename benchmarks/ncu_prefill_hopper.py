@@ -21,7 +21,6 @@ the script prints its event time.
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 
 import torch
 
@@ -37,15 +36,12 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=28672)
     ap.add_argument("--kv", default="int8", choices=("int8", "fp8", "bf16"))
     ap.add_argument("--pv", default=None, choices=("int8", "fp8", "bf16"), help="PV mode (default: the cache's)")
-    ap.add_argument("--unroll", type=int, default=None, choices=(1, 2), help="KV tiles per consumer loop iteration")
     args = ap.parse_args()
     pv = args.pv or args.kv
     hq, hkv, d = SHAPES[args.shape]
     b = testing.make_paged_batch([args.prefix + CHUNK], [CHUNK], num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                                  kv_dtype=args.kv, seed=7, device="cuda")
     config = hop.warp_specialized_config(args.kv, d, pv)
-    if args.unroll is not None:
-        config = replace(config, unroll=args.unroll)
     codes = {}
     if args.kv != "bf16":  # the producer's query codes, as the benchmark passes them
         qq, qs = quantize_query(b.query, args.kv)

@@ -106,16 +106,6 @@ VARIANTS = [
     pytest.param("int8", "bf16", 64, 16, 4, {"warp_specialized": True, "block_m": 192, "stages": 4, "block_n": 64,
                                              "dv": 64, "qk_ahead": True, "lazy_rescale": "rows", "v_scaled": True},
                  id="ws-int8-pv16-d64-m192-v-scaled"),
-    # two KV tiles per consumer loop iteration (HopperPrefillConfig.unroll): the int8 routes at
-    # D128 and D64 (three consumers)
-    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
-                                              "qk_ahead": True, "lazy_rescale": "rows", "v_scaled": True,
-                                              "unroll": 2},
-                 id="ws-int8-pv16-d128-v-scaled-unroll2"),
-    pytest.param("int8", "bf16", 64, 16, 4, {"warp_specialized": True, "block_m": 192, "stages": 4, "block_n": 64,
-                                             "dv": 64, "qk_ahead": True, "lazy_rescale": "rows", "v_scaled": True,
-                                             "unroll": 2},
-                 id="ws-int8-pv16-d64-m192-v-scaled-unroll2"),
 ]
 #: PTX type suffix of the QK and PV warpgroup MMAs, and the SASS class each must show.
 PTX_TYPES = {"int8": "s32.s8.s8", "fp8": "f32.e4m3.e4m3", "bf16": "f32.f16.f16"}
@@ -146,9 +136,7 @@ SPILL_BUDGET = {"int8-pv8-d256": 16,
                 "ws-fp8-pv16-d256-n64-s3-lazy-rows": 16,
                 # three consumers at 152 registers: a BF16 cache at D128 (Triton 3.6: 4); fp8 at
                 # D64 with QK ahead and V scaled by the loader (Triton 3.6: 12)
-                "ws-bf16-d128-m192": 8, "ws-fp8-pv16-d64-m192-v-scaled": 16,
-                # two tiles per loop iteration, int8 D64 three consumers (Triton 3.6: 4)
-                "ws-int8-pv16-d64-m192-v-scaled-unroll2": 8}
+                "ws-bf16-d128-m192": 8, "ws-fp8-pv16-d64-m192-v-scaled": 16}
 #: Triton 3.8 (the default CUDA torch 2.14 wheel's) spills more at head_dim 256: measured 41
 #: (int8 PV) and 48 (fp16 PV of an fp8 cache) local-memory instructions.
 SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
@@ -161,8 +149,8 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   # three consumers: 9 (BF16 cache, D128), 2 (fp8, D64, QK ahead)
                                   "ws-bf16-d128-m192": 16, "ws-fp8-pv16-d64-m192-qk-ahead": 8,
                                   "ws-fp8-pv16-d64-m192-v-scaled": 24,
-                                  # int8 D64 three consumers, V scaled: 8; two tiles per iteration: 10
-                                  "ws-int8-pv16-d64-m192-v-scaled": 16, "ws-int8-pv16-d64-m192-v-scaled-unroll2": 16},
+                                  # int8 D64 three consumers, V scaled: 8
+                                  "ws-int8-pv16-d64-m192-v-scaled": 16},
                           # the warp-specialized kernel with Triton 3.9: 65, 282, 0, 32, 26; 16-bit PV of
                           # 8-bit caches: 94 / 106 / 86 (int8 / int8 lazy per row / fp8 lazy per row at
                           # D256), 0, 30 (fp8: the loader's masked branch); three consumers: 2 (int8 16-bit
@@ -177,14 +165,8 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   "ws-bf16-d128-m192": 48, "ws-fp8-pv16-d64-m192-qk-ahead": 56,
                                   # V scaled by the loader: 25 (int8 D128), 97 (fp8 D64 m192)
                                   "ws-int8-pv16-d128-v-scaled": 32, "ws-fp8-pv16-d64-m192-v-scaled": 112,
-                                  # int8 D64 three consumers, V scaled: 51; two tiles per iteration: 70
-                                  # (D64), 32 (D128)
-                                  "ws-int8-pv16-d64-m192-v-scaled": 64, "ws-int8-pv16-d64-m192-v-scaled-unroll2": 96,
-                                  "ws-int8-pv16-d128-v-scaled-unroll2": 40}}
-
-#: Register-to-register moves allowed in the two-tile consumer loop of ``unroll=2`` (Triton
-#: 3.6 and 3.8: none; 3.9 keeps 17-25 of the 64 that two tiles of ``unroll=1`` copy).
-UNROLLED_COPY_BUDGET = {"3.9": 32}
+                                  # int8 D64 three consumers, V scaled: 51
+                                  "ws-int8-pv16-d64-m192-v-scaled": 64}}
 
 #: Instructions allowed in the int8 16-bit-PV loader's tile loop (sm_90): a fixed part per
 #: tile (waits, barriers, block ids) and a part per V value each loader thread converts
@@ -193,9 +175,10 @@ UNROLLED_COPY_BUDGET = {"3.9": 32}
 #: n32 with Triton 3.9; 502 at D256 with a signed page division; 483 for 64 values with a
 #: select per value).
 LOADER_LOOP_FIXED, LOADER_LOOP_PER_VALUE = 48, 4
-#: Loader tile loops above that model: at head_dim 64 (32 values per thread) the per-tile part
-#: is the larger share -- 255 instructions with V scaled (Triton 3.6; 254 with 3.8).
-LOADER_LOOP_BUDGET = {"ws-int8-pv16-d64-m192-v-scaled": 272, "ws-int8-pv16-d64-m192-v-scaled-unroll2": 272}
+#: Loader tile loops above that model: the routed int8 config at head_dim 64 (three consumers,
+#: V scaled; 32 values per thread), 255 instructions with Triton 3.6 (254 with 3.8, 267 with
+#: 3.9) where the model gives 48 + 5 x 32 = 208 (not analysed).
+LOADER_LOOP_BUDGET = {"ws-int8-pv16-d64-m192-v-scaled": 272}
 
 _COMPILE_ALL = r"""
 import json, os, re, subprocess, sys, tempfile
@@ -225,20 +208,6 @@ def guarded_fmuls(text):
     return n
 
 
-def unrolled_loop_copies(text):
-    # register-to-register moves in the smallest loop holding two tiles' exponentials (>= 64
-    # MUFU: the consumers' loop with unroll=2), None where no loop does
-    best = None
-    for body in sass.loops(text, operands=True):
-        if sum(op.startswith("MUFU") for op, _ in body) >= 64 and any("GMMA" in op for op, _ in body):
-            if best is None or len(body) < best[0]:
-                copies = sum(1 for op, rest in body if op.split(".")[0] in ("MOV", "IMAD") and
-                             re.fullmatch(r"(IMAD\.MOV\.U32\s+R\d+,\s*RZ,\s*RZ,|MOV\s+R\d+,)\s*R\d+\s*;?",
-                                          f"{op} {rest}".strip()))
-                best = (len(body), copies)
-    return None if best is None else best[1]
-
-
 def ptxas_info(ptx):
     # ptxas's own report on the PTX Triton made (C7511: every wgmma serialised)
     with tempfile.TemporaryDirectory() as tmp:
@@ -263,7 +232,6 @@ for key, (kv, pv, d, bs, group, over) in json.loads(sys.argv[1]).items():
         "loader_loop": len(loader), "loader_loop_selects": sum(i.split()[-1].startswith("SEL") for i in loader),
         # multiplies a branch skips (the per-row lazy rescale)
         "guarded_fmuls": guarded_fmuls(text),
-        "unrolled_loop_copies": unrolled_loop_copies(text),
         **gluon_facts(ptx, text),
         "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
         "sass_wgmma_waits": [int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", text)],
@@ -298,7 +266,6 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
             assert got["sass_classes"].get(SASS_CLASS[prec], 0) > 0, got
     sizes = got.pop("cp_async_sizes")
     assert len(sizes) >= 2 and set(sizes) <= {"0x10", "16"}, (sizes, got)
-    triton_minor = ".".join(compiled_variants["triton"].split(".")[:2])
     if over.get("warp_specialized"):  # partitions with their own register budgets, mbarrier hand-offs
         assert got["setmaxnreg"] >= 2, got
         if pv == "bf16" and kv != "bf16":
@@ -325,11 +292,6 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
             assert got["guarded_fmuls"] >= d, got
         else:
             assert got["guarded_fmuls"] < d // 8, got
-        if over.get("unroll") == 2:
-            # two tiles per loop iteration: the next tile's scores alternate between two
-            # register sets, not copied into the loop-carried one (32 moves per tile at unroll 1)
-            copies = got["unrolled_loop_copies"]
-            assert copies is not None and copies <= UNROLLED_COPY_BUDGET.get(triton_minor, 0), got
         # a config short of registers makes ptxas wait for every wgmma (C7511): the
         # warp-specialized configs measured on the H200 all keep their MMA chains pipelined
         assert got["wgmma_serialized"] is not True, got
@@ -337,7 +299,7 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
         # (ptxas serialises every wgmma of a kernel whose in-flight registers it cannot keep)
         assert got["wgmma_waits"] and max(got["wgmma_waits"]) >= 1, got
         assert got["sass_wgmma_waits"] and max(got["sass_wgmma_waits"]) >= 1, got
-    budget = {**SPILL_BUDGET, **SPILL_BUDGET_BY_TRITON.get(triton_minor, {})}
+    budget = {**SPILL_BUDGET, **SPILL_BUDGET_BY_TRITON.get(".".join(compiled_variants["triton"].split(".")[:2]), {})}
     assert got["local_memory"] <= budget.get(request.node.callspec.id, 0), got
 
 
@@ -881,20 +843,6 @@ def test_gpu_warp_specialized_other_v_scaling(case, kv, pv):
     the loader multiplies V by its scales and P is the plain fp16 p; or P carries them): the
     warp-specialized kernel's cases."""
     _check_schedule(case, kv, pv, _other_v_scaling, "_prefill_hopper_ws_kernel")
-
-
-def _unrolled(kv, d, pv):
-    return replace(hop.warp_specialized_config(kv, d, pv), unroll=2)
-
-
-@pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16" and "d256" not in c.values[0]])
-@pytest.mark.gpu
-@needs_sm90
-def test_gpu_warp_specialized_unrolled(case, kv, pv):
-    """Two KV tiles per consumer loop iteration (``unroll=2``; an odd tile count peels tile
-    0, the last tile issues a QK whose result is dropped) on the 16-bit-P routes' configs at
-    head_dim <= 128: odd and even tile counts, varlen, stale slots, the 4096 chunk."""
-    _check_schedule(case, kv, pv, _unrolled, "_prefill_hopper_ws_kernel")
 
 
 def _check_schedule(case, kv, pv, config_of, kernel_name):

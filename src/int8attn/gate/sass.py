@@ -77,11 +77,10 @@ def instructions(text: str) -> dict[str, list[tuple[int, str, str]]]:
     return functions
 
 
-def loops(text: str, function: str | None = None, operands: bool = False) -> list[list]:
+def loops(text: str, function: str | None = None) -> list[list[str]]:
     """Opcodes of every loop body -- the instructions from a backward branch's target up to
     the branch itself -- ordered by where the loop starts (per function, in file order;
-    ``function`` keeps one); ``operands``: ``(opcode, operands)`` pairs instead. Nested loops
-    appear once each, the outer one containing the inner."""
+    ``function`` keeps one). Nested loops appear once each, the outer one containing the inner."""
     found = []
     per_function = instructions(text)
     for name, ins in per_function.items():
@@ -91,7 +90,7 @@ def loops(text: str, function: str | None = None, operands: bool = False) -> lis
             target = _TARGET.search(rest) if op.split(".")[0] == "BRA" else None
             if target and int(target.group(1), 16) < addr:
                 lo = int(target.group(1), 16)
-                found.append((name, lo, [(o, r) if operands else o for a, o, r in ins if lo <= a <= addr]))
+                found.append((name, lo, [o for a, o, _ in ins if lo <= a <= addr]))
     order = {name: i for i, name in enumerate(per_function)}
     return [body for _, _, body in sorted(found, key=lambda x: (order[x[0]], x[1]))]
 

@@ -111,21 +111,20 @@ def _alloc_ring(elem: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 def partition_constexprs(pv_in_flight: bool, qk_ahead: bool, block_n: int, convert_lag: int,
-                         consumers: int = 2, v_scaled: bool = False, unroll: int = 1) -> dict:
+                         consumers: int = 2, v_scaled: bool = False) -> dict:
     """The constexprs of :func:`_prefill_hopper_ws_kernel` beside those of
     :func:`int8attn.kernels.prefill_hopper.kernel_layouts` (built for 64 rows, 4 warps).
     ``CVT_V``: the loader's layout of a [CVT_ROWS, block_n] slice of a V^T tile it converts
     to fp16 (8 keys per thread: one 8-byte shared load, one 16-byte store); ``CVT_LAG``: the
     tiles whose copies the loader keeps in flight past the one it converts (:func:`_loader_16`);
-    ``V_SCALED``: the loader writes V scaled by its keys' scales (:func:`_convert_v`);
-    ``UNROLL``: KV tiles per iteration of the consumers' loop (1 or 2, :func:`_consumer`)."""
+    ``V_SCALED``: the loader writes V scaled by its keys' scales (:func:`_convert_v`)."""
     cols = block_n // 8
     cvt_rows = CVT_ELEMS * 32 * LOADER_WARPS.value // block_n
     consumer_regs, loader_regs, _ = REGISTER_BUDGETS[consumers]
     return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight,
                 QK_AHEAD=qk_ahead, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
                 CVT_V=gl.BlockedLayout([1, 8], [32 // cols, cols], [LOADER_WARPS.value, 1], [1, 0]),
-                CVT_ROWS=cvt_rows, CVT_LAG=convert_lag, V_SCALED=v_scaled, UNROLL=unroll)
+                CVT_ROWS=cvt_rows, CVT_LAG=convert_lag, V_SCALED=v_scaled)
 
 
 @gluon.jit
@@ -496,133 +495,11 @@ def _v_chunk(v_buf, c: gl.constexpr, DV: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_tile(j, state, tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, DV: gl.constexpr,
-                   NUM_DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, STAGES: gl.constexpr,
-                   PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, LAZY: gl.constexpr, V_SCALED: gl.constexpr,
-                   UNROLL: gl.constexpr, levels: gl.constexpr, QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr,
-                   P_LAYOUT: gl.constexpr, COL: gl.constexpr, PV_ROW: gl.constexpr):
-    """KV tile ``j`` of :func:`_consumer`'s loop: the softmax of its scores ``s`` (QK(j), waited),
-    its PV and QK(j + 1). ``state``: what the loop carries (returned updated); ``tiles``: the
-    ring and the program's per-row constants."""
-    s, k_scale, v_scale, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, o0, o1, o2, o3, f_prev, m_i, l_i, r_i = state
-    q_smem, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty, kv_end, num_kv_tiles, row_scale, \
-        row_limit, inv_unit, full_end = tiles
-    SIXTEEN: gl.constexpr = PV_KIND == PV_BF16
-    start = j * BLOCK_N
-    has_next = j + 1 < num_kv_tiles
-    nxt = (j + 1) % STAGES
-    if not PV_IN_FLIGHT:
-        # QK(j + 1): with QK_AHEAD across this tile's softmax, else after its PV (below);
-        # past the last tile S_j stands in
-        s_tok = warpgroup_mma_init(s)
-        if has_next and QK_AHEAD and UNROLL == 1:
-            mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
-            fence_async_shared()
-            s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
-    if not PV_IN_FLIGHT and QK_AHEAD and UNROLL == 2:
-        # issued in every tile (past the last one it re-reads tile j's stage, which no load
-        # follows, for a result never used): a QK issued under has_next makes its result a
-        # phi of S_j, and two register sets can alternate only where it is not
-        if has_next:
-            mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
-        fence_async_shared()
-        s_tok = _qk(q_smem, k_ring.index((j + has_next.to(gl.int32)) % STAGES), BLOCK_M, BLOCK_N, KV_KIND,
-                    QK_LAYOUT)
-    if not PV_IN_FLIGHT and KV_KIND != KIND_BF16:
-        # read from the ring stage here, not carried from the last tile: not live during PV
-        if V_SCALED:  # the loader applied the V scales: P is p itself
-            k_scale = _stage_k_scale(ks_ring.index(j % STAGES), start, kv_end, BLOCK_N, COL)
-            p_scale = None
-        else:
-            k_scale, v_scale = _stage_scales(ks_ring.index(j % STAGES), vs_ring.index(j % STAGES), start,
-                                             kv_end, BLOCK_N, COL)
-            p_scale = v_scale
-    else:
-        p_scale = v_scale
-    # ---- softmax of S_j
-    if SIXTEEN:
-        t = _k_scaled(s, k_scale, KV_KIND)
-        if LAZY == LAZY_ROWS:
-            p_op, acc0, m_i, l_i = _softmax_tile_16_rows(t, p_scale, acc0, m_i, l_i, row_scale, row_limit,
-                                                         inv_unit, start, full_end, BLOCK_N, KV_KIND, COL,
-                                                         PV_ROW, P_LAYOUT)
-        elif LAZY == LAZY_WARPGROUP:
-            p_op, acc0, m_i, l_i = _softmax_tile_16(t, p_scale, acc0, m_i, l_i, row_scale, row_limit, inv_unit,
-                                                    start, full_end, BLOCK_N, KV_KIND, COL, PV_ROW, P_LAYOUT)
-        else:
-            p_op, factor, m_i, l_i = _softmax_tile_16_eager(t, p_scale, m_i, l_i, row_scale, row_limit,
-                                                            inv_unit, start, full_end, BLOCK_N, KV_KIND, COL,
-                                                            PV_ROW, P_LAYOUT)
-    else:
-        p_op, factor, m_i, l_i, r_i = _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit,
-                                                     start, full_end, levels, BLOCK_N, KV_KIND, PV_KIND, COL,
-                                                     PV_ROW, P_LAYOUT)
-    v_buf = v_ring.index(j % STAGES)
-
-    if PV_IN_FLIGHT:
-        # ---- PV(j - 1) done: fold it in, give its stage back to the loader
-        acc0, acc1, acc2, acc3 = _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, f_prev, NUM_DV,
-                                                PV_KIND)
-        if j >= 1:
-            mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
-        # ---- QK(j + 1) and PV(j), asynchronous; wait for QK(j + 1) only: PV(j) runs across
-        # the next softmax
-        if has_next:
-            mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
-            fence_async_shared()
-            s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
-            t0, t1, t2, t3 = _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M, DV, NUM_DV,
-                                       PV_KIND, PV_LAYOUT)
-            k_scale, v_scale = _stage_scales(ks_ring.index(nxt), vs_ring.index(nxt), start + BLOCK_N, kv_end,
-                                             BLOCK_N, COL)
-            s, o0, o1, o2, o3 = warpgroup_mma_wait(NUM_DV, deps=[s_tok, t0, t1, t2, t3])
-        else:
-            t0, t1, t2, t3 = _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M, DV, NUM_DV,
-                                       PV_KIND, PV_LAYOUT)
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3])
-        f_prev = factor
-    else:
-        # ---- PV(j) one column chunk at a time (no PV result lives across a softmax); with
-        # QK_AHEAD the waits also retire QK(j + 1)
-        if PV_KIND == PV_INT8:
-            acc0, acc1, acc2, acc3 = _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, 0, BLOCK_M, DV,
-                                                     NUM_DV, PV_LAYOUT)
-            if NUM_DV > 4:
-                acc4, acc5, acc6, acc7 = _pv_int8_chunks(acc4, acc5, acc6, acc7, p_op, factor, v_buf, 4, BLOCK_M,
-                                                         DV, NUM_DV, PV_LAYOUT)
-        elif SIXTEEN:
-            # one chunk (dv = head_dim): a BF16 cache's V rows [keys, head_dim], or the
-            # loader's fp16 V^T; LAZY: the accumulator was rescaled (if at all) in the softmax
-            if KV_KIND == KIND_BF16:
-                v_op = v_buf
-            else:
-                v_op = v16_ring.index(j % STAGES).permute((1, 0))
-            if LAZY:
-                acc0 = warpgroup_mma(p_op, v_op, acc0)
-            else:
-                acc0 = _pv_8bit(acc0, p_op, factor, v_op, BLOCK_M, DV, PV_KIND, PV_LAYOUT)
-        else:
-            acc0 = _pv_8bit(acc0, p_op, factor, _v_chunk(v_buf, 0, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
-            if NUM_DV > 1:
-                acc1 = _pv_8bit(acc1, p_op, factor, _v_chunk(v_buf, 1, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
-            if NUM_DV > 2:
-                acc2 = _pv_8bit(acc2, p_op, factor, _v_chunk(v_buf, 2, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
-                acc3 = _pv_8bit(acc3, p_op, factor, _v_chunk(v_buf, 3, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
-        mbarrier.arrive(empty.index(j % STAGES), count=1)
-        if has_next and not QK_AHEAD:
-            mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
-            fence_async_shared()
-            s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-    return (s, k_scale, v_scale, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, o0, o1, o2, o3, f_prev, m_i, l_i, r_i)
-
-
-@gluon.jit
 def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
               BLOCK_N: gl.constexpr, DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr,
               STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, LAZY: gl.constexpr,
               QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr,
-              V_SCALED: gl.constexpr, UNROLL: gl.constexpr):
+              V_SCALED: gl.constexpr):
     q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty, \
         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale, \
         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh = shared
@@ -701,25 +578,104 @@ def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.conste
             inv_unit = 1.0 / unit
             r_i = r_i * unit
 
-    state = (s, k_scale, v_scale, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, o0, o1, o2, o3, f_prev, m_i, l_i, r_i)
-    tiles = (q_smem, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty, kv_end, num_kv_tiles, row_scale,
-             row_limit, inv_unit, full_end)
-    if UNROLL == 2:
-        # two tiles per iteration (an odd count peels tile 0): QK(j + 1)'s registers alternate
-        # between two sets, where one tile per iteration copies them into the loop-carried one
-        if num_kv_tiles % 2 == 1:
-            state = _consumer_tile(0, state, tiles, BLOCK_M, BLOCK_N, DV, NUM_DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                                   QK_AHEAD, LAZY, V_SCALED, UNROLL, levels, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, COL, PV_ROW)
-        for j in range(num_kv_tiles % 2, num_kv_tiles, 2):
-            state = _consumer_tile(j, state, tiles, BLOCK_M, BLOCK_N, DV, NUM_DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                                   QK_AHEAD, LAZY, V_SCALED, UNROLL, levels, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, COL, PV_ROW)
-            state = _consumer_tile(j + 1, state, tiles, BLOCK_M, BLOCK_N, DV, NUM_DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                                   QK_AHEAD, LAZY, V_SCALED, UNROLL, levels, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, COL, PV_ROW)
-    else:
-        for j in range(0, num_kv_tiles):
-            state = _consumer_tile(j, state, tiles, BLOCK_M, BLOCK_N, DV, NUM_DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                                   QK_AHEAD, LAZY, V_SCALED, UNROLL, levels, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, COL, PV_ROW)
-    s, k_scale, v_scale, acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7, o0, o1, o2, o3, f_prev, m_i, l_i, r_i = state
+    for j in range(0, num_kv_tiles):
+        start = j * BLOCK_N
+        has_next = j + 1 < num_kv_tiles
+        nxt = (j + 1) % STAGES
+        if not PV_IN_FLIGHT:
+            # QK(j + 1): with QK_AHEAD across this tile's softmax, else after its PV (below);
+            # past the last tile S_j stands in
+            s_tok = warpgroup_mma_init(s)
+            if has_next and QK_AHEAD:
+                mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+                fence_async_shared()
+                s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
+        if not PV_IN_FLIGHT and KV_KIND != KIND_BF16:
+            # read from the ring stage here, not carried from the last tile: not live during PV
+            if V_SCALED:  # the loader applied the V scales: P is p itself
+                k_scale = _stage_k_scale(ks_ring.index(j % STAGES), start, kv_end, BLOCK_N, COL)
+                p_scale = None
+            else:
+                k_scale, v_scale = _stage_scales(ks_ring.index(j % STAGES), vs_ring.index(j % STAGES), start,
+                                                 kv_end, BLOCK_N, COL)
+                p_scale = v_scale
+        else:
+            p_scale = v_scale
+        # ---- softmax of S_j
+        if SIXTEEN:
+            t = _k_scaled(s, k_scale, KV_KIND)
+            if LAZY == LAZY_ROWS:
+                p_op, acc0, m_i, l_i = _softmax_tile_16_rows(t, p_scale, acc0, m_i, l_i, row_scale, row_limit,
+                                                             inv_unit, start, full_end, BLOCK_N, KV_KIND, COL,
+                                                             PV_ROW, P_LAYOUT)
+            elif LAZY == LAZY_WARPGROUP:
+                p_op, acc0, m_i, l_i = _softmax_tile_16(t, p_scale, acc0, m_i, l_i, row_scale, row_limit, inv_unit,
+                                                        start, full_end, BLOCK_N, KV_KIND, COL, PV_ROW, P_LAYOUT)
+            else:
+                p_op, factor, m_i, l_i = _softmax_tile_16_eager(t, p_scale, m_i, l_i, row_scale, row_limit,
+                                                                inv_unit, start, full_end, BLOCK_N, KV_KIND, COL,
+                                                                PV_ROW, P_LAYOUT)
+        else:
+            p_op, factor, m_i, l_i, r_i = _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit,
+                                                         start, full_end, levels, BLOCK_N, KV_KIND, PV_KIND, COL,
+                                                         PV_ROW, P_LAYOUT)
+        v_buf = v_ring.index(j % STAGES)
+
+        if PV_IN_FLIGHT:
+            # ---- PV(j - 1) done: fold it in, give its stage back to the loader
+            acc0, acc1, acc2, acc3 = _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, f_prev, NUM_DV,
+                                                    PV_KIND)
+            if j >= 1:
+                mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+            # ---- QK(j + 1) and PV(j), asynchronous; wait for QK(j + 1) only: PV(j) runs across
+            # the next softmax
+            if has_next:
+                mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+                fence_async_shared()
+                s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
+                t0, t1, t2, t3 = _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M, DV, NUM_DV,
+                                           PV_KIND, PV_LAYOUT)
+                k_scale, v_scale = _stage_scales(ks_ring.index(nxt), vs_ring.index(nxt), start + BLOCK_N, kv_end,
+                                                 BLOCK_N, COL)
+                s, o0, o1, o2, o3 = warpgroup_mma_wait(NUM_DV, deps=[s_tok, t0, t1, t2, t3])
+            else:
+                t0, t1, t2, t3 = _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M, DV, NUM_DV,
+                                           PV_KIND, PV_LAYOUT)
+                o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3])
+            f_prev = factor
+        else:
+            # ---- PV(j) one column chunk at a time (no PV result lives across a softmax); with
+            # QK_AHEAD the waits also retire QK(j + 1)
+            if PV_KIND == PV_INT8:
+                acc0, acc1, acc2, acc3 = _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, 0, BLOCK_M, DV,
+                                                         NUM_DV, PV_LAYOUT)
+                if NUM_DV > 4:
+                    acc4, acc5, acc6, acc7 = _pv_int8_chunks(acc4, acc5, acc6, acc7, p_op, factor, v_buf, 4, BLOCK_M,
+                                                             DV, NUM_DV, PV_LAYOUT)
+            elif SIXTEEN:
+                # one chunk (dv = head_dim): a BF16 cache's V rows [keys, head_dim], or the
+                # loader's fp16 V^T; LAZY: the accumulator was rescaled (if at all) in the softmax
+                if KV_KIND == KIND_BF16:
+                    v_op = v_buf
+                else:
+                    v_op = v16_ring.index(j % STAGES).permute((1, 0))
+                if LAZY:
+                    acc0 = warpgroup_mma(p_op, v_op, acc0)
+                else:
+                    acc0 = _pv_8bit(acc0, p_op, factor, v_op, BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+            else:
+                acc0 = _pv_8bit(acc0, p_op, factor, _v_chunk(v_buf, 0, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+                if NUM_DV > 1:
+                    acc1 = _pv_8bit(acc1, p_op, factor, _v_chunk(v_buf, 1, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+                if NUM_DV > 2:
+                    acc2 = _pv_8bit(acc2, p_op, factor, _v_chunk(v_buf, 2, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+                    acc3 = _pv_8bit(acc3, p_op, factor, _v_chunk(v_buf, 3, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+            mbarrier.arrive(empty.index(j % STAGES), count=1)
+            if has_next and not QK_AHEAD:
+                mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+                fence_async_shared()
+                s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
 
     if PV_IN_FLIGHT:
         acc0, acc1, acc2, acc3 = _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, f_prev, NUM_DV, PV_KIND)
@@ -748,7 +704,7 @@ def _prefill_hopper_ws_kernel(
     LOAD_Q: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
     LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     LOADER_REGS: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr,
-    LAZY: gl.constexpr, V_SCALED: gl.constexpr, UNROLL: gl.constexpr,
+    LAZY: gl.constexpr, V_SCALED: gl.constexpr,
 ):
     NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
     gl.static_assert((BLOCK_M == 2 * WG_ROWS) or (BLOCK_M == 3 * WG_ROWS), "two or three consumer warpgroups")
@@ -759,7 +715,6 @@ def _prefill_hopper_ws_kernel(
     gl.static_assert((CVT_LAG >= 1) and (CVT_LAG < STAGES), "the loader converts a tile it still holds")
     gl.static_assert(not V_SCALED or (PV_KIND == PV_BF16 and KV_KIND != KIND_BF16),
                      "V scaled by the loader: an 8-bit cache's 16-bit PV")
-    gl.static_assert((UNROLL == 1) or (UNROLL == 2), "one or two KV tiles per loop iteration")
 
     run, kv_head, seq, q_start, q_tile, q_len, seq_len = _checked_tile(
         query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, out_ptr, num_seqs, num_tiles, num_tokens,
@@ -794,20 +749,20 @@ def _prefill_hopper_ws_kernel(
     if NUM_WG == 2:
         gl.warp_specialize([
             (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, UNROLL)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
             (_consumer, (shared, 1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, UNROLL)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
             (_loader, (loads, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V,
                        CVT_ROWS, CVT_LAG, V_SCALED)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
     else:  # three consumer warpgroups (block_m 192)
         gl.warp_specialize([
             (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, UNROLL)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
             (_consumer, (shared, 1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, UNROLL)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
             (_consumer, (shared, 2, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, UNROLL)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
             (_loader, (loads, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V,
                        CVT_ROWS, CVT_LAG, V_SCALED)),
         ], [4, 4, LOADER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

@@ -133,10 +133,7 @@ class HopperPrefillConfig:
     loader keeps in flight past the one it converts to fp16, 1 .. stages - 1 (None: 1);
     v_scaled (the same route only): the loader multiplies each key's fp16 V by its scale
     (over the program's P unit), so the consumers' P is the plain fp16 ``p``: one multiply per
-    score fewer in the consumers, half a paired multiply per V value more in the loader;
-    unroll (warp-specialized only): KV tiles per iteration of the consumers' loop, 1 or 2 (with
-    ``qk_ahead`` one tile per iteration copies the next tile's scores into the loop-carried
-    registers, 32 moves per thread at block_n 64; two alternate between two register sets). The
+    score fewer in the consumers, half a paired multiply per V value more in the loader. The
     warp-specialized kernel takes up to 6 stages (shared memory permitting), the others up
     to 4."""
 
@@ -150,7 +147,6 @@ class HopperPrefillConfig:
     lazy_rescale: bool | str = False
     convert_lag: int | None = None
     v_scaled: bool = False
-    unroll: int = 1
 
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillConfig:
@@ -383,10 +379,6 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise TypeError(f"config.v_scaled must be a bool, got {config.v_scaled!r}")
     if config.v_scaled and not converts_v:
         raise ValueError("v_scaled applies to an 8-bit cache's 16-bit PV on the warp-specialized kernel only")
-    if isinstance(config.unroll, bool) or config.unroll not in (1, 2):
-        raise ValueError(f"unroll={config.unroll!r} must be 1 or 2")
-    if config.unroll != 1 and not config.warp_specialized:
-        raise ValueError("unroll applies to the warp-specialized kernel only")
     _checks.check_pv_tile_keys(config.block_n, pv_mode)
     # resolved where the loader converts V, None elsewhere (a checked config checks again)
     return replace(config, dv=dv, convert_lag=lag if converts_v else None)
@@ -426,8 +418,7 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
         # every partition is one warpgroup: layouts of 64 rows and 4 warps
         const.update(kernel_layouts(64, config.block_n, head_dim, config.dv, kv, pv),
                      **partition_constexprs(config.pipeline, config.qk_ahead, config.block_n,
-                                            _convert_lag(config), config.block_m // 64, config.v_scaled,
-                                            config.unroll),
+                                            _convert_lag(config), config.block_m // 64, config.v_scaled),
                      LAZY=LAZY_RESCALE[_LAZY_NAMES.get(config.lazy_rescale, config.lazy_rescale)])
     else:
         const.update(kernel_layouts(config.block_m, config.block_n, head_dim, config.dv, kv, pv))
