@@ -176,8 +176,11 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
 #: select per value).
 LOADER_LOOP_FIXED, LOADER_LOOP_PER_VALUE = 48, 4
 #: Loader tile loops above that model: the routed int8 config at head_dim 64 (three consumers,
-#: V scaled; 32 values per thread), 255 instructions with Triton 3.6 (254 with 3.8, 267 with
-#: 3.9) where the model gives 48 + 5 x 32 = 208 (not analysed).
+#: V scaled; 32 values per thread), 252-255 instructions with Triton 3.6 (254 with 3.8, 267
+#: with 3.9) where the model gives 48 + 5 x 32 = 208. The per-value part halves from D128, the
+#: rest does not: the four pages' block ids and addresses, and the branch that computes the P
+#: unit when tile 0 converts (~45 static instructions -- maxima, selects, a reciprocal -- run
+#: once per program), which the model's 48 covers at D128 (344 <= 368) but not at D64.
 LOADER_LOOP_BUDGET = {"ws-int8-pv16-d64-m192-v-scaled": 272}
 
 _COMPILE_ALL = r"""
