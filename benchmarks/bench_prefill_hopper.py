@@ -106,6 +106,7 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         # the rescale rules: the warpgroup-wide lazy test, and per row or every tile (whichever
         # the route's config does not take); two and three consumer warpgroups
         return [("hopper-ws", ws), ("hopper-ws-lazy", replace(ws, lazy_rescale=True)), _other_rescale(ws),
+                *_shared_consumer(ws),
                 ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d)), *_three_consumers(kv_dtype, d, pv)]
     sync = hop.default_config(kv_dtype, d, pv)
     out = [("hopper", sync)]
@@ -120,7 +121,8 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         out += [("hopper-ws", ws), ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d, pv)),
                 # V scaled by the loader (P the plain fp16 p: one multiply per score fewer), or
                 # not, whichever the route's config does not do
-                ("hopper-ws-v-" + ("unscaled" if ws.v_scaled else "scaled"), replace(ws, v_scaled=not ws.v_scaled))]
+                ("hopper-ws-v-" + ("unscaled" if ws.v_scaled else "scaled"), replace(ws, v_scaled=not ws.v_scaled)),
+                *_shared_consumer(ws)]
         # the loader's copies in flight past the tile it converts (convert_lag; None: 1) and
         # the ring depth; the rescale rules (a warpgroup-wide lazy test per tile; per row with
         # each thread's multiplies behind a branch, or every tile)
@@ -163,6 +165,16 @@ def _three_consumers(kv_dtype: str, d: int, pv: str) -> list:
     m192 = hop.three_consumer_config(kv_dtype, d, pv)
     return [] if m192 is None else [("hopper-ws-m192", m192),
                                     ("hopper-ws-m192-qk-ahead", replace(m192, qk_ahead=True))]
+
+
+def _shared_consumer(ws) -> list:
+    """(label, config) pairs: both consumer warpgroups in one 8-warp partition (one copy of
+    their code), with the route's schedule and with 16-bit PV in flight across the next
+    softmax (QK issued with PV; ptxas keeps wgmma in flight only outside worker partitions)."""
+    shared = replace(ws, block_m=128, shared_consumer=True)
+    lazy = "rows" if ws.lazy_rescale is True else ws.lazy_rescale
+    return [("hopper-ws-shared", shared),
+            ("hopper-ws-shared-pv-ahead", replace(shared, pipeline=True, qk_ahead=False, lazy_rescale=lazy))]
 
 
 def _other_rescale(ws) -> tuple:

@@ -850,6 +850,24 @@ def test_gpu_warp_specialized_other_v_scaling(case, kv, pv):
     _check_schedule(case, kv, pv, _other_v_scaling, "_prefill_hopper_ws_kernel")
 
 
+def _shared_consumer(kv, d, pv, pv_ahead):
+    cfg = replace(hop.warp_specialized_config(kv, d, pv), block_m=128, shared_consumer=True)
+    if pv_ahead:
+        cfg = replace(cfg, pipeline=True, qk_ahead=False, lazy_rescale="rows" if cfg.lazy_rescale is True
+                      else cfg.lazy_rescale)
+    return cfg
+
+
+@pytest.mark.parametrize("pv_ahead", [False, True], ids=["route-schedule", "pv-ahead"])
+@pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_warp_specialized_shared_consumer(case, kv, pv, pv_ahead):
+    """Both consumer warpgroups in one 8-warp partition (``shared_consumer``), with the
+    route's schedule and with 16-bit PV in flight across the next softmax (``pipeline``)."""
+    _check_schedule(case, kv, pv, lambda k, d, p: _shared_consumer(k, d, p, pv_ahead), "_prefill_hopper_ws_kernel")
+
+
 def _check_schedule(case, kv, pv, config_of, kernel_name):
     if case.startswith("odd"):
         hq, hkv, d, bs = {"odd-g6-d256-97": (24, 4, 256, 16), "odd-g4-d64-bs64-123": (8, 2, 64, 64)}[case]

@@ -495,11 +495,84 @@ def _v_chunk(v_buf, c: gl.constexpr, DV: gl.constexpr):
 
 
 @gluon.jit
+def _softmax_tile_16_rows_p(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N: gl.constexpr,
+                            COL: gl.constexpr, PV_ROW: gl.constexpr):
+    """:func:`_softmax_tile_16_rows` without touching the accumulator: returns (p in fp32, the
+    rows' rescale factor in the accumulator's row layout -- 1 where a row kept its maximum -- m, l)."""
+    t, m_cand = _masked_running_max(t, m_i, row_scale, row_limit, start, full_end, BLOCK_N, COL)
+    m_new = gl.where(m_cand - m_i > LAZY_TAU, m_cand, m_i)
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(t * row_scale[:, None] - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, gl.convert_layout(alpha, PV_ROW), m_new, l_i
+
+
+@gluon.jit
+def _consumer_loop_pv16_in_flight(s, acc, m_i, l_i, k_scale, v_scale, q_smem, k_ring, v_ring, v16_ring, ks_ring,
+                                  vs_ring, ready, empty, kv_end, num_kv_tiles, row_scale, row_limit, inv_unit,
+                                  full_end, BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr, STAGES: gl.constexpr,
+                                  LAZY: gl.constexpr, V_SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
+                                  QK_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, COL: gl.constexpr,
+                                  PV_ROW: gl.constexpr):
+    """The tile loop of a 16-bit PV with ``PV_IN_FLIGHT`` (FlashAttention-3's overlap inside a
+    warpgroup): the softmax of tile ``j`` runs while PV(j - 1) is in flight; then PV(j - 1) is
+    waited (its stage handed back, the accumulator rescaled), QK(j + 1) and PV(j) are issued and
+    QK(j + 1) alone is waited. Only groups of one iteration are ever waited by age (ptxas
+    serialises every wgmma of a loop that waits across the back edge on the older of two).
+    Past the last tile QK re-reads tile ``j``'s stage, which no load follows, for a result
+    never used: no QK result is a phi of ``S_j``. ``s`` is S_0, waited; returns (acc, m, l)."""
+    acc = warpgroup_mma_init(acc)  # carried as the MMA's accumulator: PV(j) is in flight at each iteration's end
+    for j in range(0, num_kv_tiles):
+        start = j * BLOCK_N
+        has_next = j + 1 < num_kv_tiles
+        p_scale = v_scale
+        if KV_KIND != KIND_BF16:
+            if V_SCALED:  # the loader applied the V scales: P is p itself
+                k_scale = _stage_k_scale(ks_ring.index(j % STAGES), start, kv_end, BLOCK_N, COL)
+                p_scale = None
+            else:
+                k_scale, v_scale = _stage_scales(ks_ring.index(j % STAGES), vs_ring.index(j % STAGES), start,
+                                                 kv_end, BLOCK_N, COL)
+                p_scale = v_scale
+        t = _k_scaled(s, k_scale, KV_KIND)
+        if LAZY == LAZY_ROWS:
+            p, factor, m_i, l_i = _softmax_tile_16_rows_p(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N,
+                                                          COL, PV_ROW)
+        else:
+            p, factor, m_i, l_i = _online_softmax(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N, COL)
+            factor = gl.convert_layout(factor, PV_ROW)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        if j >= 1:
+            mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+        if LAZY == LAZY_ROWS:
+            acc = _rescale_rows_skipping_ones(acc, factor)
+        else:
+            acc = acc * factor[:, None]
+        if has_next:
+            mbarrier.wait(ready.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
+        fence_async_shared()
+        s_tok = _qk(q_smem, k_ring.index((j + has_next.to(gl.int32)) % STAGES), BLOCK_M, BLOCK_N, KV_KIND,
+                    QK_LAYOUT)
+        if KV_KIND == KIND_BF16:
+            v_op = v_ring.index(j % STAGES)
+        else:
+            v_op = v16_ring.index(j % STAGES).permute((1, 0))
+        # P packed to 16 bits only now: its registers, read by PV(j - 1), are free again (packed
+        # during the softmax, P(j) would need a second register set, and ptxas serialises the
+        # loop's wgmma for want of one)
+        acc = warpgroup_mma(_p_operand_16(p, p_scale, inv_unit, KV_KIND, P_LAYOUT), v_op, acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(empty.index((num_kv_tiles - 1) % STAGES), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_Q: gl.constexpr,
               BLOCK_N: gl.constexpr, DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr,
               STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, LAZY: gl.constexpr,
               QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr,
-              V_SCALED: gl.constexpr):
+              V_SCALED: gl.constexpr, ROWS: gl.constexpr = WG_ROWS):
     q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty, \
         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale, \
         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh = shared
@@ -507,8 +580,8 @@ def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.conste
     COL: gl.constexpr = gl.SliceLayout(0, QK_LAYOUT)
     PV_ROW: gl.constexpr = gl.SliceLayout(1, PV_LAYOUT)
     NUM_DV: gl.constexpr = HEAD_DIM // DV
-    BLOCK_M: gl.constexpr = WG_ROWS
-    ROW0: gl.constexpr = WG * WG_ROWS
+    BLOCK_M: gl.constexpr = ROWS
+    ROW0: gl.constexpr = WG * ROWS
 
     # ---- this warpgroup's Q codes into its own tile (row r of the program: token r // GROUP)
     qm = ROW0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LOAD_Q))
@@ -578,106 +651,113 @@ def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.conste
             inv_unit = 1.0 / unit
             r_i = r_i * unit
 
-    for j in range(0, num_kv_tiles):
-        start = j * BLOCK_N
-        has_next = j + 1 < num_kv_tiles
-        nxt = (j + 1) % STAGES
-        if not PV_IN_FLIGHT:
-            # QK(j + 1): with QK_AHEAD across this tile's softmax, else after its PV (below);
-            # past the last tile S_j stands in
-            s_tok = warpgroup_mma_init(s)
-            if has_next and QK_AHEAD:
-                mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
-                fence_async_shared()
-                s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
-        if not PV_IN_FLIGHT and KV_KIND != KIND_BF16:
-            # read from the ring stage here, not carried from the last tile: not live during PV
-            if V_SCALED:  # the loader applied the V scales: P is p itself
-                k_scale = _stage_k_scale(ks_ring.index(j % STAGES), start, kv_end, BLOCK_N, COL)
-                p_scale = None
+    if SIXTEEN and PV_IN_FLIGHT:
+        acc0, m_i, l_i = _consumer_loop_pv16_in_flight(s, acc0, m_i, l_i, k_scale, v_scale, q_smem, k_ring, v_ring,
+                                                       v16_ring, ks_ring, vs_ring, ready, empty, kv_end, num_kv_tiles,
+                                                       row_scale, row_limit, inv_unit, full_end, BLOCK_N, KV_KIND,
+                                                       STAGES, LAZY, V_SCALED, BLOCK_M, QK_LAYOUT, P_LAYOUT, COL,
+                                                       PV_ROW)
+    else:
+        for j in range(0, num_kv_tiles):
+            start = j * BLOCK_N
+            has_next = j + 1 < num_kv_tiles
+            nxt = (j + 1) % STAGES
+            if not PV_IN_FLIGHT:
+                # QK(j + 1): with QK_AHEAD across this tile's softmax, else after its PV (below);
+                # past the last tile S_j stands in
+                s_tok = warpgroup_mma_init(s)
+                if has_next and QK_AHEAD:
+                    mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+                    fence_async_shared()
+                    s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
+            if not PV_IN_FLIGHT and KV_KIND != KIND_BF16:
+                # read from the ring stage here, not carried from the last tile: not live during PV
+                if V_SCALED:  # the loader applied the V scales: P is p itself
+                    k_scale = _stage_k_scale(ks_ring.index(j % STAGES), start, kv_end, BLOCK_N, COL)
+                    p_scale = None
+                else:
+                    k_scale, v_scale = _stage_scales(ks_ring.index(j % STAGES), vs_ring.index(j % STAGES), start,
+                                                     kv_end, BLOCK_N, COL)
+                    p_scale = v_scale
             else:
-                k_scale, v_scale = _stage_scales(ks_ring.index(j % STAGES), vs_ring.index(j % STAGES), start,
-                                                 kv_end, BLOCK_N, COL)
                 p_scale = v_scale
-        else:
-            p_scale = v_scale
-        # ---- softmax of S_j
-        if SIXTEEN:
-            t = _k_scaled(s, k_scale, KV_KIND)
-            if LAZY == LAZY_ROWS:
-                p_op, acc0, m_i, l_i = _softmax_tile_16_rows(t, p_scale, acc0, m_i, l_i, row_scale, row_limit,
-                                                             inv_unit, start, full_end, BLOCK_N, KV_KIND, COL,
+            # ---- softmax of S_j
+            if SIXTEEN:
+                t = _k_scaled(s, k_scale, KV_KIND)
+                if LAZY == LAZY_ROWS:
+                    p_op, acc0, m_i, l_i = _softmax_tile_16_rows(t, p_scale, acc0, m_i, l_i, row_scale, row_limit,
+                                                                 inv_unit, start, full_end, BLOCK_N, KV_KIND, COL,
+                                                                 PV_ROW, P_LAYOUT)
+                elif LAZY == LAZY_WARPGROUP:
+                    p_op, acc0, m_i, l_i = _softmax_tile_16(t, p_scale, acc0, m_i, l_i, row_scale, row_limit, inv_unit,
+                                                            start, full_end, BLOCK_N, KV_KIND, COL, PV_ROW, P_LAYOUT)
+                else:
+                    p_op, factor, m_i, l_i = _softmax_tile_16_eager(t, p_scale, m_i, l_i, row_scale, row_limit,
+                                                                    inv_unit, start, full_end, BLOCK_N, KV_KIND, COL,
+                                                                    PV_ROW, P_LAYOUT)
+            else:
+                p_op, factor, m_i, l_i, r_i = _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit,
+                                                             start, full_end, levels, BLOCK_N, KV_KIND, PV_KIND, COL,
                                                              PV_ROW, P_LAYOUT)
-            elif LAZY == LAZY_WARPGROUP:
-                p_op, acc0, m_i, l_i = _softmax_tile_16(t, p_scale, acc0, m_i, l_i, row_scale, row_limit, inv_unit,
-                                                        start, full_end, BLOCK_N, KV_KIND, COL, PV_ROW, P_LAYOUT)
-            else:
-                p_op, factor, m_i, l_i = _softmax_tile_16_eager(t, p_scale, m_i, l_i, row_scale, row_limit,
-                                                                inv_unit, start, full_end, BLOCK_N, KV_KIND, COL,
-                                                                PV_ROW, P_LAYOUT)
-        else:
-            p_op, factor, m_i, l_i, r_i = _softmax_tile(s, k_scale, v_scale, m_i, l_i, r_i, row_scale, row_limit,
-                                                         start, full_end, levels, BLOCK_N, KV_KIND, PV_KIND, COL,
-                                                         PV_ROW, P_LAYOUT)
-        v_buf = v_ring.index(j % STAGES)
+            v_buf = v_ring.index(j % STAGES)
 
-        if PV_IN_FLIGHT:
-            # ---- PV(j - 1) done: fold it in, give its stage back to the loader
-            acc0, acc1, acc2, acc3 = _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, f_prev, NUM_DV,
-                                                    PV_KIND)
-            if j >= 1:
-                mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
-            # ---- QK(j + 1) and PV(j), asynchronous; wait for QK(j + 1) only: PV(j) runs across
-            # the next softmax
-            if has_next:
-                mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
-                fence_async_shared()
-                s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
-                t0, t1, t2, t3 = _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M, DV, NUM_DV,
-                                           PV_KIND, PV_LAYOUT)
-                k_scale, v_scale = _stage_scales(ks_ring.index(nxt), vs_ring.index(nxt), start + BLOCK_N, kv_end,
-                                                 BLOCK_N, COL)
-                s, o0, o1, o2, o3 = warpgroup_mma_wait(NUM_DV, deps=[s_tok, t0, t1, t2, t3])
-            else:
-                t0, t1, t2, t3 = _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M, DV, NUM_DV,
-                                           PV_KIND, PV_LAYOUT)
-                o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3])
-            f_prev = factor
-        else:
-            # ---- PV(j) one column chunk at a time (no PV result lives across a softmax); with
-            # QK_AHEAD the waits also retire QK(j + 1)
-            if PV_KIND == PV_INT8:
-                acc0, acc1, acc2, acc3 = _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, 0, BLOCK_M, DV,
-                                                         NUM_DV, PV_LAYOUT)
-                if NUM_DV > 4:
-                    acc4, acc5, acc6, acc7 = _pv_int8_chunks(acc4, acc5, acc6, acc7, p_op, factor, v_buf, 4, BLOCK_M,
-                                                             DV, NUM_DV, PV_LAYOUT)
-            elif SIXTEEN:
-                # one chunk (dv = head_dim): a BF16 cache's V rows [keys, head_dim], or the
-                # loader's fp16 V^T; LAZY: the accumulator was rescaled (if at all) in the softmax
-                if KV_KIND == KIND_BF16:
-                    v_op = v_buf
+            if PV_IN_FLIGHT:
+                # ---- PV(j - 1) done: fold it in, give its stage back to the loader
+                acc0, acc1, acc2, acc3 = _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, f_prev, NUM_DV,
+                                                        PV_KIND)
+                if j >= 1:
+                    mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+                # ---- QK(j + 1) and PV(j), asynchronous; wait for QK(j + 1) only: PV(j) runs across
+                # the next softmax
+                if has_next:
+                    mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+                    fence_async_shared()
+                    s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
+                    t0, t1, t2, t3 = _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M, DV, NUM_DV,
+                                               PV_KIND, PV_LAYOUT)
+                    k_scale, v_scale = _stage_scales(ks_ring.index(nxt), vs_ring.index(nxt), start + BLOCK_N, kv_end,
+                                                     BLOCK_N, COL)
+                    s, o0, o1, o2, o3 = warpgroup_mma_wait(NUM_DV, deps=[s_tok, t0, t1, t2, t3])
                 else:
-                    v_op = v16_ring.index(j % STAGES).permute((1, 0))
-                if LAZY:
-                    acc0 = warpgroup_mma(p_op, v_op, acc0)
-                else:
-                    acc0 = _pv_8bit(acc0, p_op, factor, v_op, BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+                    t0, t1, t2, t3 = _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M, DV, NUM_DV,
+                                               PV_KIND, PV_LAYOUT)
+                    o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=[t0, t1, t2, t3])
+                f_prev = factor
             else:
-                acc0 = _pv_8bit(acc0, p_op, factor, _v_chunk(v_buf, 0, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
-                if NUM_DV > 1:
-                    acc1 = _pv_8bit(acc1, p_op, factor, _v_chunk(v_buf, 1, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
-                if NUM_DV > 2:
-                    acc2 = _pv_8bit(acc2, p_op, factor, _v_chunk(v_buf, 2, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
-                    acc3 = _pv_8bit(acc3, p_op, factor, _v_chunk(v_buf, 3, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
-            mbarrier.arrive(empty.index(j % STAGES), count=1)
-            if has_next and not QK_AHEAD:
-                mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
-                fence_async_shared()
-                s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
-            s = warpgroup_mma_wait(0, deps=[s_tok])
+                # ---- PV(j) one column chunk at a time (no PV result lives across a softmax); with
+                # QK_AHEAD the waits also retire QK(j + 1)
+                if PV_KIND == PV_INT8:
+                    acc0, acc1, acc2, acc3 = _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, 0, BLOCK_M, DV,
+                                                             NUM_DV, PV_LAYOUT)
+                    if NUM_DV > 4:
+                        acc4, acc5, acc6, acc7 = _pv_int8_chunks(acc4, acc5, acc6, acc7, p_op, factor, v_buf, 4, BLOCK_M,
+                                                                 DV, NUM_DV, PV_LAYOUT)
+                elif SIXTEEN:
+                    # one chunk (dv = head_dim): a BF16 cache's V rows [keys, head_dim], or the
+                    # loader's fp16 V^T; LAZY: the accumulator was rescaled (if at all) in the softmax
+                    if KV_KIND == KIND_BF16:
+                        v_op = v_buf
+                    else:
+                        v_op = v16_ring.index(j % STAGES).permute((1, 0))
+                    if LAZY:
+                        acc0 = warpgroup_mma(p_op, v_op, acc0)
+                    else:
+                        acc0 = _pv_8bit(acc0, p_op, factor, v_op, BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+                else:
+                    acc0 = _pv_8bit(acc0, p_op, factor, _v_chunk(v_buf, 0, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+                    if NUM_DV > 1:
+                        acc1 = _pv_8bit(acc1, p_op, factor, _v_chunk(v_buf, 1, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+                    if NUM_DV > 2:
+                        acc2 = _pv_8bit(acc2, p_op, factor, _v_chunk(v_buf, 2, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+                        acc3 = _pv_8bit(acc3, p_op, factor, _v_chunk(v_buf, 3, DV), BLOCK_M, DV, PV_KIND, PV_LAYOUT)
+                mbarrier.arrive(empty.index(j % STAGES), count=1)
+                if has_next and not QK_AHEAD:
+                    mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
+                    fence_async_shared()
+                    s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
+                s = warpgroup_mma_wait(0, deps=[s_tok])
 
-    if PV_IN_FLIGHT:
+    if PV_IN_FLIGHT and not SIXTEEN:
         acc0, acc1, acc2, acc3 = _wait_and_fold(o0, o1, o2, o3, acc0, acc1, acc2, acc3, f_prev, NUM_DV, PV_KIND)
     _store_output(out_ptr, acc0, acc1, acc2, acc3, l_i, r_i, q_start, q_tile, q_len, kv_head, stride_ot, stride_oh,
                   GROUP, BLOCK_M, BLOCK_Q, DV, NUM_DV, PV_LAYOUT, ROW0)
@@ -704,13 +784,17 @@ def _prefill_hopper_ws_kernel(
     LOAD_Q: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
     LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     LOADER_REGS: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr,
-    LAZY: gl.constexpr, V_SCALED: gl.constexpr,
+    LAZY: gl.constexpr, V_SCALED: gl.constexpr, SHARED_CONSUMER: gl.constexpr,
 ):
-    NUM_WG: gl.constexpr = BLOCK_M // WG_ROWS
+    # SHARED_CONSUMER: both warpgroups in one partition (the default, 8 warps): one copy of the code
+    NUM_WG: gl.constexpr = 1 if SHARED_CONSUMER else BLOCK_M // WG_ROWS
+    ROWS: gl.constexpr = BLOCK_M if SHARED_CONSUMER else WG_ROWS
     gl.static_assert((BLOCK_M == 2 * WG_ROWS) or (BLOCK_M == 3 * WG_ROWS), "two or three consumer warpgroups")
+    gl.static_assert(not SHARED_CONSUMER or BLOCK_M == 2 * WG_ROWS, "one shared partition of two warpgroups")
     gl.static_assert(STAGES >= 3, "tiles j - 1 (PV in flight), j and j + 1 are live")
     gl.static_assert((PV_KIND != PV_BF16) or (DV == HEAD_DIM), "16-bit PV: one column chunk")
-    gl.static_assert((PV_KIND != PV_BF16) or not PV_IN_FLIGHT, "16-bit PV is waited in its own tile")
+    gl.static_assert((PV_KIND != PV_BF16) or not PV_IN_FLIGHT or (LAZY != LAZY_WARPGROUP),
+                     "16-bit PV in flight: rescaled per row or every tile")
     gl.static_assert((PV_KIND == PV_BF16) or not LAZY, "lazy rescaling: 16-bit P only")
     gl.static_assert((CVT_LAG >= 1) and (CVT_LAG < STAGES), "the loader converts a tile it still holds")
     gl.static_assert(not V_SCALED or (PV_KIND == PV_BF16 and KV_KIND != KIND_BF16),
@@ -728,7 +812,7 @@ def _prefill_hopper_ws_kernel(
     bt_row = block_table_ptr + seq.to(gl.int64) * stride_bt
 
     elem: gl.constexpr = k_ptr.dtype.element_ty
-    q_bufs = gl.allocate_shared_memory(elem, [NUM_WG, WG_ROWS, HEAD_DIM], Q_SMEM)
+    q_bufs = gl.allocate_shared_memory(elem, [NUM_WG, ROWS, HEAD_DIM], Q_SMEM)
     # every consumer warpgroup reads every stage
     k_ring, v_ring, ks_ring, vs_ring, ready, empty = _alloc_ring(elem, STAGES, BLOCK_N, HEAD_DIM, KV_KIND, K_SMEM,
                                                                  V_SMEM, NUM_WG)
@@ -746,7 +830,14 @@ def _prefill_hopper_ws_kernel(
     loads = (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
              kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,
              k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty)
-    if NUM_WG == 2:
+    if SHARED_CONSUMER:
+        gl.warp_specialize([
+            (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, ROWS)),
+            (_loader, (loads, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V,
+                       CVT_ROWS, CVT_LAG, V_SCALED)),
+        ], [LOADER_WARPS], [LOADER_REGS])
+    elif NUM_WG == 2:
         gl.warp_specialize([
             (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
                          QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),

@@ -147,6 +147,7 @@ class HopperPrefillConfig:
     lazy_rescale: bool | str = False
     convert_lag: int | None = None
     v_scaled: bool = False
+    shared_consumer: bool = False
 
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillConfig:
@@ -341,7 +342,7 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise ValueError(f"stages={config.stages!r} must be 2 .. {max_stages}")
     if not isinstance(config.pipeline, bool):
         raise TypeError(f"config.pipeline must be a bool, got {config.pipeline!r}")
-    if cache.kv_dtype == "bf16" and not (config.warp_specialized and dv == d and not config.pipeline):
+    if cache.kv_dtype == "bf16" and not (config.warp_specialized and dv == d):
         raise ValueError("a bf16 cache runs on the warp-specialized kernel with dv = head_dim "
                          "(HopperPrefillConfig(warp_specialized=True), e.g. warp_specialized_config('bf16', d))")
     sixteen_bit_pv = pv_mode == "bf16" and cache.kv_dtype != "bf16"  # fp16 PV of an 8-bit cache
@@ -350,9 +351,9 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
     if (config.pipeline or config.warp_specialized) and config.stages < 3:
         raise ValueError(f"pipeline / warp_specialized need stages >= 3 (stages={config.stages})")
     converts_v = _loader_converts_v(config, cache.kv_dtype, pv_mode)
-    if converts_v and (config.pipeline or dv != d):
+    if converts_v and dv != d:
         raise ValueError("16-bit PV of an 8-bit cache on the warp-specialized kernel: one column chunk "
-                         "(dv = head_dim) and PV waited in its tile (pipeline=False)")
+                         "(dv = head_dim)")
     if not isinstance(config.qk_ahead, bool):
         raise TypeError(f"config.qk_ahead must be a bool, got {config.qk_ahead!r}")
     if not config.qk_ahead and not config.warp_specialized:
@@ -363,6 +364,10 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise TypeError(f"config.lazy_rescale must be False, True or 'rows', got {lazy!r}")
     if lazy and not (config.warp_specialized and sixteen_bit_p):
         raise ValueError("lazy_rescale applies to 16-bit PV on the warp-specialized kernel only")
+    if config.warp_specialized and config.pipeline and sixteen_bit_p and (lazy is True or config.qk_ahead):
+        raise ValueError("16-bit PV in flight across the next softmax (pipeline=True) issues the next QK with it, "
+                         "after the softmax (qk_ahead=False), and rescales per row or every tile (lazy_rescale "
+                         "'rows' or False)")
     if config.warp_specialized and config.block_m not in (128, 192):
         raise ValueError(f"warp_specialized runs two or three 64-row consumer warpgroups: block_m must be 128 "
                          f"or 192, got {config.block_m}")
@@ -379,6 +384,11 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise TypeError(f"config.v_scaled must be a bool, got {config.v_scaled!r}")
     if config.v_scaled and not converts_v:
         raise ValueError("v_scaled applies to an 8-bit cache's 16-bit PV on the warp-specialized kernel only")
+    if not isinstance(config.shared_consumer, bool):
+        raise TypeError(f"config.shared_consumer must be a bool, got {config.shared_consumer!r}")
+    if config.shared_consumer and not (config.warp_specialized and config.block_m == 128):
+        raise ValueError("shared_consumer runs both 64-row consumer warpgroups in one partition of the "
+                         "warp-specialized kernel: block_m must be 128")
     _checks.check_pv_tile_keys(config.block_n, pv_mode)
     # resolved where the loader converts V, None elsewhere (a checked config checks again)
     return replace(config, dv=dv, convert_lag=lag if converts_v else None)
@@ -419,7 +429,11 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
         const.update(kernel_layouts(64, config.block_n, head_dim, config.dv, kv, pv),
                      **partition_constexprs(config.pipeline, config.qk_ahead, config.block_n,
                                             _convert_lag(config), config.block_m // 64, config.v_scaled),
-                     LAZY=LAZY_RESCALE[_LAZY_NAMES.get(config.lazy_rescale, config.lazy_rescale)])
+                     LAZY=LAZY_RESCALE[_LAZY_NAMES.get(config.lazy_rescale, config.lazy_rescale)],
+                     SHARED_CONSUMER=config.shared_consumer)
+        if config.shared_consumer:  # the consumers' layouts span the partition's 8 warps
+            rows = kernel_layouts(config.block_m, config.block_n, head_dim, config.dv, kv, pv)
+            const.update({k: rows[k] for k in ("QK_LAYOUT", "PV_LAYOUT", "P_LAYOUT", "LOAD_Q", "Q_SMEM")})
     else:
         const.update(kernel_layouts(config.block_m, config.block_n, head_dim, config.dv, kv, pv))
     return const
@@ -429,7 +443,7 @@ def launch_options(config: HopperPrefillConfig) -> dict:
     """num_warps (and the register cap of a warp-specialized kernel) of a config's launch."""
     if config.warp_specialized:
         from ..kernels.prefill_hopper_ws import REGISTER_BUDGETS
-        return dict(num_warps=4, maxnreg=REGISTER_BUDGETS[config.block_m // 64][2])
+        return dict(num_warps=8 if config.shared_consumer else 4, maxnreg=REGISTER_BUDGETS[config.block_m // 64][2])
     return dict(num_warps=config.block_m // 16)
 
 
