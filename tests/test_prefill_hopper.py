@@ -106,6 +106,15 @@ VARIANTS = [
     pytest.param("int8", "bf16", 64, 16, 4, {"warp_specialized": True, "block_m": 192, "stages": 4, "block_n": 64,
                                              "dv": 64, "qk_ahead": True, "lazy_rescale": "rows", "v_scaled": True},
                  id="ws-int8-pv16-d64-m192-v-scaled"),
+    # both consumer warpgroups in one 8-warp partition with 16-bit PV in flight (shared_consumer,
+    # pipeline): an int8 cache with V scaled, a BF16 cache
+    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
+                                              "qk_ahead": False, "lazy_rescale": "rows", "v_scaled": True,
+                                              "shared_consumer": True, "pipeline": True},
+                 id="ws-int8-pv16-d128-shared-pv-ahead"),
+    pytest.param("bf16", "bf16", 128, 16, 4, {"warp_specialized": True, "block_m": 128, "stages": 4,
+                                              "qk_ahead": False, "shared_consumer": True, "pipeline": True},
+                 id="ws-bf16-d128-shared-pv-ahead"),
 ]
 #: PTX type suffix of the QK and PV warpgroup MMAs, and the SASS class each must show.
 PTX_TYPES = {"int8": "s32.s8.s8", "fp8": "f32.e4m3.e4m3", "bf16": "f32.f16.f16"}
@@ -149,8 +158,9 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   # three consumers: 9 (BF16 cache, D128), 2 (fp8, D64, QK ahead)
                                   "ws-bf16-d128-m192": 16, "ws-fp8-pv16-d64-m192-qk-ahead": 8,
                                   "ws-fp8-pv16-d64-m192-v-scaled": 24,
-                                  # int8 D64 three consumers, V scaled: 8
-                                  "ws-int8-pv16-d64-m192-v-scaled": 16},
+                                  # int8 D64 three consumers, V scaled: 8; one shared consumer partition
+                                  # with PV in flight, BF16 cache D128: 2
+                                  "ws-int8-pv16-d64-m192-v-scaled": 16, "ws-bf16-d128-shared-pv-ahead": 8},
                           # the warp-specialized kernel with Triton 3.9: 65, 282, 0, 32, 26; 16-bit PV of
                           # 8-bit caches: 94 / 106 / 86 (int8 / int8 lazy per row / fp8 lazy per row at
                           # D256), 0, 30 (fp8: the loader's masked branch); three consumers: 2 (int8 16-bit
@@ -165,8 +175,10 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   "ws-bf16-d128-m192": 48, "ws-fp8-pv16-d64-m192-qk-ahead": 56,
                                   # V scaled by the loader: 25 (int8 D128), 97 (fp8 D64 m192)
                                   "ws-int8-pv16-d128-v-scaled": 32, "ws-fp8-pv16-d64-m192-v-scaled": 112,
-                                  # int8 D64 three consumers, V scaled: 51
-                                  "ws-int8-pv16-d64-m192-v-scaled": 64}}
+                                  # int8 D64 three consumers, V scaled: 51; one shared consumer partition
+                                  # with PV in flight at D128: 25 (int8), 14 (BF16 cache)
+                                  "ws-int8-pv16-d64-m192-v-scaled": 64, "ws-int8-pv16-d128-shared-pv-ahead": 32,
+                                  "ws-bf16-d128-shared-pv-ahead": 24}}
 
 #: Instructions allowed in the int8 16-bit-PV loader's tile loop (sm_90): a fixed part per
 #: tile (waits, barriers, block ids) and a part per V value each loader thread converts
@@ -294,7 +306,8 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
         # them (a stray multiply after an unrelated forward branch is not the rescale: 1 with
         # Triton 3.9 at D256)
         if over.get("lazy_rescale") == "rows":
-            assert got["guarded_fmuls"] >= d, got
+            # d / 2 per thread in each copy of the consumer code: one per consumer partition
+            assert got["guarded_fmuls"] >= d // (2 if over.get("shared_consumer") else 1), got
         else:
             assert got["guarded_fmuls"] < d // 8, got
         # a config ptxas cannot pipeline makes it wait for every wgmma (C7511 / C7512 / C7514): the
@@ -538,6 +551,34 @@ def test_convert_lag_and_deep_rings_are_rejected_where_they_do_not_apply():
         hop._check_config(replace(ws16, v_scaled=1), _C(), 4, "bf16")
     with pytest.raises(ValueError, match="stages=5 must be 2 .. 4"):
         hop._check_config(replace(hop.default_config("int8", 128, "int8"), stages=5), _C(), 4, "int8")
+
+
+def test_shared_consumer_and_16bit_pv_in_flight_configs():
+    """One 8-warp consumer partition (``shared_consumer``): block_m 128 on the warp-specialized
+    kernel, 8 warps, the consumers' layouts over 8 warps and the loader's over 4. 16-bit PV in
+    flight (``pipeline=True``) only there, with QK issued after the softmax and a per-row or
+    every-tile rescale; rejected before any launch elsewhere."""
+    class _C:
+        kv_dtype, head_dim, block_size = "int8", 128, 16
+
+    ws16 = replace(hop.two_consumer_config("int8", 128, "bf16"), lazy_rescale="rows")
+    shared = replace(ws16, shared_consumer=True)
+    ahead = replace(shared, pipeline=True, qk_ahead=False)
+    checked = hop._check_config(ahead, _C(), 4, "bf16")
+    assert hop.launch_options(checked) == dict(num_warps=8, maxnreg=168)
+    const = hop.constexprs(checked, _C(), 4, "bf16")
+    assert const["SHARED_CONSUMER"] and const["PV_IN_FLIGHT"]
+    assert const["QK_LAYOUT"].warps_per_cta == [8, 1] and const["LOAD_K"].warps_per_cta[0] * \
+        const["LOAD_K"].warps_per_cta[1] == 4
+    for bad, match in ((replace(shared, block_m=192), "shared_consumer runs"),
+                       (replace(hop.default_config("int8", 128, "bf16"), shared_consumer=True), "shared_consumer runs"),
+                       (replace(ws16, pipeline=True, qk_ahead=False), "16-bit PV in flight"),
+                       (replace(ahead, qk_ahead=True), "16-bit PV in flight"),
+                       (replace(ahead, lazy_rescale=True), "16-bit PV in flight")):
+        with pytest.raises(ValueError, match=match):
+            hop._check_config(bad, _C(), 4, "bf16")
+    with pytest.raises(TypeError, match="shared_consumer must be a bool"):
+        hop._check_config(replace(ws16, shared_consumer=1), _C(), 4, "bf16")
 
 
 def test_constexprs_are_built_once_per_layout_and_handed_out_as_fresh_dicts():

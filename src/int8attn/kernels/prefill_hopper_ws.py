@@ -31,6 +31,10 @@ One program owns 128 query rows of one KV head (the packing of
   ``QK_AHEAD=False`` (the configs offered) issues ``QK(j + 1)`` after it, so nothing is in
   flight across a softmax, ``QK_AHEAD=True`` issues it before the softmax of tile ``j`` (a
   second score tile's registers; slower on the H200 in every case measured).
+  ``SHARED_CONSUMER``: both warpgroups in one 8-warp partition (the default one) instead,
+  running one copy of the code together. ptxas keeps a wgmma in flight across loop iterations
+  only outside worker partitions (in one it serialises every wgmma of the kernel), so 16-bit P
+  with ``PV_IN_FLIGHT`` runs there (:func:`_consumer_loop_pv16_in_flight`).
   ``PV_IN_FLIGHT=True``: the schedule of :mod:`int8attn.kernels.prefill_hopper_pipe`
   (``PV(j)`` in flight across the next softmax; faulted on the H200 in single-tile fp8
   programs, see benchmarks/notes/prefill_hopper.md). Nothing synchronises the two
@@ -517,10 +521,12 @@ def _consumer_loop_pv16_in_flight(s, acc, m_i, l_i, k_scale, v_scale, q_smem, k_
     """The tile loop of a 16-bit PV with ``PV_IN_FLIGHT`` (FlashAttention-3's overlap inside a
     warpgroup): the softmax of tile ``j`` runs while PV(j - 1) is in flight; then PV(j - 1) is
     waited (its stage handed back, the accumulator rescaled), QK(j + 1) and PV(j) are issued and
-    QK(j + 1) alone is waited. Only groups of one iteration are ever waited by age (ptxas
-    serialises every wgmma of a loop that waits across the back edge on the older of two).
-    Past the last tile QK re-reads tile ``j``'s stage, which no load follows, for a result
-    never used: no QK result is a phi of ``S_j``. ``s`` is S_0, waited; returns (acc, m, l)."""
+    QK(j + 1) alone is waited. (QK(j + 1) issued before the softmax instead, ptxas reported an
+    accumulator read in flight, C7514, and serialised the kernel's wgmma.) Past the last tile
+    QK re-reads tile ``j``'s stage, which no load follows, for a result never used: no QK result
+    is a phi of ``S_j``. ``s`` is S_0, a waited wgmma result (ptxas pipelines the loop only if
+    the carried scores enter it so); returns (acc, m, l). Runs in the shared consumer partition
+    only: in a worker partition ptxas serialises every wgmma of the kernel."""
     acc = warpgroup_mma_init(acc)  # carried as the MMA's accumulator: PV(j) is in flight at each iteration's end
     for j in range(0, num_kv_tiles):
         start = j * BLOCK_N
@@ -557,9 +563,8 @@ def _consumer_loop_pv16_in_flight(s, acc, m_i, l_i, k_scale, v_scale, q_smem, k_
             v_op = v_ring.index(j % STAGES)
         else:
             v_op = v16_ring.index(j % STAGES).permute((1, 0))
-        # P packed to 16 bits only now: its registers, read by PV(j - 1), are free again (packed
-        # during the softmax, P(j) would need a second register set, and ptxas serialises the
-        # loop's wgmma for want of one)
+        # P packed to 16 bits only now, once PV(j - 1) -- which read the previous P -- is done:
+        # PV(j)'s A operand reuses those registers instead of needing a second set
         acc = warpgroup_mma(_p_operand_16(p, p_scale, inv_unit, KV_KIND, P_LAYOUT), v_op, acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])
     acc = warpgroup_mma_wait(0, deps=[acc])
@@ -727,11 +732,11 @@ def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.conste
                 # ---- PV(j) one column chunk at a time (no PV result lives across a softmax); with
                 # QK_AHEAD the waits also retire QK(j + 1)
                 if PV_KIND == PV_INT8:
-                    acc0, acc1, acc2, acc3 = _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, 0, BLOCK_M, DV,
-                                                             NUM_DV, PV_LAYOUT)
+                    acc0, acc1, acc2, acc3 = _pv_int8_chunks(acc0, acc1, acc2, acc3, p_op, factor, v_buf, 0, BLOCK_M,
+                                                             DV, NUM_DV, PV_LAYOUT)
                     if NUM_DV > 4:
-                        acc4, acc5, acc6, acc7 = _pv_int8_chunks(acc4, acc5, acc6, acc7, p_op, factor, v_buf, 4, BLOCK_M,
-                                                                 DV, NUM_DV, PV_LAYOUT)
+                        acc4, acc5, acc6, acc7 = _pv_int8_chunks(acc4, acc5, acc6, acc7, p_op, factor, v_buf, 4,
+                                                                 BLOCK_M, DV, NUM_DV, PV_LAYOUT)
                 elif SIXTEEN:
                     # one chunk (dv = head_dim): a BF16 cache's V rows [keys, head_dim], or the
                     # loader's fp16 V^T; LAZY: the accumulator was rescaled (if at all) in the softmax

@@ -133,7 +133,11 @@ class HopperPrefillConfig:
     loader keeps in flight past the one it converts to fp16, 1 .. stages - 1 (None: 1);
     v_scaled (the same route only): the loader multiplies each key's fp16 V by its scale
     (over the program's P unit), so the consumers' P is the plain fp16 ``p``: one multiply per
-    score fewer in the consumers, half a paired multiply per V value more in the loader. The
+    score fewer in the consumers, half a paired multiply per V value more in the loader;
+    shared_consumer (warp-specialized, block_m 128): both consumer warpgroups run in one 8-warp
+    partition (one copy of their code, no ping-pong between them) -- the only place where ptxas
+    keeps a wgmma in flight across loop iterations, so the 16-bit-P routes' ``pipeline=True``
+    (PV of one tile in flight across the next tile's softmax) needs it. The
     warp-specialized kernel takes up to 6 stages (shared memory permitting), the others up
     to 4."""
 
@@ -364,10 +368,13 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise TypeError(f"config.lazy_rescale must be False, True or 'rows', got {lazy!r}")
     if lazy and not (config.warp_specialized and sixteen_bit_p):
         raise ValueError("lazy_rescale applies to 16-bit PV on the warp-specialized kernel only")
-    if config.warp_specialized and config.pipeline and sixteen_bit_p and (lazy is True or config.qk_ahead):
-        raise ValueError("16-bit PV in flight across the next softmax (pipeline=True) issues the next QK with it, "
-                         "after the softmax (qk_ahead=False), and rescales per row or every tile (lazy_rescale "
-                         "'rows' or False)")
+    if config.warp_specialized and config.pipeline and sixteen_bit_p and (
+            lazy is True or config.qk_ahead or not config.shared_consumer):
+        # ptxas keeps a wgmma in flight across a loop iteration only outside worker partitions
+        # (in one, it serialises every wgmma of the kernel: C7512)
+        raise ValueError("16-bit PV in flight across the next softmax (pipeline=True) runs in the shared consumer "
+                         "partition (shared_consumer=True), issues the next QK with PV, after the softmax "
+                         "(qk_ahead=False), and rescales per row or every tile (lazy_rescale 'rows' or False)")
     if config.warp_specialized and config.block_m not in (128, 192):
         raise ValueError(f"warp_specialized runs two or three 64-row consumer warpgroups: block_m must be 128 "
                          f"or 192, got {config.block_m}")
