@@ -171,10 +171,8 @@ def _shared_consumer(ws) -> list:
     """(label, config) pairs: both consumer warpgroups in one 8-warp partition (one copy of
     their code), with the route's schedule and with 16-bit PV in flight across the next
     softmax (QK issued with PV; ptxas keeps wgmma in flight only outside worker partitions)."""
-    shared = replace(ws, block_m=128, shared_consumer=True)
-    lazy = "rows" if ws.lazy_rescale is True else ws.lazy_rescale
-    return [("hopper-ws-shared", shared),
-            ("hopper-ws-shared-pv-ahead", replace(shared, pipeline=True, qk_ahead=False, lazy_rescale=lazy))]
+    return [("hopper-ws-shared", hop.shared_consumer_config(ws)),
+            ("hopper-ws-shared-pv-ahead", hop.shared_consumer_config(ws, pv_in_flight=True))]
 
 
 def _other_rescale(ws) -> tuple:

@@ -562,8 +562,10 @@ def test_shared_consumer_and_16bit_pv_in_flight_configs():
         kv_dtype, head_dim, block_size = "int8", 128, 16
 
     ws16 = replace(hop.two_consumer_config("int8", 128, "bf16"), lazy_rescale="rows")
-    shared = replace(ws16, shared_consumer=True)
-    ahead = replace(shared, pipeline=True, qk_ahead=False)
+    shared = hop.shared_consumer_config(ws16)
+    ahead = hop.shared_consumer_config(ws16, pv_in_flight=True)
+    assert ahead == replace(ws16, shared_consumer=True, pipeline=True, qk_ahead=False)
+    assert hop.shared_consumer_config(replace(ws16, lazy_rescale=True), True).lazy_rescale == "rows"
     checked = hop._check_config(ahead, _C(), 4, "bf16")
     assert hop.launch_options(checked) == dict(num_warps=8, maxnreg=168)
     const = hop.constexprs(checked, _C(), 4, "bf16")
@@ -891,14 +893,6 @@ def test_gpu_warp_specialized_other_v_scaling(case, kv, pv):
     _check_schedule(case, kv, pv, _other_v_scaling, "_prefill_hopper_ws_kernel")
 
 
-def _shared_consumer(kv, d, pv, pv_ahead):
-    cfg = replace(hop.warp_specialized_config(kv, d, pv), block_m=128, shared_consumer=True)
-    if pv_ahead:
-        cfg = replace(cfg, pipeline=True, qk_ahead=False, lazy_rescale="rows" if cfg.lazy_rescale is True
-                      else cfg.lazy_rescale)
-    return cfg
-
-
 @pytest.mark.parametrize("pv_ahead", [False, True], ids=["route-schedule", "pv-ahead"])
 @pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16"])
 @pytest.mark.gpu
@@ -906,7 +900,8 @@ def _shared_consumer(kv, d, pv, pv_ahead):
 def test_gpu_warp_specialized_shared_consumer(case, kv, pv, pv_ahead):
     """Both consumer warpgroups in one 8-warp partition (``shared_consumer``), with the
     route's schedule and with 16-bit PV in flight across the next softmax (``pipeline``)."""
-    _check_schedule(case, kv, pv, lambda k, d, p: _shared_consumer(k, d, p, pv_ahead), "_prefill_hopper_ws_kernel")
+    _check_schedule(case, kv, pv, lambda k, d, p: hop.shared_consumer_config(hop.warp_specialized_config(k, d, p),
+                                                                             pv_ahead), "_prefill_hopper_ws_kernel")
 
 
 def _check_schedule(case, kv, pv, config_of, kernel_name):

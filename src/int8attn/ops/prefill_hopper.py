@@ -194,6 +194,18 @@ def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = 
     return replace(config, qk_ahead=qk_ahead, v_scaled=route in V_SCALED_ROUTES)
 
 
+def shared_consumer_config(config: HopperPrefillConfig, pv_in_flight: bool = False) -> HopperPrefillConfig:
+    """A warp-specialized ``config`` with both consumer warpgroups in one 8-warp partition
+    (``shared_consumer``, block_m 128); ``pv_in_flight``: with 16-bit PV in flight across the
+    next softmax (``pipeline``, QK issued with PV, a per-warpgroup lazy rescale made per row).
+    Options measured, not routed (benchmarks/notes/prefill_hopper.md)."""
+    config = replace(config, block_m=128, shared_consumer=True)
+    if pv_in_flight:
+        config = replace(config, pipeline=True, qk_ahead=False,
+                         lazy_rescale="rows" if config.lazy_rescale is True else config.lazy_rescale)
+    return config
+
+
 def two_consumer_config(kv_dtype: str, head_dim: int, pv_mode: str | None = None) -> HopperPrefillConfig:
     """The warp-specialized config with two consumer warpgroups (block_m 128). Each consumer
     warpgroup holds 232 registers (two of them and the loader share one SM's register file)
