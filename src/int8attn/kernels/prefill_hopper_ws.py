@@ -458,6 +458,19 @@ def _stage_scales(ks_buf, vs_buf, start, kv_end, BLOCK_N: gl.constexpr, COL: gl.
 
 
 @gluon.jit
+def _tile_scales(k_scale, v_scale, ks_buf, vs_buf, start, kv_end, BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr,
+                 V_SCALED: gl.constexpr, COL: gl.constexpr):
+    """A tile's (K scale, V scale) from its ring stage: the K scales only where the loader
+    applied the V scales (``V_SCALED``); a BF16 cache's come back as they were."""
+    if KV_KIND != KIND_BF16:
+        if V_SCALED:
+            k_scale = _stage_k_scale(ks_buf, start, kv_end, BLOCK_N, COL)
+        else:
+            k_scale, v_scale = _stage_scales(ks_buf, vs_buf, start, kv_end, BLOCK_N, COL)
+    return k_scale, v_scale
+
+
+@gluon.jit
 def _fold_i32(acc, o, f):
     """``acc * f + o`` for an int32 MMA result ``o`` (exact in fp32: |o| <= 64 * 127 * 127),
     pinned: the fold is a dependency of a (no-op) MMA wait, so it completes before the next
@@ -531,15 +544,9 @@ def _consumer_loop_pv16_in_flight(s, acc, m_i, l_i, k_scale, v_scale, q_smem, k_
     for j in range(0, num_kv_tiles):
         start = j * BLOCK_N
         has_next = j + 1 < num_kv_tiles
-        p_scale = v_scale
-        if KV_KIND != KIND_BF16:
-            if V_SCALED:  # the loader applied the V scales: P is p itself
-                k_scale = _stage_k_scale(ks_ring.index(j % STAGES), start, kv_end, BLOCK_N, COL)
-                p_scale = None
-            else:
-                k_scale, v_scale = _stage_scales(ks_ring.index(j % STAGES), vs_ring.index(j % STAGES), start,
-                                                 kv_end, BLOCK_N, COL)
-                p_scale = v_scale
+        k_scale, v_scale = _tile_scales(k_scale, v_scale, ks_ring.index(j % STAGES), vs_ring.index(j % STAGES),
+                                        start, kv_end, BLOCK_N, KV_KIND, V_SCALED, COL)
+        p_scale = None if V_SCALED else v_scale  # V_SCALED: P is p itself
         t = _k_scaled(s, k_scale, KV_KIND)
         if LAZY == LAZY_ROWS:
             p, factor, m_i, l_i = _softmax_tile_16_rows_p(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N,
@@ -675,17 +682,12 @@ def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.conste
                     mbarrier.wait(ready.index(nxt), ((j + 1) // STAGES) & 1)
                     fence_async_shared()
                     s_tok = _qk(q_smem, k_ring.index(nxt), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
-            if not PV_IN_FLIGHT and KV_KIND != KIND_BF16:
+            if not PV_IN_FLIGHT:
                 # read from the ring stage here, not carried from the last tile: not live during PV
-                if V_SCALED:  # the loader applied the V scales: P is p itself
-                    k_scale = _stage_k_scale(ks_ring.index(j % STAGES), start, kv_end, BLOCK_N, COL)
-                    p_scale = None
-                else:
-                    k_scale, v_scale = _stage_scales(ks_ring.index(j % STAGES), vs_ring.index(j % STAGES), start,
-                                                     kv_end, BLOCK_N, COL)
-                    p_scale = v_scale
-            else:
-                p_scale = v_scale
+                k_scale, v_scale = _tile_scales(k_scale, v_scale, ks_ring.index(j % STAGES),
+                                                vs_ring.index(j % STAGES), start, kv_end, BLOCK_N, KV_KIND, V_SCALED,
+                                                COL)
+            p_scale = None if V_SCALED else v_scale  # V_SCALED: the loader applied the V scales, P is p itself
             # ---- softmax of S_j
             if SIXTEEN:
                 t = _k_scaled(s, k_scale, KV_KIND)
