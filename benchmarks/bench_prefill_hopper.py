@@ -170,9 +170,14 @@ def _three_consumers(kv_dtype: str, d: int, pv: str) -> list:
 def _shared_consumer(ws) -> list:
     """(label, config) pairs: both consumer warpgroups in one 8-warp partition (one copy of
     their code), with the route's schedule and with 16-bit PV in flight across the next
-    softmax (QK issued with PV; ptxas keeps wgmma in flight only outside worker partitions)."""
-    return [("hopper-ws-shared", hop.shared_consumer_config(ws)),
-            ("hopper-ws-shared-pv-ahead", hop.shared_consumer_config(ws, pv_in_flight=True))]
+    softmax (QK issued with PV; ptxas keeps wgmma in flight only outside worker partitions);
+    at head_dim <= 128 the same with one consumer warpgroup per program ("hopper-ws-one*")."""
+    out = [("hopper-ws-shared", hop.shared_consumer_config(ws)),
+           ("hopper-ws-shared-pv-ahead", hop.shared_consumer_config(ws, pv_in_flight=True))]
+    if ws.dv <= 128:  # one warpgroup per program, two programs per SM
+        out += [("hopper-ws-one", hop.shared_consumer_config(ws, warpgroups=1)),
+                ("hopper-ws-one-pv-ahead", hop.shared_consumer_config(ws, pv_in_flight=True, warpgroups=1))]
+    return out
 
 
 def _other_rescale(ws) -> tuple:

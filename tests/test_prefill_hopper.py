@@ -115,6 +115,11 @@ VARIANTS = [
     pytest.param("bf16", "bf16", 128, 16, 4, {"warp_specialized": True, "block_m": 128, "stages": 4,
                                               "qk_ahead": False, "shared_consumer": True, "pipeline": True},
                  id="ws-bf16-d128-shared-pv-ahead"),
+    # one consumer warpgroup per program (block_m 64, two programs per SM under a 128-register cap)
+    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "block_m": 64, "stages": 3, "block_n": 64,
+                                              "dv": 128, "qk_ahead": False, "lazy_rescale": "rows", "v_scaled": True,
+                                              "shared_consumer": True, "pipeline": True},
+                 id="ws-int8-pv16-d128-one-wg-pv-ahead"),
 ]
 #: PTX type suffix of the QK and PV warpgroup MMAs, and the SASS class each must show.
 PTX_TYPES = {"int8": "s32.s8.s8", "fp8": "f32.e4m3.e4m3", "bf16": "f32.f16.f16"}
@@ -193,7 +198,9 @@ LOADER_LOOP_FIXED, LOADER_LOOP_PER_VALUE = 48, 4
 #: rest does not: the four pages' block ids and addresses, and the branch that computes the P
 #: unit when tile 0 converts (~45 static instructions -- maxima, selects, a reciprocal -- run
 #: once per program), which the model's 48 covers at D128 (344 <= 368) but not at D64.
-LOADER_LOOP_BUDGET = {"ws-int8-pv16-d64-m192-v-scaled": 272}
+#: The one-warpgroup config at D128 has 3 stages: the ring's stage index is a division by 3,
+#: not a mask (372 instructions with Triton 3.6).
+LOADER_LOOP_BUDGET = {"ws-int8-pv16-d64-m192-v-scaled": 272, "ws-int8-pv16-d128-one-wg-pv-ahead": 384}
 
 _COMPILE_ALL = r"""
 import json, os, re, subprocess, sys, tempfile
@@ -572,6 +579,23 @@ def test_shared_consumer_and_16bit_pv_in_flight_configs():
     assert const["SHARED_CONSUMER"] and const["PV_IN_FLIGHT"]
     assert const["QK_LAYOUT"].warps_per_cta == [8, 1] and const["LOAD_K"].warps_per_cta[0] * \
         const["LOAD_K"].warps_per_cta[1] == 4
+    # one warpgroup per program: block_m 64, 8 warps under a 128-register cap (two programs
+    # per SM), at most 3 stages; head_dim <= 128
+    one = hop._check_config(hop.shared_consumer_config(ws16, True, warpgroups=1), _C(), 4, "bf16")
+    assert (one.block_m, one.stages, one.pipeline) == (64, 3, True)
+    assert hop.launch_options(one) == dict(num_warps=4, maxnreg=128)
+    const = hop.constexprs(one, _C(), 4, "bf16")
+    assert (const["BLOCK_M"], const["BLOCK_Q"], const["LOADER_REGS"]) == (64, 16, 40)
+    assert const["QK_LAYOUT"].warps_per_cta == [4, 1]
+
+    class _C256(_C):
+        head_dim = 256
+
+    ws256 = hop.warp_specialized_config("int8", 256, "bf16")
+    with pytest.raises(ValueError, match="head_dim <= 128"):
+        hop._check_config(hop.shared_consumer_config(ws256, True, warpgroups=1), _C256(), 6, "bf16")
+    with pytest.raises(ValueError, match="warpgroups must be 1 or 2"):
+        hop.shared_consumer_config(ws16, True, warpgroups=3)
     for bad, match in ((replace(shared, block_m=192), "shared_consumer runs"),
                        (replace(hop.default_config("int8", 128, "bf16"), shared_consumer=True), "shared_consumer runs"),
                        (replace(ws16, pipeline=True, qk_ahead=False), "16-bit PV in flight"),
@@ -893,15 +917,21 @@ def test_gpu_warp_specialized_other_v_scaling(case, kv, pv):
     _check_schedule(case, kv, pv, _other_v_scaling, "_prefill_hopper_ws_kernel")
 
 
+@pytest.mark.parametrize("warpgroups", [2, 1], ids=["two-wg", "one-wg"])
 @pytest.mark.parametrize("pv_ahead", [False, True], ids=["route-schedule", "pv-ahead"])
 @pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16"])
 @pytest.mark.gpu
 @needs_sm90
-def test_gpu_warp_specialized_shared_consumer(case, kv, pv, pv_ahead):
-    """Both consumer warpgroups in one 8-warp partition (``shared_consumer``), with the
+def test_gpu_warp_specialized_shared_consumer(case, kv, pv, pv_ahead, warpgroups):
+    """The consumer warpgroups in the default partition (``shared_consumer``): both in one
+    8-warp partition, or one per program (two programs per SM; head_dim <= 128), with the
     route's schedule and with 16-bit PV in flight across the next softmax (``pipeline``)."""
-    _check_schedule(case, kv, pv, lambda k, d, p: hop.shared_consumer_config(hop.warp_specialized_config(k, d, p),
-                                                                             pv_ahead), "_prefill_hopper_ws_kernel")
+    def config_of(k, d, p):
+        if warpgroups == 1 and d > 128:
+            return None
+        return hop.shared_consumer_config(hop.warp_specialized_config(k, d, p), pv_ahead, warpgroups)
+
+    _check_schedule(case, kv, pv, config_of, "_prefill_hopper_ws_kernel")
 
 
 def _check_schedule(case, kv, pv, config_of, kernel_name):

@@ -86,7 +86,7 @@ CVT_ELEMS = 16
 #: warps, 2 x 128 x 232 + 128 x 40 = 384 x 168 = the 64K-register file. Three (block_m 192,
 #: head_dim <= 128): 16 warps at 128, the two worker consumers at 152 and the loader at 40,
 #: which leaves the default partition's consumer 168.
-REGISTER_BUDGETS = {2: (232, 40, 168), 3: (152, 40, 128)}
+REGISTER_BUDGETS = {1: (0, 40, 128), 2: (232, 40, 168), 3: (152, 40, 128)}
 CONSUMER_REGS, LOADER_REGS, KERNEL_MAXNREG = REGISTER_BUDGETS[2]
 
 
@@ -796,8 +796,9 @@ def _prefill_hopper_ws_kernel(
     # SHARED_CONSUMER: both warpgroups in one partition (the default, 8 warps): one copy of the code
     NUM_WG: gl.constexpr = 1 if SHARED_CONSUMER else BLOCK_M // WG_ROWS
     ROWS: gl.constexpr = BLOCK_M if SHARED_CONSUMER else WG_ROWS
-    gl.static_assert((BLOCK_M == 2 * WG_ROWS) or (BLOCK_M == 3 * WG_ROWS), "two or three consumer warpgroups")
-    gl.static_assert(not SHARED_CONSUMER or BLOCK_M == 2 * WG_ROWS, "one shared partition of two warpgroups")
+    gl.static_assert((BLOCK_M == 2 * WG_ROWS) or (BLOCK_M == 3 * WG_ROWS) or (SHARED_CONSUMER and BLOCK_M == WG_ROWS),
+                     "two or three consumer warpgroups, or one in the default partition")
+    gl.static_assert(not SHARED_CONSUMER or BLOCK_M <= 2 * WG_ROWS, "one shared partition of one or two warpgroups")
     gl.static_assert(STAGES >= 3, "tiles j - 1 (PV in flight), j and j + 1 are live")
     gl.static_assert((PV_KIND != PV_BF16) or (DV == HEAD_DIM), "16-bit PV: one column chunk")
     gl.static_assert((PV_KIND != PV_BF16) or not PV_IN_FLIGHT or (LAZY != LAZY_WARPGROUP),

@@ -194,12 +194,22 @@ def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = 
     return replace(config, qk_ahead=qk_ahead, v_scaled=route in V_SCALED_ROUTES)
 
 
-def shared_consumer_config(config: HopperPrefillConfig, pv_in_flight: bool = False) -> HopperPrefillConfig:
-    """A warp-specialized ``config`` with both consumer warpgroups in one 8-warp partition
-    (``shared_consumer``, block_m 128); ``pv_in_flight``: with 16-bit PV in flight across the
-    next softmax (``pipeline``, QK issued with PV, a per-warpgroup lazy rescale made per row).
-    Options measured, not routed (benchmarks/notes/prefill_hopper.md)."""
-    config = replace(config, block_m=128, shared_consumer=True)
+def shared_consumer_config(config: HopperPrefillConfig, pv_in_flight: bool = False,
+                           warpgroups: int = 2) -> HopperPrefillConfig:
+    """A warp-specialized ``config`` with its consumer warpgroups in the default partition
+    (``shared_consumer``): both in one 8-warp partition (``warpgroups=2``, block_m 128), or one
+    warpgroup per program (``warpgroups=1``, block_m 64: 8 warps with the loader under a
+    128-register launch cap, so two programs share an SM and the hardware interleaves their
+    MMAs and softmaxes; at most 3 stages, so that two rings fit in shared memory; head_dim
+    <= 128: ptxas needs more than 128 registers for a wgmma with a 256-column accumulator);
+    ``pv_in_flight``: with 16-bit PV in flight across the next softmax (``pipeline``, QK issued
+    with PV, a per-warpgroup lazy rescale made per row). Options measured, not routed
+    (benchmarks/notes/prefill_hopper.md)."""
+    if warpgroups not in (1, 2):
+        raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups!r}")
+    config = replace(config, block_m=64 * warpgroups, shared_consumer=True)
+    if warpgroups == 1:
+        config = replace(config, stages=min(config.stages, 3))
     if pv_in_flight:
         config = replace(config, pipeline=True, qk_ahead=False,
                          lazy_rescale="rows" if config.lazy_rescale is True else config.lazy_rescale)
@@ -387,7 +397,8 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise ValueError("16-bit PV in flight across the next softmax (pipeline=True) runs in the shared consumer "
                          "partition (shared_consumer=True), issues the next QK with PV, after the softmax "
                          "(qk_ahead=False), and rescales per row or every tile (lazy_rescale 'rows' or False)")
-    if config.warp_specialized and config.block_m not in (128, 192):
+    if config.warp_specialized and config.block_m not in (128, 192) and not (
+            config.shared_consumer and config.block_m == 64):
         raise ValueError(f"warp_specialized runs two or three 64-row consumer warpgroups: block_m must be 128 "
                          f"or 192, got {config.block_m}")
     if config.block_m == 192 and not (config.warp_specialized and d <= 128):
@@ -405,9 +416,13 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise ValueError("v_scaled applies to an 8-bit cache's 16-bit PV on the warp-specialized kernel only")
     if not isinstance(config.shared_consumer, bool):
         raise TypeError(f"config.shared_consumer must be a bool, got {config.shared_consumer!r}")
-    if config.shared_consumer and not (config.warp_specialized and config.block_m == 128):
-        raise ValueError("shared_consumer runs both 64-row consumer warpgroups in one partition of the "
-                         "warp-specialized kernel: block_m must be 128")
+    if config.shared_consumer and not (config.warp_specialized and config.block_m in (64, 128)):
+        raise ValueError("shared_consumer runs one or both 64-row consumer warpgroups in one partition of the "
+                         f"warp-specialized kernel: block_m must be 64 or 128, got {config.block_m}")
+    if config.shared_consumer and config.block_m == 64 and d > 128:
+        # two programs per SM: a 128-register launch cap, under which ptxas cannot compile a
+        # wgmma with a [64, 256] fp32 accumulator (C7602)
+        raise ValueError(f"shared_consumer with one warpgroup (block_m 64) needs head_dim <= 128, got {d}")
     _checks.check_pv_tile_keys(config.block_n, pv_mode)
     # resolved where the loader converts V, None elsewhere (a checked config checks again)
     return replace(config, dv=dv, convert_lag=lag if converts_v else None)
@@ -462,7 +477,8 @@ def launch_options(config: HopperPrefillConfig) -> dict:
     """num_warps (and the register cap of a warp-specialized kernel) of a config's launch."""
     if config.warp_specialized:
         from ..kernels.prefill_hopper_ws import REGISTER_BUDGETS
-        return dict(num_warps=8 if config.shared_consumer else 4, maxnreg=REGISTER_BUDGETS[config.block_m // 64][2])
+        return dict(num_warps=config.block_m // 16 if config.shared_consumer else 4,
+                    maxnreg=REGISTER_BUDGETS[config.block_m // 64][2])
     return dict(num_warps=config.block_m // 16)
 
 
