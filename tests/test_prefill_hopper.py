@@ -181,9 +181,10 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   # V scaled by the loader: 25 (int8 D128), 97 (fp8 D64 m192)
                                   "ws-int8-pv16-d128-v-scaled": 32, "ws-fp8-pv16-d64-m192-v-scaled": 112,
                                   # int8 D64 three consumers, V scaled: 51; one shared consumer partition
-                                  # with PV in flight at D128: 25 (int8), 14 (BF16 cache)
+                                  # with PV in flight at D128: 25 (int8), 14 (BF16 cache); one warpgroup
+                                  # per program (216 registers), int8 D128: 27
                                   "ws-int8-pv16-d64-m192-v-scaled": 64, "ws-int8-pv16-d128-shared-pv-ahead": 32,
-                                  "ws-bf16-d128-shared-pv-ahead": 24}}
+                                  "ws-bf16-d128-shared-pv-ahead": 24, "ws-int8-pv16-d128-one-wg-pv-ahead": 32}}
 
 #: Instructions allowed in the int8 16-bit-PV loader's tile loop (sm_90): a fixed part per
 #: tile (waits, barriers, block ids) and a part per V value each loader thread converts
