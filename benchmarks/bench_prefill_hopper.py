@@ -172,7 +172,9 @@ def _shared_consumer(ws) -> list:
     their code), with the route's schedule and with 16-bit PV in flight across the next
     softmax (QK issued with PV; ptxas keeps wgmma in flight only outside worker partitions);
     at head_dim <= 128 the same with one consumer warpgroup per program ("hopper-ws-one*")."""
-    out = [("hopper-ws-shared", hop.shared_consumer_config(ws)),
+    # two consumer partitions with PV in flight (their PTX leaves Triton's worker dispatch loop)
+    out = [("hopper-ws-pv-ahead", hop.pv_in_flight_config(ws)),
+           ("hopper-ws-shared", hop.shared_consumer_config(ws)),
            ("hopper-ws-shared-pv-ahead", hop.shared_consumer_config(ws, pv_in_flight=True))]
     if ws.dv <= 128:  # one warpgroup per program, two programs per SM
         out += [("hopper-ws-one", hop.shared_consumer_config(ws, warpgroups=1)),

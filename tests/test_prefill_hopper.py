@@ -115,6 +115,14 @@ VARIANTS = [
     pytest.param("bf16", "bf16", 128, 16, 4, {"warp_specialized": True, "block_m": 128, "stages": 4,
                                               "qk_ahead": False, "shared_consumer": True, "pipeline": True},
                  id="ws-bf16-d128-shared-pv-ahead"),
+    # two consumer partitions with 16-bit PV in flight (their workers leave the dispatch loop)
+    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
+                                              "qk_ahead": False, "lazy_rescale": "rows", "v_scaled": True,
+                                              "pipeline": True},
+                 id="ws-int8-pv16-d128-pv-ahead"),
+    pytest.param("int8", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 3, "block_n": 64, "dv": 256,
+                                              "qk_ahead": False, "lazy_rescale": "rows", "pipeline": True},
+                 id="ws-int8-pv16-d256-pv-ahead"),
     # one consumer warpgroup per program (block_m 64, two programs per SM under a 128-register cap)
     pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "block_m": 64, "stages": 3, "block_n": 64,
                                               "dv": 128, "qk_ahead": False, "lazy_rescale": "rows", "v_scaled": True,
@@ -130,6 +138,8 @@ PTX_TYPES_BF16_CACHE, SASS_CLASS_BF16_CACHE = "f32.bf16.bf16", "BF16"
 #: head_dim 256 (128-register accumulator + int32 PV tiles; 10 with Triton 3.6, 12 with 3.9,
 #: against ~220 with 64-key tiles): a regression guard, not a correctness property.
 SPILL_BUDGET = {"int8-pv8-d256": 16,
+                # two consumer partitions with 16-bit PV in flight at D256 (8 with Triton 3.6)
+                "ws-int8-pv16-d256-pv-ahead": 16,
                 # int8 PV result of tile j in flight across the softmax of tile j + 1, beside the
                 # accumulator (22 with Triton 3.6, 39 with 3.9; ~280 with 64-key tiles)
                 "pipe-int8-pv8-d128-n32-s4": 48,
@@ -564,8 +574,8 @@ def test_convert_lag_and_deep_rings_are_rejected_where_they_do_not_apply():
 def test_shared_consumer_and_16bit_pv_in_flight_configs():
     """One 8-warp consumer partition (``shared_consumer``): block_m 128 on the warp-specialized
     kernel, 8 warps, the consumers' layouts over 8 warps and the loader's over 4. 16-bit PV in
-    flight (``pipeline=True``) only there, with QK issued after the softmax and a per-row or
-    every-tile rescale; rejected before any launch elsewhere."""
+    flight (``pipeline=True``) there or in two consumer partitions, with QK issued after the
+    softmax and a per-row or every-tile rescale; rejected before any launch elsewhere."""
     class _C:
         kv_dtype, head_dim, block_size = "int8", 128, 16
 
@@ -599,11 +609,15 @@ def test_shared_consumer_and_16bit_pv_in_flight_configs():
         hop.shared_consumer_config(ws16, True, warpgroups=3)
     for bad, match in ((replace(shared, block_m=192), "shared_consumer runs"),
                        (replace(hop.default_config("int8", 128, "bf16"), shared_consumer=True), "shared_consumer runs"),
-                       (replace(ws16, pipeline=True, qk_ahead=False), "16-bit PV in flight"),
+                       (replace(ws16, pipeline=True, qk_ahead=False, block_m=192), "16-bit PV in flight"),
                        (replace(ahead, qk_ahead=True), "16-bit PV in flight"),
                        (replace(ahead, lazy_rescale=True), "16-bit PV in flight")):
         with pytest.raises(ValueError, match=match):
             hop._check_config(bad, _C(), 4, "bf16")
+    # two consumer partitions keep PV in flight too (the workers leave Triton's dispatch loop)
+    two = hop._check_config(hop.pv_in_flight_config(ws16), _C(), 4, "bf16")
+    assert (two.block_m, two.shared_consumer, two.pipeline, two.qk_ahead) == (128, False, True, False)
+    assert hop.launch_options(two) == dict(num_warps=4, maxnreg=168)
     with pytest.raises(TypeError, match="shared_consumer must be a bool"):
         hop._check_config(replace(ws16, shared_consumer=1), _C(), 4, "bf16")
 
@@ -933,6 +947,16 @@ def test_gpu_warp_specialized_shared_consumer(case, kv, pv, pv_ahead, warpgroups
         return hop.shared_consumer_config(hop.warp_specialized_config(k, d, p), pv_ahead, warpgroups)
 
     _check_schedule(case, kv, pv, config_of, "_prefill_hopper_ws_kernel")
+
+
+@pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_warp_specialized_pv_in_flight(case, kv, pv):
+    """Two consumer partitions with 16-bit PV in flight across the next softmax, their workers
+    exiting rather than looping back to Triton's dispatch loop (``pv_in_flight_config``)."""
+    _check_schedule(case, kv, pv, lambda k, d, p: hop.pv_in_flight_config(hop.warp_specialized_config(k, d, p)),
+                    "_prefill_hopper_ws_kernel")
 
 
 def _check_schedule(case, kv, pv, config_of, kernel_name):

@@ -65,6 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
     warpgroup_mma_init, warpgroup_mma_wait
 
 from . import _gluon_compat as _gc
+from ._worker_exit import MARK as _MARK
 from .codes import KIND_BF16, KIND_FP8, KIND_INT8, LAZY_ROWS, LAZY_WARPGROUP, PV_BF16, PV_INT8
 from .prefill import INT8_TO_FP16_CONSTRAINTS, INT8_TO_FP16_PTX
 from .prefill_hopper import MAGIC_I, NEG_BIG, P_UNIT_MARGIN, _issue_rows, _issue_tile, _page_blocks, _slot_of, \
@@ -73,6 +74,8 @@ from .prefill_hopper_pipe import _issue_pv, _k_scaled, _online_softmax, _softmax
 
 #: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).
 LOADER_WARPS = gl.constexpr(4)
+#: Inline PTX carrying the comment that asks for worker partitions that exit (:mod:`._worker_exit`).
+WORKER_EXIT_ASM = gl.constexpr("// " + _MARK + "\n\tmov.b32 $0, $1;")
 #: Rows per consumer warpgroup.
 WG_ROWS = gl.constexpr(64)
 #: 16-bit PV: the running maximum moves only when a row's grew by more than this (base 2),
@@ -774,6 +777,14 @@ def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.conste
 
 
 @gluon.jit
+def _mark_worker_exit(x):
+    """Emit the mark of :mod:`int8attn.kernels._worker_exit` into the PTX: the compile hook then lets
+    the worker partitions exit rather than loop back to Triton's dispatch loop, inside which
+    ptxas serialises a worker's wgmma kept in flight across its own loop."""
+    gl.inline_asm_elementwise(WORKER_EXIT_ASM, "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _prefill_hopper_ws_kernel(
     q_ptr, q_scale_ptr, out_ptr,
     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr,
@@ -808,6 +819,8 @@ def _prefill_hopper_ws_kernel(
     gl.static_assert(not V_SCALED or (PV_KIND == PV_BF16 and KV_KIND != KIND_BF16),
                      "V scaled by the loader: an 8-bit cache's 16-bit PV")
 
+    if PV_IN_FLIGHT and not SHARED_CONSUMER:
+        _mark_worker_exit(num_tiles)  # consumer workers with a wgmma in flight across their loop
     run, kv_head, seq, q_start, q_tile, q_len, seq_len = _checked_tile(
         query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, out_ptr, num_seqs, num_tiles, num_tokens,
         num_blocks, max_blocks, min_query_len, stride_bt, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_Q, HEAD_DIM, PAGE)

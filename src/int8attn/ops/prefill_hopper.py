@@ -194,6 +194,16 @@ def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = 
     return replace(config, qk_ahead=qk_ahead, v_scaled=route in V_SCALED_ROUTES)
 
 
+def pv_in_flight_config(config: HopperPrefillConfig) -> HopperPrefillConfig:
+    """A warp-specialized 16-bit-PV ``config`` with two consumer partitions (block_m 128) whose
+    PV stays in flight across the next softmax (``pipeline``; QK issued with PV, after the
+    softmax; a warpgroup-wide lazy rescale made per row). ptxas keeps it in flight because the
+    kernel's PTX lets the worker partitions exit (:mod:`int8attn.kernels._worker_exit`).
+    Measured, not routed (benchmarks/notes/prefill_hopper.md)."""
+    lazy = "rows" if config.lazy_rescale is True else config.lazy_rescale
+    return replace(config, block_m=128, shared_consumer=False, pipeline=True, qk_ahead=False, lazy_rescale=lazy)
+
+
 def shared_consumer_config(config: HopperPrefillConfig, pv_in_flight: bool = False,
                            warpgroups: int = 2) -> HopperPrefillConfig:
     """A warp-specialized ``config`` with its consumer warpgroups in the default partition
@@ -391,11 +401,11 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
     if lazy and not (config.warp_specialized and sixteen_bit_p):
         raise ValueError("lazy_rescale applies to 16-bit PV on the warp-specialized kernel only")
     if config.warp_specialized and config.pipeline and sixteen_bit_p and (
-            lazy is True or config.qk_ahead or not config.shared_consumer):
-        # ptxas keeps a wgmma in flight across a loop iteration only outside worker partitions
-        # (in one, it serialises every wgmma of the kernel: C7512)
-        raise ValueError("16-bit PV in flight across the next softmax (pipeline=True) runs in the shared consumer "
-                         "partition (shared_consumer=True), issues the next QK with PV, after the softmax "
+            lazy is True or config.qk_ahead or (config.block_m != 128 and not config.shared_consumer)):
+        # consumer workers keep PV in flight only in PTX whose workers leave Triton's dispatch
+        # loop (kernels._worker_exit), handled for two consumer warpgroups
+        raise ValueError("16-bit PV in flight across the next softmax (pipeline=True) runs two consumer "
+                         "partitions (block_m 128) or the shared consumer partition, issues the next QK with PV, after the softmax "
                          "(qk_ahead=False), and rescales per row or every tile (lazy_rescale 'rows' or False)")
     if config.warp_specialized and config.block_m not in (128, 192) and not (
             config.shared_consumer and config.block_m == 64):
@@ -508,6 +518,10 @@ def kernel_fn(config: HopperPrefillConfig):
     """The Gluon kernel of a config (both take the same arguments and constexprs)."""
     if config.warp_specialized:
         from ..kernels.prefill_hopper_ws import _prefill_hopper_ws_kernel
+        if config.pipeline and not config.shared_consumer:
+            # consumer workers keep PV in flight: their PTX leaves Triton's dispatch loop
+            from ..kernels._worker_exit import install
+            install()
         return _prefill_hopper_ws_kernel
     if config.pipeline:
         from ..kernels.prefill_hopper_pipe import _prefill_hopper_pipe_kernel
