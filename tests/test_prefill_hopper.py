@@ -194,7 +194,9 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   # with PV in flight at D128: 25 (int8), 14 (BF16 cache); one warpgroup
                                   # per program (216 registers), int8 D128: 27
                                   "ws-int8-pv16-d64-m192-v-scaled": 64, "ws-int8-pv16-d128-shared-pv-ahead": 32,
-                                  "ws-bf16-d128-shared-pv-ahead": 24, "ws-int8-pv16-d128-one-wg-pv-ahead": 32}}
+                                  "ws-bf16-d128-shared-pv-ahead": 24, "ws-int8-pv16-d128-one-wg-pv-ahead": 32,
+                                  # two consumer partitions with PV in flight: 28 (D128), 75 (D256)
+                                  "ws-int8-pv16-d128-pv-ahead": 32, "ws-int8-pv16-d256-pv-ahead": 80}}
 
 #: Instructions allowed in the int8 16-bit-PV loader's tile loop (sm_90): a fixed part per
 #: tile (waits, barriers, block ids) and a part per V value each loader thread converts
