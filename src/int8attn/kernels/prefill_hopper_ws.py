@@ -31,10 +31,12 @@ One program owns 128 query rows of one KV head (the packing of
   ``QK_AHEAD=False`` (the configs offered) issues ``QK(j + 1)`` after it, so nothing is in
   flight across a softmax, ``QK_AHEAD=True`` issues it before the softmax of tile ``j`` (a
   second score tile's registers; slower on the H200 in every case measured).
-  ``SHARED_CONSUMER``: both warpgroups in one 8-warp partition (the default one) instead,
-  running one copy of the code together. ptxas keeps a wgmma in flight across loop iterations
-  only outside worker partitions (in one it serialises every wgmma of the kernel), so 16-bit P
-  with ``PV_IN_FLIGHT`` runs there (:func:`_consumer_loop_pv16_in_flight`).
+  ``SHARED_CONSUMER``: the consumer warpgroups in the default partition instead (both in one
+  8-warp partition running one copy of the code together, or one per program). ptxas
+  serialises every wgmma of a kernel whose worker partition keeps one in flight across its
+  loop inside Triton's worker dispatch loop; 16-bit P with ``PV_IN_FLIGHT``
+  (:func:`_consumer_loop_pv16_in_flight`) runs in the default partition, or in two worker
+  consumers whose PTX the compile hook of :mod:`._worker_exit` lets exit after the region.
   ``PV_IN_FLIGHT=True``: the schedule of :mod:`int8attn.kernels.prefill_hopper_pipe`
   (``PV(j)`` in flight across the next softmax; faulted on the H200 in single-tile fp8
   programs, see benchmarks/notes/prefill_hopper.md). Nothing synchronises the two
@@ -541,8 +543,9 @@ def _consumer_loop_pv16_in_flight(s, acc, m_i, l_i, k_scale, v_scale, q_smem, k_
     accumulator read in flight, C7514, and serialised the kernel's wgmma.) Past the last tile
     QK re-reads tile ``j``'s stage, which no load follows, for a result never used: no QK result
     is a phi of ``S_j``. ``s`` is S_0, a waited wgmma result (ptxas pipelines the loop only if
-    the carried scores enter it so); returns (acc, m, l). Runs in the shared consumer partition
-    only: in a worker partition ptxas serialises every wgmma of the kernel."""
+    the carried scores enter it so); returns (acc, m, l). Runs in the default partition, or in
+    worker partitions whose PTX leaves Triton's dispatch loop (:mod:`._worker_exit`): inside
+    it ptxas serialises every wgmma of the kernel."""
     acc = warpgroup_mma_init(acc)  # carried as the MMA's accumulator: PV(j) is in flight at each iteration's end
     for j in range(0, num_kv_tiles):
         start = j * BLOCK_N

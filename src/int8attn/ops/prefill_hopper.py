@@ -134,10 +134,12 @@ class HopperPrefillConfig:
     v_scaled (the same route only): the loader multiplies each key's fp16 V by its scale
     (over the program's P unit), so the consumers' P is the plain fp16 ``p``: one multiply per
     score fewer in the consumers, half a paired multiply per V value more in the loader;
-    shared_consumer (warp-specialized, block_m 128): both consumer warpgroups run in one 8-warp
-    partition (one copy of their code, no ping-pong between them) -- the only place where ptxas
-    keeps a wgmma in flight across loop iterations, so the 16-bit-P routes' ``pipeline=True``
-    (PV of one tile in flight across the next tile's softmax) needs it. The
+    shared_consumer (warp-specialized, block_m 128 or 64): the consumer warpgroups run in the
+    default partition (both in one 8-warp partition, one copy of their code and no ping-pong
+    between them; or one per program). The 16-bit-P routes' ``pipeline=True`` (PV of one tile
+    in flight across the next tile's softmax) runs there or in two consumer partitions (block_m
+    128), whose PTX a compile hook lets leave Triton's worker dispatch loop (inside it ptxas
+    serialises the kernel's wgmma: :mod:`int8attn.kernels._worker_exit`). The
     warp-specialized kernel takes up to 6 stages (shared memory permitting), the others up
     to 4."""
 
