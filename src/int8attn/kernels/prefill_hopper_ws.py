@@ -90,7 +90,9 @@ CVT_ELEMS = 16
 #: setmaxnreg -- and the cap of the launch that splits them), one program per SM. Two: 12
 #: warps, 2 x 128 x 232 + 128 x 40 = 384 x 168 = the 64K-register file. Three (block_m 192,
 #: head_dim <= 128): 16 warps at 128, the two worker consumers at 152 and the loader at 40,
-#: which leaves the default partition's consumer 168.
+#: which leaves the default partition's consumer 168. One (block_m 64, the consumer in the
+#: default partition): 8 warps at 128 so that two programs share an SM, the loader at 40, which
+#: leaves the consumer 216 (no worker consumer: 0).
 REGISTER_BUDGETS = {1: (0, 40, 128), 2: (232, 40, 168), 3: (152, 40, 128)}
 CONSUMER_REGS, LOADER_REGS, KERNEL_MAXNREG = REGISTER_BUDGETS[2]
 
@@ -822,8 +824,10 @@ def _prefill_hopper_ws_kernel(
     gl.static_assert(not V_SCALED or (PV_KIND == PV_BF16 and KV_KIND != KIND_BF16),
                      "V scaled by the loader: an 8-bit cache's 16-bit PV")
 
-    if PV_IN_FLIGHT and not SHARED_CONSUMER:
-        _mark_worker_exit(num_tiles)  # consumer workers with a wgmma in flight across their loop
+    if PV_IN_FLIGHT and not SHARED_CONSUMER and PV_KIND == PV_BF16:
+        # consumer workers with PV in flight across their loop (16-bit P: the schedule measured
+        # with the rewrite; the 8-bit-P schedules stay serialised, as before it)
+        _mark_worker_exit(num_tiles)
     run, kv_head, seq, q_start, q_tile, q_len, seq_len = _checked_tile(
         query_start_loc_ptr, seq_lens_ptr, block_table_ptr, flags_ptr, out_ptr, num_seqs, num_tiles, num_tokens,
         num_blocks, max_blocks, min_query_len, stride_bt, stride_ot, stride_oh, GROUP, BLOCK_M, BLOCK_Q, HEAD_DIM, PAGE)

@@ -407,8 +407,9 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         # consumer workers keep PV in flight only in PTX whose workers leave Triton's dispatch
         # loop (kernels._worker_exit), handled for two consumer warpgroups
         raise ValueError("16-bit PV in flight across the next softmax (pipeline=True) runs two consumer "
-                         "partitions (block_m 128) or the shared consumer partition, issues the next QK with PV, after the softmax "
-                         "(qk_ahead=False), and rescales per row or every tile (lazy_rescale 'rows' or False)")
+                         "partitions (block_m 128) or the shared consumer partition, issues the next QK with PV, "
+                         "after the softmax (qk_ahead=False), and rescales per row or every tile (lazy_rescale "
+                         "'rows' or False)")
     if config.warp_specialized and config.block_m not in (128, 192) and not (
             config.shared_consumer and config.block_m == 64):
         raise ValueError(f"warp_specialized runs two or three 64-row consumer warpgroups: block_m must be 128 "
