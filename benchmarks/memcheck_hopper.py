@@ -3,7 +3,9 @@ lengths, a varlen batch with single-tile programs (the case of the illegal share
 read found in the in-flight PV schedule) and a stale-slot batch, for every route (int8,
 fp8 and bf16 caches with PV in their precision, int8 and fp8 with 16-bit PV) and config
 ``warp_specialized_config`` offers, the other QK schedule of each and, with 16-bit P, the
-other rescale rule (per row or every tile) and three consumer warpgroups where they fit;
+other rescale rule (per row or every tile), two consumer partitions with PV in flight
+(``pv_in_flight_config``: workers that exit instead of looping back) and three consumer
+warpgroups where they fit;
 then the Hopper multi-token decode kernels (:mod:`int8attn.ops.decode_hopper`) over odd
 lengths, one-tile contexts and several split counts (the keys-on-M kernel with two and three
 consumer warpgroups too, for int8 caches where the rows fit), against the portable decode
@@ -97,14 +99,16 @@ def main() -> int:
             args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
             want = prefill_attention(*args, pv_mode=pv)
             # 16-bit P: the other rescale rule too (per row, its multiplies behind divergent
-            # branches, or every tile), and three consumer warpgroups where they fit
-            lazy = (hop.other_rescale_rule(ws),) if pv == "bf16" else ()
+            # branches, or every tile), two consumer partitions with PV in flight (their workers
+            # exit rather than loop back: kernels._worker_exit), and three consumer warpgroups
+            # where they fit
+            lazy = (hop.other_rescale_rule(ws), hop.pv_in_flight_config(ws)) if pv == "bf16" else ()
             m192 = hop.three_consumer_config(kv, d, pv)
             for cfg in (ws, replace(ws, qk_ahead=not ws.qk_ahead), *lazy, *((m192,) if m192 else ())):
                 out = testing.poisoned_like(want)
                 hop.prefill(*args, kernel="hopper", pv_mode=pv, out=out, config=cfg)
                 bad += not _report(out, want, 0.05, f"{name} {kv}/{pv} block_m={cfg.block_m} qk_ahead={cfg.qk_ahead} "
-                                                    f"lazy_rescale={cfg.lazy_rescale}")
+                                                    f"lazy_rescale={cfg.lazy_rescale} pipeline={cfg.pipeline}")
     for name, (hq, hkv, d, bs, lens, qlens) in ({} if only_bad or prefill_only else DECODE_CASES).items():
         for kv in ("int8", "fp8"):
             b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
@@ -142,7 +146,7 @@ def _prefill_bad_metadata_cases() -> int:
     failed = 0
     routes = _routes()
     for kv, which in (("int8", "ws"), ("fp8", "ws"), ("bf16", "ws"), ("int8", "ws16"), ("int8", "ws16-m192"),
-                      ("int8", "sync"), ("fp8", "pipe")):
+                      ("int8", "ws16-pv-in-flight"), ("int8", "sync"), ("fp8", "pipe")):
         pv = "bf16" if which.startswith("ws16") else kv
         if (kv, pv) not in routes:
             continue
@@ -150,6 +154,7 @@ def _prefill_bad_metadata_cases() -> int:
                                      kv_dtype=kv, seed=17, device="cuda")
         config = {"ws": hop.warp_specialized_config(kv, 128), "ws16": hop.warp_specialized_config(kv, 128, pv),
                   "ws16-m192": hop.three_consumer_config(kv, 128, pv),
+                  "ws16-pv-in-flight": hop.pv_in_flight_config(hop.warp_specialized_config(kv, 128, pv)),
                   "sync": hop.default_config(kv, 128, kv), "pipe": hop.pipelined_config(kv, 128)}[which]
         for case, (bt, sl, qsl, bad_seq, _) in testing.bad_metadata_cases(b, overrun=50).items():
             out = hop.prefill_attention_hopper(b.query, b.cache, bt, sl, qsl, pv_mode=pv, config=config)

@@ -1049,6 +1049,7 @@ def test_gpu_auto_takes_hopper_for_plans_and_unplanned_calls(kv, pv, monkeypatch
 BAD_METADATA_KERNELS = [pytest.param("int8", "ws", id="int8-ws"), pytest.param("fp8", "ws", id="fp8-ws"),
                         pytest.param("bf16", "ws", id="bf16-ws"), pytest.param("int8", "ws16", id="int8-ws-pv16"),
                         pytest.param("int8", "ws16-m192", id="int8-ws-pv16-m192"),
+                        pytest.param("int8", "ws16-pv-in-flight", id="int8-ws-pv16-pv-in-flight"),
                         pytest.param("int8", "sync", id="int8-sync"),
                         pytest.param("fp8", "pipe", id="fp8-pipe")]
 
@@ -1070,6 +1071,7 @@ def test_gpu_bad_metadata_gives_nan_rows_and_a_flag(case, kv, which, monkeypatch
     pv = "bf16" if which.startswith("ws16") else kv
     config = {"ws": hop.warp_specialized_config(kv, 128), "ws16": hop.warp_specialized_config(kv, 128, pv),
               "ws16-m192": hop.three_consumer_config(kv, 128, pv),
+              "ws16-pv-in-flight": hop.pv_in_flight_config(hop.warp_specialized_config(kv, 128, pv)),
               "sync": hop.default_config(kv, 128, kv), "pipe": hop.pipelined_config(kv, 128)}[which]
     kw = dict(pv_mode=pv, config=config)
     good = hop.prefill_attention_hopper(*_args(b), **kw)
