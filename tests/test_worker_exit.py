@@ -106,8 +106,8 @@ def test_install_chains_an_existing_hook_once_and_keys_the_cache():
 
     try:
         knobs.runtime.add_stages_inspection_hook = other
-        we.install()
-        we.install()  # idempotent: one wrapper
+        assert we.install()
+        assert we.install()  # idempotent: one wrapper
         hook = knobs.runtime.add_stages_inspection_hook
         assert hook is not other and hook() == ("other" + we._KEY, "h" + we._KEY)
         stages = {"ptx": lambda src, metadata: DISPATCH, "cubin": lambda src, metadata: b""}

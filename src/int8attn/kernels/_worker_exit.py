@@ -125,11 +125,15 @@ def _hook(previous):
     return hook
 
 
-def install() -> None:
-    """Add :func:`rewrite` to Triton's compile pipeline once per process (idempotent)."""
+def install() -> bool:
+    """Add :func:`rewrite` to Triton's compile pipeline once per process (idempotent); False
+    where this Triton has no stage hook (the marked kernels then compile as Triton emits them:
+    correct, with their in-flight wgmma serialised by ptxas)."""
     from triton import knobs
 
+    if not hasattr(knobs.runtime, "add_stages_inspection_hook"):
+        return False
     current = knobs.runtime.add_stages_inspection_hook
-    if getattr(current, "int8attn_worker_exit", False):
-        return
-    knobs.runtime.add_stages_inspection_hook = _hook(current)
+    if not getattr(current, "int8attn_worker_exit", False):
+        knobs.runtime.add_stages_inspection_hook = _hook(current)
+    return True
