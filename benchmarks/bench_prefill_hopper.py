@@ -168,11 +168,11 @@ def _three_consumers(kv_dtype: str, d: int, pv: str) -> list:
 
 
 def _shared_consumer(ws) -> list:
-    """(label, config) pairs: both consumer warpgroups in one 8-warp partition (one copy of
-    their code), with the route's schedule and with 16-bit PV in flight across the next
-    softmax (QK issued with PV; ptxas keeps wgmma in flight only outside worker partitions);
-    at head_dim <= 128 the same with one consumer warpgroup per program ("hopper-ws-one*")."""
-    # two consumer partitions with PV in flight (their PTX leaves Triton's worker dispatch loop)
+    """(label, config) pairs of 16-bit PV in flight across the next softmax (QK issued with
+    PV) and where it runs: two consumer partitions ("hopper-ws-pv-ahead", their PTX leaving
+    Triton's worker dispatch loop); both consumer warpgroups in one 8-warp partition (one copy
+    of their code), with the route's schedule and with PV in flight ("hopper-ws-shared*"); at
+    head_dim <= 128 one consumer warpgroup per program ("hopper-ws-one*")."""
     out = [("hopper-ws-pv-ahead", hop.pv_in_flight_config(ws)),
            ("hopper-ws-shared", hop.shared_consumer_config(ws)),
            ("hopper-ws-shared-pv-ahead", hop.shared_consumer_config(ws, pv_in_flight=True))]
