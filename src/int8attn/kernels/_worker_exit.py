@@ -16,9 +16,12 @@ any other kernel's, passes through unchanged.
 
 :func:`install` adds the rewrite to Triton's compile pipeline (``knobs.runtime.
 add_stages_inspection_hook``, chained after a hook already there). Triton 3.8+ also asks the
-hook for a cache key (the hook is called with no arguments); 3.6 does not, so the mark lives
-in the kernel source (a kernel built before the hook existed has another cache key) and
-launchers install the hook before compiling a marked kernel.
+hook for a cache key (the hook is called with no arguments), at every compile and at every
+launch through Triton's JIT dispatch: once installed, every kernel the process compiles gets
+a key of its own (one more compile each, then cached on disk), and a JIT launch a Python call
+more. 3.6 does not ask, so the mark lives in the kernel source (a kernel built before the hook
+existed has another cache key) and launchers install the hook before compiling a marked
+kernel -- only configs that keep PV in flight in worker partitions do (``kernel_fn``).
 """
 
 from __future__ import annotations
