@@ -106,7 +106,7 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         # the rescale rules: the warpgroup-wide lazy test, and per row or every tile (whichever
         # the route's config does not take); two and three consumer warpgroups
         return [("hopper-ws", ws), ("hopper-ws-lazy", replace(ws, lazy_rescale=True)), _other_rescale(ws),
-                *_shared_consumer(ws),
+                *_pv_in_flight_placements(ws),
                 ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d)), *_three_consumers(kv_dtype, d, pv)]
     sync = hop.default_config(kv_dtype, d, pv)
     out = [("hopper", sync)]
@@ -122,7 +122,7 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
                 # V scaled by the loader (P the plain fp16 p: one multiply per score fewer), or
                 # not, whichever the route's config does not do
                 ("hopper-ws-v-" + ("unscaled" if ws.v_scaled else "scaled"), replace(ws, v_scaled=not ws.v_scaled)),
-                *_shared_consumer(ws)]
+                *_pv_in_flight_placements(ws)]
         # the loader's copies in flight past the tile it converts (convert_lag; None: 1) and
         # the ring depth; the rescale rules (a warpgroup-wide lazy test per tile; per row with
         # each thread's multiplies behind a branch, or every tile)
@@ -167,7 +167,7 @@ def _three_consumers(kv_dtype: str, d: int, pv: str) -> list:
                                     ("hopper-ws-m192-qk-ahead", replace(m192, qk_ahead=True))]
 
 
-def _shared_consumer(ws) -> list:
+def _pv_in_flight_placements(ws) -> list:
     """(label, config) pairs of 16-bit PV in flight across the next softmax (QK issued with
     PV) and where it runs: two consumer partitions ("hopper-ws-pv-ahead", their PTX leaving
     Triton's worker dispatch loop); both consumer warpgroups in one 8-warp partition (one copy

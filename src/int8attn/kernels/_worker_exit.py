@@ -48,6 +48,11 @@ def _code(line: str) -> str:
     return "" if line.startswith(".loc") else line
 
 
+def _last_code(lines: list) -> str:
+    """The last line of ``lines`` that holds an instruction ('' if none)."""
+    return next((c for c in (_code(x) for x in reversed(lines)) if c), "")
+
+
 def _dispatch(lines: list, load: int) -> dict:
     """{state: label} of the worker dispatch after the state load at ``lines[load]``: a chain
     of ``setp.eq`` tests and branches (Triton 3.6 - 3.9 with two workers) or a ``brx.idx``
@@ -93,15 +98,14 @@ def rewrite(ptx: str) -> str:
     exit_state = max(targets)
     exit_word = int.from_bytes(bytes([exit_state] * 4), "little")
     # one region: the states other than exit are published by one run of stores
-    publishing = [i for i, line in enumerate(lines) if _STATE_STORE.match(line)
-                  and any(int(v) != exit_word for v in re.findall(r"\d+", line.split("],")[1]))]
+    stores = ((i, _STATE_STORE.match(line)) for i, line in enumerate(lines))
+    publishing = [i for i, m in stores if m and any(int(v) != exit_word for v in (m.group(1) or m.group(2)).split(","))]
     if not publishing or publishing[-1] - publishing[0] > 4:
         raise ValueError(f"{MARK}: the rewrite handles kernels with one warp_specialize region")
     out, edges = [], 0
     for line in lines:
         edge = _BACK_EDGE.match(line)
-        previous = next((c for c in (_code(x) for x in reversed(out)) if c), "")
-        if edge and edge.group(1) == header and previous.startswith("setmaxnreg.dec"):
+        if edge and edge.group(1) == header and _last_code(out).startswith("setmaxnreg.dec"):
             out.append("\tbarrier.sync \t1;")
             out.append(f"\tbra.uni \t{targets[exit_state]};")
             edges += 1

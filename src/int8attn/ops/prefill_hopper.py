@@ -202,8 +202,14 @@ def pv_in_flight_config(config: HopperPrefillConfig) -> HopperPrefillConfig:
     softmax; a warpgroup-wide lazy rescale made per row). ptxas keeps it in flight because the
     kernel's PTX lets the worker partitions exit (:mod:`int8attn.kernels._worker_exit`).
     Measured, not routed (benchmarks/notes/prefill_hopper.md)."""
+    return _pv16_in_flight(replace(config, block_m=128, shared_consumer=False))
+
+
+def _pv16_in_flight(config: HopperPrefillConfig) -> HopperPrefillConfig:
+    """``config`` with 16-bit PV in flight across the next softmax: ``pipeline``, QK issued with
+    PV (after the softmax), a warpgroup-wide lazy rescale made per row."""
     lazy = "rows" if config.lazy_rescale is True else config.lazy_rescale
-    return replace(config, block_m=128, shared_consumer=False, pipeline=True, qk_ahead=False, lazy_rescale=lazy)
+    return replace(config, pipeline=True, qk_ahead=False, lazy_rescale=lazy)
 
 
 def shared_consumer_config(config: HopperPrefillConfig, pv_in_flight: bool = False,
@@ -222,10 +228,7 @@ def shared_consumer_config(config: HopperPrefillConfig, pv_in_flight: bool = Fal
     config = replace(config, block_m=64 * warpgroups, shared_consumer=True)
     if warpgroups == 1:
         config = replace(config, stages=min(config.stages, 3))
-    if pv_in_flight:
-        config = replace(config, pipeline=True, qk_ahead=False,
-                         lazy_rescale="rows" if config.lazy_rescale is True else config.lazy_rescale)
-    return config
+    return _pv16_in_flight(config) if pv_in_flight else config
 
 
 def two_consumer_config(kv_dtype: str, head_dim: int, pv_mode: str | None = None) -> HopperPrefillConfig:
