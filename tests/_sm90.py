@@ -95,7 +95,8 @@ for rec in json.loads(sys.stdin.read()):
     try:
         c = triton.compile(ASTSource(fn=fn, signature=rec["signature"], constexprs=rec["constexprs"]),
                            target=GPUTarget("cuda", 90, 32), options=rec["options"])
-        out.append(dict(name=rec["name"], ok=True, sass_bytes=len(c.asm.get("cubin", b""))))
+        out.append(dict(name=rec["name"], ok=True, sass_bytes=len(c.asm.get("cubin", b"")),
+                        ptx_fma=c.asm["ptx"].count("fma.rn.f32")))
     except Exception as exc:
         out.append(dict(name=rec["name"], ok=False, error=f"{type(exc).__name__}: {str(exc)[-600:]}"))
 sys.stdout.write(json.dumps(out))
@@ -139,7 +140,8 @@ def _round_robin(items: list, n: int) -> list:
 
 def compile_for_sm90(records: list) -> list:
     """Compile each recorded launch for sm_90 (subprocesses side by side, interpreter off);
-    returns one dict per record, in order: name, ok, and the error text when it failed."""
+    returns one dict per record, in order: name, ok, and the error text when it failed (the
+    fp32 FMAs of its PTX when it compiled, ``ptx_fma``)."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     order = list(range(len(records)))
     chunks = _round_robin(order, _workers(len(records)))

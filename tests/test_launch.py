@@ -228,8 +228,17 @@ def test_prepare_compiles_and_loads_without_launching(monkeypatch):
     assert kern.log == [] and compiled.loaded == 0
     monkeypatch.setattr(runtime, "interpret_mode", lambda: False)
     launch.prepare(x)
-    assert kern.log == [("warmup", (3, 2, 1), (x, 7), {"BLOCK": 16, "FLAG": True})] and compiled.loaded == 1
+    assert kern.log == [("warmup", (3, 2, 1), (x, 7), {"enable_fp_fusion": True, "BLOCK": 16, "FLAG": True})] and compiled.loaded == 1
     launch(x)  # the first launch compiles through the bound path
     kern.log.clear()
     launch.prepare(x)
     assert kern.log == [] and compiled.loaded == 1
+
+
+def test_launches_state_fp_fusion_and_a_launch_may_override_it():
+    """Triton's default for FMA fusion changes in 3.10: every cached launch passes
+    runtime.FP_FUSION unless its own options say otherwise."""
+    k = _Kernel()
+    CachedLaunch(k, (1,), dict(BLOCK=64, FLAG=True))(torch.zeros(64), 7)
+    CachedLaunch(k, (1,), dict(BLOCK=64, FLAG=True, enable_fp_fusion=False))(torch.zeros(64), 7)
+    assert [e[3]["enable_fp_fusion"] for e in k.log] == [True, False]

@@ -459,10 +459,10 @@ def test_three_consumer_config_only_where_it_fits(kv, pv, d):
     checked = hop._check_config(cfg, _C(), 4, pv)
     const = hop.constexprs(checked, _C(), 4, pv)
     assert (const["BLOCK_M"], const["BLOCK_Q"], const["CONSUMER_REGS"], const["LOADER_REGS"]) == (192, 48, 152, 40)
-    assert hop.launch_options(checked) == dict(num_warps=4, maxnreg=128)
+    assert hop.launch_options(checked) == dict(num_warps=4, maxnreg=128, enable_fp_fusion=True)
     # 3 x 128 threads x 152 + 128 x 40 leaves the default partition's consumer 168 of 16 x 32 x 128
     assert 16 * 32 * 128 - 2 * 128 * 152 - 128 * 40 == 128 * 168
-    assert hop.launch_options(hop._check_config(ws, _C(), 4, pv)) == dict(num_warps=4, maxnreg=168)
+    assert hop.launch_options(hop._check_config(ws, _C(), 4, pv)) == dict(num_warps=4, maxnreg=168, enable_fp_fusion=True)
 
 
 @pytest.mark.parametrize("kv,pv", [pytest.param("int8", "bf16", id="int8-pv16"),
@@ -587,7 +587,7 @@ def test_shared_consumer_and_16bit_pv_in_flight_configs():
     assert ahead == replace(ws16, shared_consumer=True, pipeline=True, qk_ahead=False)
     assert hop.shared_consumer_config(replace(ws16, lazy_rescale=True), True).lazy_rescale == "rows"
     checked = hop._check_config(ahead, _C(), 4, "bf16")
-    assert hop.launch_options(checked) == dict(num_warps=8, maxnreg=168)
+    assert hop.launch_options(checked) == dict(num_warps=8, maxnreg=168, enable_fp_fusion=True)
     const = hop.constexprs(checked, _C(), 4, "bf16")
     assert const["SHARED_CONSUMER"] and const["PV_IN_FLIGHT"]
     assert const["QK_LAYOUT"].warps_per_cta == [8, 1] and const["LOAD_K"].warps_per_cta[0] * \
@@ -596,7 +596,7 @@ def test_shared_consumer_and_16bit_pv_in_flight_configs():
     # per SM), at most 3 stages; head_dim <= 128
     one = hop._check_config(hop.shared_consumer_config(ws16, True, warpgroups=1), _C(), 4, "bf16")
     assert (one.block_m, one.stages, one.pipeline) == (64, 3, True)
-    assert hop.launch_options(one) == dict(num_warps=4, maxnreg=128)
+    assert hop.launch_options(one) == dict(num_warps=4, maxnreg=128, enable_fp_fusion=True)
     const = hop.constexprs(one, _C(), 4, "bf16")
     assert (const["BLOCK_M"], const["BLOCK_Q"], const["LOADER_REGS"]) == (64, 16, 40)
     assert const["QK_LAYOUT"].warps_per_cta == [4, 1]
@@ -619,7 +619,7 @@ def test_shared_consumer_and_16bit_pv_in_flight_configs():
     # two consumer partitions keep PV in flight too (the workers leave Triton's dispatch loop)
     two = hop._check_config(hop.pv_in_flight_config(ws16), _C(), 4, "bf16")
     assert (two.block_m, two.shared_consumer, two.pipeline, two.qk_ahead) == (128, False, True, False)
-    assert hop.launch_options(two) == dict(num_warps=4, maxnreg=168)
+    assert hop.launch_options(two) == dict(num_warps=4, maxnreg=168, enable_fp_fusion=True)
     with pytest.raises(TypeError, match="shared_consumer must be a bool"):
         hop._check_config(replace(ws16, shared_consumer=1), _C(), 4, "bf16")
 
@@ -1046,12 +1046,8 @@ def test_gpu_auto_takes_hopper_for_plans_and_unplanned_calls(kv, pv, monkeypatch
 
 
 #: The Hopper prefill kernels and caches of the bad-metadata test: (kv, config name)
-BAD_METADATA_KERNELS = [pytest.param("int8", "ws", id="int8-ws"), pytest.param("fp8", "ws", id="fp8-ws"),
-                        pytest.param("bf16", "ws", id="bf16-ws"), pytest.param("int8", "ws16", id="int8-ws-pv16"),
-                        pytest.param("int8", "ws16-m192", id="int8-ws-pv16-m192"),
-                        pytest.param("int8", "ws16-pv-in-flight", id="int8-ws-pv16-pv-in-flight"),
-                        pytest.param("int8", "sync", id="int8-sync"),
-                        pytest.param("fp8", "pipe", id="fp8-pipe")]
+BAD_METADATA_KERNELS = [pytest.param(kv, which, id=f"{kv}-{which.replace('ws16', 'ws-pv16')}")
+                        for kv, which in testing.HOPPER_PREFILL_KERNELS]
 
 
 @pytest.mark.parametrize("kv,which", BAD_METADATA_KERNELS)
@@ -1068,11 +1064,7 @@ def test_gpu_bad_metadata_gives_nan_rows_and_a_flag(case, kv, which, monkeypatch
 
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
     b = _batch([300, 400, 250], [120, 210, 90], hq=32, hkv=8, d=128, kv=kv, seed=17, device="cuda")
-    pv = "bf16" if which.startswith("ws16") else kv
-    config = {"ws": hop.warp_specialized_config(kv, 128), "ws16": hop.warp_specialized_config(kv, 128, pv),
-              "ws16-m192": hop.three_consumer_config(kv, 128, pv),
-              "ws16-pv-in-flight": hop.pv_in_flight_config(hop.warp_specialized_config(kv, 128, pv)),
-              "sync": hop.default_config(kv, 128, kv), "pipe": hop.pipelined_config(kv, 128)}[which]
+    pv, config = testing.hopper_prefill_kernel(kv, which)
     kw = dict(pv_mode=pv, config=config)
     good = hop.prefill_attention_hopper(*_args(b), **kw)
     check_errors("cuda")

@@ -57,6 +57,26 @@ def test_every_launched_kernel_compiles_for_sm90(kv_dtype, head_dim):
     assert not failed, "\n".join(f"{r['name']}: {r['error']}" for r in failed)
 
 
+def test_launches_state_fp_fusion_whatever_tritons_default(monkeypatch):
+    """Every launch passes ``enable_fp_fusion`` (runtime.FP_FUSION; off only for the RoPE
+    producer, which rounds as PyTorch does), so Triton's default -- on up to 3.9, off from
+    3.10 -- changes no kernel: with the default set to off the decode and prefill kernels
+    still compile their scale-and-exponent products to FMAs, which the same launch with the
+    option off does not."""
+    with launched_kernels() as records:
+        _exercise("int8", 64)
+    stated = {r["name"]: r["options"].get("enable_fp_fusion") for r in records}
+    assert stated.pop("_rope_quantize_write_kernel") is False
+    assert stated and all(v is True for v in stated.values()), stated
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    picked = [next(r for r in records if r["name"] == name) for name in ("_decode_split_kernel", "_prefill_kernel")]
+    off = [dict(r, options=dict(r["options"], enable_fp_fusion=False)) for r in picked]
+    results = compile_for_sm90(picked + off)
+    assert all(r["ok"] for r in results), results
+    fused, unfused = [r["ptx_fma"] for r in results[:2]], [r["ptx_fma"] for r in results[2:]]
+    assert min(fused) > 0 and max(unfused) == 0, (fused, unfused)
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8", "bf16"])
 def test_safe_decode_compiles_for_sm90(kv_dtype, monkeypatch):
     """The decode kernels with in-kernel clamps (the default; head_dim 96, so padded tiles,

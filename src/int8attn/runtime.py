@@ -4,7 +4,8 @@
 * :func:`sm_count`, :func:`device_guard`, :func:`stream_id`, :func:`capturing` -- the launch
   device and stream; :func:`side_stream` -- a second stream for work that overlaps it;
 * :func:`default_num_warps`, :func:`heads_per_program`, :func:`full_tiles` -- the
-  [rows, head_dim] program tile of the quantize / producer kernels (``TILE_ELEMS``).
+  [rows, head_dim] program tile of the quantize / producer kernels (``TILE_ELEMS``);
+* :data:`FP_FUSION` -- the floating-point fusion every launch states.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ TILE_ELEMS = 2048
 #: shape (benchmarks/notes/producer.md, "Launch sweep"): 2 warps 1-8% faster at 4096 tokens,
 #: 4 warps 5-15% faster at 1 token; the sizes in between are unmeasured.
 LARGE_BATCH_TOKENS = 256
+#: The launch option every kernel of the package passes (merged into each launch's options):
+#: a * b + c compiled as one FMA. Triton's default for it is "on" up to 3.9, which warns that
+#: it turns "off" in 3.10; the kernels' speed, SASS and last bits are measured with fusion
+#: on, so they ask for it rather than inherit a default. (The RoPE producer launch asks for
+#: it off: PyTorch rounds its products before adding them; see :mod:`int8attn.ops.producer`.)
+FP_FUSION = {"enable_fp_fusion": True}
 
 
 def interpret_mode() -> bool:

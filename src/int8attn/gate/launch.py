@@ -15,7 +15,7 @@ from ..kernels import gemm as _gemm
 from ..kernels import qk_tile as _qk
 from .. import launches
 from ..kernels.codes import KV_KIND
-from ..runtime import interpret_mode
+from ..runtime import FP_FUSION, interpret_mode
 
 QUANT_KINDS = {"int8": (torch.int8, KV_KIND["int8"]), "fp8": (torch.float8_e4m3fn, KV_KIND["fp8"])}
 
@@ -113,7 +113,7 @@ def quantize_rows(x: torch.Tensor, kind: str = "int8", out: torch.Tensor | None 
     handle = _gemm._quantize_rows_kernel[(triton.cdiv(rows, block_r),)](
         x, out, scale_out, rows, cols, x.stride(0), out.stride(0),
         KIND=quant_kind, BLOCK_R=block_r, BLOCK_C=block_c, INTERPRET=interpret_mode(),
-        num_warps=4,
+        num_warps=4, **FP_FUSION,
     )
     _remember(_gemm._quantize_rows_kernel, handle)
     return out, scale_out
@@ -154,7 +154,7 @@ def gemm_int8(a_q: torch.Tensor, a_scale: torch.Tensor, w_q: torch.Tensor, w_sca
     handle = _gemm._gemm_int8_kernel[grid](
         a_q, a_scale, w_q, w_scale, out, m, n, k,
         a_q.stride(0), a_q.stride(1), w_q.stride(1), w_q.stride(0), out.stride(0), out.stride(1),
-        **cfg,
+        **cfg, **FP_FUSION,
     )
     _remember(_gemm._gemm_int8_kernel, handle)
     return out
@@ -177,7 +177,7 @@ def gemm_dynamic_int8(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None
     handle = _gemm._gemm_dynamic_int8_kernel[grid](
         a, w, out, m, n, k,
         a.stride(0), a.stride(1), w.stride(1), w.stride(0), out.stride(0), out.stride(1),
-        **cfg,
+        **cfg, **FP_FUSION,
     )
     _remember(_gemm._gemm_dynamic_int8_kernel, handle)
     return out
@@ -248,7 +248,7 @@ def qk_scores(route: str, q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tenso
         m, t, num_q_heads // num_kv_heads, float(softmax_scale), 1 if scores is not None else 0,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_scale.stride(0), k_scale.stride(0),
         row_max.stride(0), scores_arg.stride(0), scores_arg.stride(1),
-        HEAD_DIM=d, INTERPRET=interpret_mode(), **cfg,
+        HEAD_DIM=d, INTERPRET=interpret_mode(), **cfg, **FP_FUSION,
     )
     _remember(fn, handle)
     return row_max

@@ -12,6 +12,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..runtime import FP_FUSION
+
 PROBE_DTYPES = {"int8": ("*i8", "*i32"), "fp8": ("*fp8e4nv", "*fp32"), "bf16": ("*bf16", "*fp32"),
                 "fp16": ("*fp16", "*fp32")}
 
@@ -46,7 +48,7 @@ def compile_probe(dtype: str, num_warps: int = 4, block=(64, 64, 64), target: tu
         gpu_target = triton.runtime.driver.active.get_current_target()
     else:
         gpu_target = GPUTarget("cuda", target[0], target[1] if len(target) > 1 else 32)
-    return triton.compile(src, target=gpu_target, options={"num_warps": num_warps})
+    return triton.compile(src, target=gpu_target, options={"num_warps": num_warps, **FP_FUSION})
 
 
 def probe_sass(dtype: str, num_warps: int = 4, block=(64, 64, 64), target: tuple | None = None) -> str:

@@ -104,7 +104,7 @@ def _forgetter(launch_ref, index: int):
 
 class CachedLaunch:
     """Launch ``kernel`` over ``grid`` with fixed ``constexprs`` (launch options such as
-    ``num_warps`` included); positional arguments are passed per call, in the kernel's
+    ``num_warps`` included; :data:`int8attn.runtime.FP_FUSION` unless they set it); positional arguments are passed per call, in the kernel's
     parameter order, followed by ``fixed_args`` (the same every call: strides, sizes), and
     must precede every constexpr parameter. Every launch is recorded in
     :mod:`int8attn.launches` with ``facts`` (``grid`` added).
@@ -126,7 +126,8 @@ class CachedLaunch:
         self._name = launches.kernel_name(kernel)
         self._facts = {**(facts or {}), "grid": tuple(grid)}
         # the compiled kernel's launcher takes all three grid dimensions
-        self.kernel, self.grid, self.constexprs = kernel, tuple(grid) + (1,) * (3 - len(grid)), dict(constexprs)
+        self.kernel, self.grid = kernel, tuple(grid) + (1,) * (3 - len(grid))
+        self.constexprs = {**runtime.FP_FUSION, **constexprs}  # a launch's own option wins
         self.fixed_args = tuple(fixed_args)
         self._tail = None
         self._compiled = None

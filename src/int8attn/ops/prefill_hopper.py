@@ -42,7 +42,7 @@ from .. import _checks
 from .. import launches
 from ..errors import error_flags
 from ..kernels.codes import KV_KIND, LAZY_RESCALE, PV_KIND, PV_MODES
-from ..runtime import capturing, device_guard, interpret_mode
+from ..runtime import FP_FUSION, capturing, device_guard, interpret_mode
 from . import prefill as _portable
 from ._launch import CachedLaunch, remembered
 
@@ -490,12 +490,13 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
 
 
 def launch_options(config: HopperPrefillConfig) -> dict:
-    """num_warps (and the register cap of a warp-specialized kernel) of a config's launch."""
+    """num_warps (and the register cap of a warp-specialized kernel) of a config's launch, and
+    :data:`int8attn.runtime.FP_FUSION`."""
     if config.warp_specialized:
         from ..kernels.prefill_hopper_ws import REGISTER_BUDGETS
         return dict(num_warps=config.block_m // 16 if config.shared_consumer else 4,
-                    maxnreg=REGISTER_BUDGETS[config.block_m // 64][2])
-    return dict(num_warps=config.block_m // 16)
+                    maxnreg=REGISTER_BUDGETS[config.block_m // 64][2], **FP_FUSION)
+    return dict(num_warps=config.block_m // 16, **FP_FUSION)
 
 
 def prefill_attention_hopper(query, cache, block_table, seq_lens, query_start_loc, *, softmax_scale=None, out=None,

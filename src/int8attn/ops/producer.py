@@ -19,7 +19,7 @@ from ..cache import KV_DTYPES, PagedKVCache
 from ..errors import error_flags
 from ..kernels.codes import KV_KIND
 from ..kernels.quantize import _quantize_query_kernel, _rope_quantize_write_kernel
-from ..runtime import TILE_ELEMS, default_num_warps, device_guard, full_tiles, heads_per_program, interpret_mode
+from ..runtime import FP_FUSION, TILE_ELEMS, default_num_warps, device_guard, full_tiles, heads_per_program, interpret_mode
 from ._launch import CachedLaunch, remembered
 
 
@@ -113,7 +113,7 @@ def quantize_query_launch(num_tokens: int, num_heads: int, head_dim: int, kv_dty
     num_rows = num_tokens * num_heads
     block_d = triton.next_power_of_2(head_dim)
     launch = {"BLOCK_R": max(1, min(TILE_ELEMS // block_d, triton.next_power_of_2(num_rows))),
-              "num_warps": default_num_warps(num_tokens)}
+              "num_warps": default_num_warps(num_tokens), **FP_FUSION}
     launch.update(overrides or {})
     block_r = launch["BLOCK_R"]
     launch.update(HEAD_DIM=head_dim, BLOCK_D=block_d, FULL=full_tiles(num_rows, block_r, head_dim, block_d),
@@ -246,7 +246,8 @@ def rope_quantize_and_write(
             BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim, ROTARY_DIM=rotary_dim, BLOCK_D=block_d,
             FULL_Q=full_tiles(num_q_heads, launch["BLOCK_HQ"], head_dim, block_d),
             KIND=KV_KIND[cache.kv_dtype], HAS_MEAN=has_mean, HAS_LAM=has_lam, INTERPRET=interpret_mode(),
-            # RoPE rounds as PyTorch's fp32 x1 * cos - x2 * sin (no FMA): bit-exact tests
+            # RoPE rounds as PyTorch's fp32 x1 * cos - x2 * sin (no FMA): bit-exact tests; the
+            # one launch that asks for fusion off (runtime.FP_FUSION)
             enable_fp_fusion=False,
             **launch,
         )

@@ -10,7 +10,7 @@ from ..cache import PagedKVCache
 from ..errors import error_flags
 from ..kernels.codes import KV_KIND
 from ..kernels.quantize import _write_kv_kernel
-from ..runtime import device_guard, heads_per_program, interpret_mode
+from ..runtime import FP_FUSION, device_guard, heads_per_program, interpret_mode
 
 #: Most elements of write_kv's [tokens, head_dim] program tile (16 tokens at head_dim 256).
 KV_TILE_ELEMS = 4096
@@ -141,7 +141,7 @@ def write_kv(cache: PagedKVCache, key: torch.Tensor, value: torch.Tensor, slot_m
     vscale = cache.value_scale if cache.quantized else cache.value
     sscale = cache.key_scale.stride() if cache.quantized else (0, 0, 0)
     head_dim = cache.head_dim
-    launch = {**write_kv_tile(num_tokens, cache.num_kv_heads, head_dim, cache.block_size), "num_warps": 4}
+    launch = {**write_kv_tile(num_tokens, cache.num_kv_heads, head_dim, cache.block_size), "num_warps": 4, **FP_FUSION}
     launch.update(_launch or {})
     with device_guard(cache.device):
         compiled = _write_kv_kernel[(triton.cdiv(num_tokens, launch["KV_TOKENS"]),)](
