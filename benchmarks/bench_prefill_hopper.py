@@ -172,11 +172,14 @@ def _pv_in_flight_placements(ws) -> list:
     PV) and where it runs: two consumer partitions ("hopper-ws-pv-ahead", their PTX leaving
     Triton's worker dispatch loop); both consumer warpgroups in one 8-warp partition (one copy
     of their code), with the route's schedule and with PV in flight ("hopper-ws-shared*"); at
-    head_dim <= 128 one consumer warpgroup per program ("hopper-ws-one*")."""
-    out = [("hopper-ws-pv-ahead", hop.pv_in_flight_config(ws)),
+    head_dim <= 128 the two partitions with a 3- and a 5-stage ring ("hopper-ws-pv-ahead-s3", "-s5") and
+    one consumer warpgroup per program ("hopper-ws-one*")."""
+    pv_ahead = hop.pv_in_flight_config(ws)
+    out = [("hopper-ws-pv-ahead", pv_ahead),
            ("hopper-ws-shared", hop.shared_consumer_config(ws)),
            ("hopper-ws-shared-pv-ahead", hop.shared_consumer_config(ws, pv_in_flight=True))]
-    if ws.dv <= 128:  # one warpgroup per program, two programs per SM
+    if ws.dv <= 128:  # the ring's depth with PV in flight; one warpgroup per program, two programs per SM
+        out += [(f"hopper-ws-pv-ahead-s{n}", replace(pv_ahead, stages=n)) for n in (3, 5) if n != pv_ahead.stages]
         out += [("hopper-ws-one", hop.shared_consumer_config(ws, warpgroups=1)),
                 ("hopper-ws-one-pv-ahead", hop.shared_consumer_config(ws, pv_in_flight=True, warpgroups=1))]
     return out

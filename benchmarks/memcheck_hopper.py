@@ -145,17 +145,12 @@ def _prefill_bad_metadata_cases() -> int:
     os.environ["INT8ATTN_CHECK_VALUES"] = "0"
     failed = 0
     routes = _routes()
-    for kv, which in (("int8", "ws"), ("fp8", "ws"), ("bf16", "ws"), ("int8", "ws16"), ("int8", "ws16-m192"),
-                      ("int8", "ws16-pv-in-flight"), ("int8", "sync"), ("fp8", "pipe")):
-        pv = "bf16" if which.startswith("ws16") else kv
+    for kv, which in testing.HOPPER_PREFILL_KERNELS:
+        pv, config = testing.hopper_prefill_kernel(kv, which)
         if (kv, pv) not in routes:
             continue
         b = testing.make_paged_batch([300, 400, 250], [120, 210, 90], num_q_heads=32, num_kv_heads=8, head_dim=128,
                                      kv_dtype=kv, seed=17, device="cuda")
-        config = {"ws": hop.warp_specialized_config(kv, 128), "ws16": hop.warp_specialized_config(kv, 128, pv),
-                  "ws16-m192": hop.three_consumer_config(kv, 128, pv),
-                  "ws16-pv-in-flight": hop.pv_in_flight_config(hop.warp_specialized_config(kv, 128, pv)),
-                  "sync": hop.default_config(kv, 128, kv), "pipe": hop.pipelined_config(kv, 128)}[which]
         for case, (bt, sl, qsl, bad_seq, _) in testing.bad_metadata_cases(b, overrun=50).items():
             out = hop.prefill_attention_hopper(b.query, b.cache, bt, sl, qsl, pv_mode=pv, config=config)
             torch.cuda.synchronize()

@@ -151,6 +151,29 @@ def bad_metadata_cases(batch: PagedBatch, *, overrun: int) -> dict:
     }
 
 
+#: The Hopper prefill kernels the bad-metadata checks run (GPU tests and the memcheck
+#: script), as (cache dtype, config name) for :func:`hopper_prefill_kernel`.
+HOPPER_PREFILL_KERNELS = (("int8", "ws"), ("fp8", "ws"), ("bf16", "ws"), ("int8", "ws16"), ("int8", "ws16-m192"),
+                          ("int8", "ws16-pv-in-flight"), ("int8", "sync"), ("fp8", "pipe"))
+
+
+def hopper_prefill_kernel(kv_dtype: str, which: str, head_dim: int = 128) -> tuple:
+    """(pv_mode, config) of a :data:`HOPPER_PREFILL_KERNELS` name: "ws" the warp-specialized
+    route in the cache's precision, "ws16" an 8-bit cache's 16-bit PV ("-m192": three
+    consumer warpgroups, "-pv-in-flight": two consumer partitions with PV in flight), "sync"
+    the synchronous kernel, "pipe" the pipelined one."""
+    from .ops import prefill_hopper as hop
+
+    pv = "bf16" if which.startswith("ws16") else kv_dtype
+    makers = {"ws": lambda: hop.warp_specialized_config(kv_dtype, head_dim),
+              "ws16": lambda: hop.warp_specialized_config(kv_dtype, head_dim, pv),
+              "ws16-m192": lambda: hop.three_consumer_config(kv_dtype, head_dim, pv),
+              "ws16-pv-in-flight": lambda: hop.pv_in_flight_config(hop.warp_specialized_config(kv_dtype, head_dim, pv)),
+              "sync": lambda: hop.default_config(kv_dtype, head_dim, kv_dtype),
+              "pipe": lambda: hop.pipelined_config(kv_dtype, head_dim)}
+    return pv, makers[which]()
+
+
 def poisoned_like(t: torch.Tensor) -> torch.Tensor:
     """A tensor shaped like ``t`` filled with NaN, to prove a kernel wrote every element."""
     return torch.full_like(t, POISON)
