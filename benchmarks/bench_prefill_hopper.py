@@ -173,7 +173,9 @@ def _pv_in_flight_placements(ws) -> list:
     Triton's worker dispatch loop); both consumer warpgroups in one 8-warp partition (one copy
     of their code), with the route's schedule and with PV in flight ("hopper-ws-shared*"); at
     head_dim <= 128 the two partitions with a 3- and a 5-stage ring ("hopper-ws-pv-ahead-s3", "-s5") and
-    one consumer warpgroup per program ("hopper-ws-one*")."""
+    one consumer warpgroup per program ("hopper-ws-one*"); above it the two partitions with 32-key
+    tiles in 4 and 5 stages ("hopper-ws-pv-ahead-n32-s4", "-s5": no local memory, where 64-key tiles
+    spill)."""
     pv_ahead = hop.pv_in_flight_config(ws)
     out = [("hopper-ws-pv-ahead", pv_ahead),
            ("hopper-ws-shared", hop.shared_consumer_config(ws)),
@@ -182,6 +184,8 @@ def _pv_in_flight_placements(ws) -> list:
         out += [(f"hopper-ws-pv-ahead-s{n}", replace(pv_ahead, stages=n)) for n in (3, 5) if n != pv_ahead.stages]
         out += [("hopper-ws-one", hop.shared_consumer_config(ws, warpgroups=1)),
                 ("hopper-ws-one-pv-ahead", hop.shared_consumer_config(ws, pv_in_flight=True, warpgroups=1))]
+    else:  # 32-key tiles: the accumulator, a score tile and both P tiles fit the consumers' registers
+        out += [(f"hopper-ws-pv-ahead-n32-s{n}", replace(pv_ahead, block_n=32, stages=n)) for n in (4, 5)]
     return out
 
 

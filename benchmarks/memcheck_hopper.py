@@ -4,7 +4,8 @@ read found in the in-flight PV schedule) and a stale-slot batch, for every route
 fp8 and bf16 caches with PV in their precision, int8 and fp8 with 16-bit PV) and config
 ``warp_specialized_config`` offers, the other QK schedule of each and, with 16-bit P, the
 other rescale rule (per row or every tile), two consumer partitions with PV in flight
-(``pv_in_flight_config``: workers that exit instead of looping back) and three consumer
+(``pv_in_flight_config``, and with 32-key tiles above head_dim 128: workers that exit instead
+of looping back) and three consumer
 warpgroups where they fit;
 then the Hopper multi-token decode kernels (:mod:`int8attn.ops.decode_hopper`) over odd
 lengths, one-tile contexts and several split counts (the keys-on-M kernel with two and three
@@ -14,11 +15,12 @@ and (without ``--decode-only``) on every Hopper prefill kernel: NaN rows for it,
 flag, and no access outside any tensor.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/memcheck_hopper.py \
-        [--decode-only | --bad-metadata-only | --prefill-only] [--routes int8/bf16,fp8/bf16]
+        [--decode-only | --bad-metadata-only | --prefill-only] [--routes int8/bf16,fp8/bf16] [--pv-in-flight-only]
 
 (``--bad-metadata-only``: the out-of-range metadata cases alone, decode and prefill -- the
 part a change to the kernels' prologues needs; ``--prefill-only``: no decode case;
-``--routes``: of the prefill routes, only these cache/PV pairs.)
+``--routes``: of the prefill routes, only these cache/PV pairs; ``--pv-in-flight-only``: of the
+prefill configs, only those with 16-bit PV in flight in two consumer partitions.)
 
 Each case is also compared with the portable kernel (rel-L2 printed; NaN or an unwritten
 row fails the script), so a run that reports no memory error also shows the kernel ran.
@@ -88,6 +90,7 @@ def main() -> int:
     only_bad = "--bad-metadata-only" in sys.argv
     decode_only = "--decode-only" in sys.argv
     prefill_only = "--prefill-only" in sys.argv
+    pv_in_flight_only = "--pv-in-flight-only" in sys.argv
     prefill_cases = {} if decode_only or only_bad else CASES
     for name, (hq, hkv, d, bs, lens, qlens) in prefill_cases.items():
         # every route of the warp-specialized kernel: PV in the cache's precision, and the
@@ -102,12 +105,17 @@ def main() -> int:
             # branches, or every tile), two consumer partitions with PV in flight (their workers
             # exit rather than loop back: kernels._worker_exit), and three consumer warpgroups
             # where they fit
-            lazy = (hop.other_rescale_rule(ws), hop.pv_in_flight_config(ws)) if pv == "bf16" else ()
-            m192 = hop.three_consumer_config(kv, d, pv)
-            for cfg in (ws, replace(ws, qk_ahead=not ws.qk_ahead), *lazy, *((m192,) if m192 else ())):
+            in_flight = _pv_in_flight_configs(ws, d) if pv == "bf16" else ()
+            if pv_in_flight_only:
+                configs = in_flight
+            else:
+                m192 = hop.three_consumer_config(kv, d, pv)
+                lazy = (hop.other_rescale_rule(ws),) if pv == "bf16" else ()
+                configs = (ws, replace(ws, qk_ahead=not ws.qk_ahead), *lazy, *in_flight, *((m192,) if m192 else ()))
+            for cfg in configs:
                 out = testing.poisoned_like(want)
                 hop.prefill(*args, kernel="hopper", pv_mode=pv, out=out, config=cfg)
-                bad += not _report(out, want, 0.05, f"{name} {kv}/{pv} block_m={cfg.block_m} qk_ahead={cfg.qk_ahead} "
+                bad += not _report(out, want, 0.05, f"{name} {kv}/{pv} block_m={cfg.block_m} block_n={cfg.block_n} qk_ahead={cfg.qk_ahead} "
                                                     f"lazy_rescale={cfg.lazy_rescale} pipeline={cfg.pipeline}")
     for name, (hq, hkv, d, bs, lens, qlens) in ({} if only_bad or prefill_only else DECODE_CASES).items():
         for kv in ("int8", "fp8"):
@@ -126,7 +134,7 @@ def main() -> int:
     if not prefill_only:
         bad += _bad_metadata_cases()
     if not decode_only:
-        bad += _prefill_bad_metadata_cases()
+        bad += _prefill_bad_metadata_cases(pv_in_flight_only)
     return 1 if bad else 0
 
 
@@ -138,7 +146,14 @@ def _raised() -> bool:
     return False
 
 
-def _prefill_bad_metadata_cases() -> int:
+def _pv_in_flight_configs(ws, head_dim: int) -> tuple:
+    """Two consumer partitions with 16-bit PV in flight: the route's tiles, and above head_dim
+    128 also 32-key tiles in 4 stages (64-key tiles spill there)."""
+    pv = hop.pv_in_flight_config(ws)
+    return (pv,) if head_dim <= 128 else (pv, replace(pv, block_n=32, stages=4))
+
+
+def _prefill_bad_metadata_cases(pv_in_flight_only: bool = False) -> int:
     """One sequence's metadata out of range, value checks off: the Hopper prefill kernels
     (warp-specialized for every cache, synchronous, pipelined) read nothing outside their
     tensors, write NaN rows for it and raise."""
@@ -146,6 +161,8 @@ def _prefill_bad_metadata_cases() -> int:
     failed = 0
     routes = _routes()
     for kv, which in testing.HOPPER_PREFILL_KERNELS:
+        if pv_in_flight_only and "pv-in-flight" not in which:
+            continue
         pv, config = testing.hopper_prefill_kernel(kv, which)
         if (kv, pv) not in routes:
             continue

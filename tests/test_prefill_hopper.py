@@ -961,6 +961,15 @@ def test_gpu_warp_specialized_pv_in_flight(case, kv, pv):
                     "_prefill_hopper_ws_kernel")
 
 
+@pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16" and "d256" in c.values[0]])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_warp_specialized_pv_in_flight_32_key_tiles(case, kv, pv):
+    """The same at head_dim 256 with 32-key tiles in 4 stages (64-key tiles spill there)."""
+    _check_schedule(case, kv, pv, lambda k, d, p: replace(hop.pv_in_flight_config(hop.warp_specialized_config(k, d, p)),
+                                                          block_n=32, stages=4), "_prefill_hopper_ws_kernel")
+
+
 def _check_schedule(case, kv, pv, config_of, kernel_name):
     if case.startswith("odd"):
         hq, hkv, d, bs = {"odd-g6-d256-97": (24, 4, 256, 16), "odd-g4-d64-bs64-123": (8, 2, 64, 64)}[case]
