@@ -21,7 +21,10 @@ launch through Triton's JIT dispatch: once installed, every kernel the process c
 a key of its own (one more compile each, then cached on disk), and a JIT launch a Python call
 more. 3.6 does not ask, so the mark lives in the kernel source (a kernel built before the hook
 existed has another cache key) and launchers install the hook before compiling a marked
-kernel -- only configs that keep PV in flight in worker partitions do (``kernel_fn``).
+kernel -- only configs that keep PV in flight in worker partitions do (``kernel_fn``). Under
+3.6 a marked kernel compiled in a process that never installed the hook (the Gluon kernel
+called directly, not through ``kernel_fn``) is cached with its wgmma serialised, and later
+processes load that entry: compile marked kernels through ``kernel_fn`` only.
 """
 
 from __future__ import annotations
