@@ -116,9 +116,14 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     elif pv != "bf16":  # 8-bit PV without a pipelined config (int8 at D256)
         out.append(("hopper-m64", replace(sync, block_m=64)))
     if pv == "bf16":  # 16-bit PV: the loader converts V to fp16
-        ws = hop.warp_specialized_config(kv_dtype, d, pv)
+        routed = hop.warp_specialized_config(kv_dtype, d, pv)
+        # the variants below are of the route's schedule without PV in flight ("hopper-ws-pv-after"
+        # where the route keeps PV in flight: PV_IN_FLIGHT_ROUTES)
+        ws = hop.warp_specialized_config(kv_dtype, d, pv, pv_in_flight=False)
+        if ws != routed:
+            out += [("hopper-ws-pv-after", ws)]
         # the route's config; the two-consumer config with QK after PV where the route's differs
-        out += [("hopper-ws", ws), ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d, pv)),
+        out += [("hopper-ws", routed), ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d, pv)),
                 # V scaled by the loader (P the plain fp16 p: one multiply per score fewer), or
                 # not, whichever the route's config does not do
                 ("hopper-ws-v-" + ("unscaled" if ws.v_scaled else "scaled"), replace(ws, v_scaled=not ws.v_scaled)),

@@ -474,16 +474,23 @@ def test_three_consumer_config_only_where_it_fits(kv, pv, d):
 def test_route_schedule_follows_schedule_routes(kv, pv, d):
     """warp_specialized_config is the two-consumer config with QK after PV, except where
     SCHEDULE_ROUTES names three consumers and / or the next QK ahead (16-bit P only), with V
-    scaled by the loader where V_SCALED_ROUTES says so (8-bit caches' 16-bit PV only)."""
+    scaled by the loader where V_SCALED_ROUTES says so (8-bit caches' 16-bit PV only), and PV
+    in flight in two consumer partitions where PV_IN_FLIGHT_ROUTES says so."""
     consumers, qk_ahead = hop.SCHEDULE_ROUTES.get((kv, pv, d), (2, False))
     base = hop.three_consumer_config(kv, d, pv) if consumers == 3 else hop.two_consumer_config(kv, d, pv)
     got = hop.warp_specialized_config(kv, d, pv)
-    assert got == replace(base, qk_ahead=qk_ahead, v_scaled=(kv, pv, d) in hop.V_SCALED_ROUTES)
+    want = replace(base, qk_ahead=qk_ahead, v_scaled=(kv, pv, d) in hop.V_SCALED_ROUTES)
+    if (kv, pv, d) in hop.PV_IN_FLIGHT_ROUTES:
+        want = hop.pv_in_flight_config(want)
+        assert got.pipeline and not got.qk_ahead and got.lazy_rescale != True, got  # noqa: E712
+    assert got == want
     assert got.block_m == 64 * consumers, got
     if pv != "bf16":  # 8-bit P keeps two consumers and QK after PV
         assert (consumers, qk_ahead) == (2, False) and got == hop.two_consumer_config(kv, d, pv)
     assert all(p == "bf16" and dim <= 128 for _, p, dim in hop.SCHEDULE_ROUTES)
     assert all(k != "bf16" and p == "bf16" for k, p, _ in hop.V_SCALED_ROUTES)
+    # PV in flight runs two consumer partitions, whose workers' PTX the compile hook rewrites
+    assert all(p == "bf16" and hop.SCHEDULE_ROUTES.get((k, p, dim), (2,))[0] == 2 for k, p, dim in hop.PV_IN_FLIGHT_ROUTES)
 
 
 @pytest.mark.parametrize("config", [pytest.param(hop.HopperPrefillConfig(dv=128), id="synchronous"),
@@ -514,7 +521,9 @@ def test_lazy_rescaling_defaults_and_takes_16_bit_p_only(kv, pv):
         want = "rows" if (kv, pv, d) in hop.LAZY_ROWS_ROUTES else False
         assert hop.warp_specialized_config(kv, d, pv).lazy_rescale == want, d
     assert ("bf16", "bf16", 128) not in hop.LAZY_ROWS_ROUTES and all(p == "bf16" for _, p, _ in hop.LAZY_ROWS_ROUTES)
-    cfg = hop._check_config(replace(hop.warp_specialized_config(kv, 128, pv), lazy_rescale=False), _C(), 4, pv)
+    # PV not in flight: the warpgroup-wide rule (True) is refused with it (int8's routed D128 config)
+    cfg = hop._check_config(replace(hop.warp_specialized_config(kv, 128, pv), lazy_rescale=False, pipeline=False),
+                            _C(), 4, pv)
     assert hop.constexprs(cfg, _C(), 4, pv)["LAZY"] == LAZY_RESCALE["off"]
     for asked, code in ((True, "warpgroup"), ("rows", "rows")):
         if pv == "bf16":  # either lazy mode when asked for, on 16-bit P
@@ -859,9 +868,9 @@ def test_gpu_warp_specialized(case, kv, pv):
 @needs_sm90
 def test_gpu_warp_specialized_other_qk_schedule(case, kv, pv):
     """The warp-specialized kernel with the other QK schedule (qk_ahead flipped) than its
-    config's: the benchmark times both."""
+    config's (without PV in flight, which issues QK with PV): the benchmark times both."""
     def flipped(kv, d, pv):
-        cfg = hop.warp_specialized_config(kv, d, pv)
+        cfg = hop.warp_specialized_config(kv, d, pv, pv_in_flight=False)
         return replace(cfg, qk_ahead=not cfg.qk_ahead)
 
     _check_schedule(case, kv, pv, flipped, "_prefill_hopper_ws_kernel")

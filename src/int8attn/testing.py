@@ -159,16 +159,16 @@ HOPPER_PREFILL_KERNELS = (("int8", "ws"), ("fp8", "ws"), ("bf16", "ws"), ("int8"
 
 def hopper_prefill_kernel(kv_dtype: str, which: str, head_dim: int = 128) -> tuple:
     """(pv_mode, config) of a :data:`HOPPER_PREFILL_KERNELS` name: "ws" the warp-specialized
-    route in the cache's precision, "ws16" an 8-bit cache's 16-bit PV ("-m192": three
-    consumer warpgroups, "-pv-in-flight": two consumer partitions with PV in flight), "sync"
-    the synchronous kernel, "pipe" the pipelined one."""
+    route in the cache's precision, "ws16" an 8-bit cache's 16-bit PV without PV in flight
+    ("-m192": three consumer warpgroups, "-pv-in-flight": two consumer partitions with PV in
+    flight, the int8 D128 route), "sync" the synchronous kernel, "pipe" the pipelined one."""
     from .ops import prefill_hopper as hop
 
     pv = "bf16" if which.startswith("ws16") else kv_dtype
     makers = {"ws": lambda: hop.warp_specialized_config(kv_dtype, head_dim),
-              "ws16": lambda: hop.warp_specialized_config(kv_dtype, head_dim, pv),
+              "ws16": lambda: hop.warp_specialized_config(kv_dtype, head_dim, pv, pv_in_flight=False),
               "ws16-m192": lambda: hop.three_consumer_config(kv_dtype, head_dim, pv),
-              "ws16-pv-in-flight": lambda: hop.pv_in_flight_config(hop.warp_specialized_config(kv_dtype, head_dim, pv)),
+              "ws16-pv-in-flight": lambda: hop.warp_specialized_config(kv_dtype, head_dim, pv, pv_in_flight=True),
               "sync": lambda: hop.default_config(kv_dtype, head_dim, kv_dtype),
               "pipe": lambda: hop.pipelined_config(kv_dtype, head_dim)}
     return pv, makers[which]()

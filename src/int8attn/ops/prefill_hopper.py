@@ -103,6 +103,16 @@ SCHEDULE_ROUTES = {("int8", "bf16", 64): (3, True), ("fp8", "bf16", 64): (3, Tru
 #: loader already paces the int8 route, not measured.
 V_SCALED_ROUTES = frozenset({("int8", "bf16", 64), ("int8", "bf16", 128)})
 
+#: The 16-bit-P routes whose warp-specialized config keeps PV in flight across the next
+#: softmax in two consumer partitions (:func:`pv_in_flight_config`; its PTX leaves Triton's
+#: worker dispatch loop, :mod:`int8attn.kernels._worker_exit`), replacing the schedule
+#: :data:`SCHEDULE_ROUTES` names. Chunk 4096 over prefix 28672 / 0, CUDA-graph replay on an
+#: H100, three runs against the route's two-consumer QK-ahead config in the same run: int8 D128
+#: 1.04x / 1.04x, 1.03x / 1.04x, 1.04x / 1.06x. Not taken: a BF16 cache at D128 (0.99-1.01x /
+#: 1.01-1.02x against its three consumers), int8 D64 (0.94x / 1.03x), int8 D256 (0.75x with
+#: 64-key tiles, which spill; 0.98x / 1.00x with 32-key tiles); fp8 not measured.
+PV_IN_FLIGHT_ROUTES = frozenset({("int8", "bf16", 128)})
+
 
 def _route_key(kv_dtype: str, head_dim: int, pv_mode: str | None) -> tuple:
     """(kv_dtype, pv_mode, head_dim) as the route tables spell it (a BF16 cache's PV: "bf16")."""
@@ -184,24 +194,31 @@ def pipelined_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None
     return HopperPrefillConfig(block_n=64 if head_dim <= 128 else 32, dv=head_dim, stages=4, pipeline=True)
 
 
-def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = None) -> HopperPrefillConfig:
+def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = None,
+                            pv_in_flight: bool | None = None) -> HopperPrefillConfig:
     """The warp-specialized config a route launches (``pv_mode`` None: PV in the cache's
     precision; "bf16" with an 8-bit cache: its default 16-bit PV, fp16 V converted by the
     loader): :func:`two_consumer_config`, or where :data:`SCHEDULE_ROUTES` says so three
     consumer warpgroups (:func:`three_consumer_config`) and / or the next tile's QK in flight
-    across the softmax; V scaled by the loader where :data:`V_SCALED_ROUTES` says so."""
+    across the softmax; V scaled by the loader where :data:`V_SCALED_ROUTES` says so; PV in
+    flight across the next softmax (:func:`pv_in_flight_config`) where
+    :data:`PV_IN_FLIGHT_ROUTES` says so (``pv_in_flight=False``: the config without it, the
+    A/B of benchmarks and tests)."""
     route = _route_key(kv_dtype, head_dim, pv_mode)
     consumers, qk_ahead = SCHEDULE_ROUTES.get(route, (2, False))
     config = (three_consumer_config if consumers == 3 else two_consumer_config)(kv_dtype, head_dim, pv_mode)
-    return replace(config, qk_ahead=qk_ahead, v_scaled=route in V_SCALED_ROUTES)
+    config = replace(config, qk_ahead=qk_ahead, v_scaled=route in V_SCALED_ROUTES)
+    if pv_in_flight is None:
+        pv_in_flight = route in PV_IN_FLIGHT_ROUTES
+    return pv_in_flight_config(config) if pv_in_flight else config
 
 
 def pv_in_flight_config(config: HopperPrefillConfig) -> HopperPrefillConfig:
     """A warp-specialized 16-bit-PV ``config`` with two consumer partitions (block_m 128) whose
     PV stays in flight across the next softmax (``pipeline``; QK issued with PV, after the
     softmax; a warpgroup-wide lazy rescale made per row). ptxas keeps it in flight because the
-    kernel's PTX lets the worker partitions exit (:mod:`int8attn.kernels._worker_exit`).
-    Measured, not routed (benchmarks/notes/prefill_hopper.md)."""
+    kernel's PTX lets the worker partitions exit (:mod:`int8attn.kernels._worker_exit`). The
+    routes that take it: :data:`PV_IN_FLIGHT_ROUTES`."""
     return _pv16_in_flight(replace(config, block_m=128, shared_consumer=False))
 
 
