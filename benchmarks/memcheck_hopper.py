@@ -117,8 +117,9 @@ def main() -> int:
             for cfg in configs:
                 out = testing.poisoned_like(want)
                 hop.prefill(*args, kernel="hopper", pv_mode=pv, out=out, config=cfg)
-                bad += not _report(out, want, 0.05, f"{name} {kv}/{pv} block_m={cfg.block_m} block_n={cfg.block_n} qk_ahead={cfg.qk_ahead} "
-                                                    f"lazy_rescale={cfg.lazy_rescale} pipeline={cfg.pipeline}")
+                bad += not _report(out, want, 0.05, f"{name} {kv}/{pv} block_m={cfg.block_m} block_n={cfg.block_n} "
+                                                    f"qk_ahead={cfg.qk_ahead} lazy_rescale={cfg.lazy_rescale} "
+                                                    f"pipeline={cfg.pipeline}")
     for name, (hq, hkv, d, bs, lens, qlens) in ({} if only_bad or prefill_only else DECODE_CASES).items():
         for kv in ("int8", "fp8"):
             b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,

@@ -228,7 +228,8 @@ def test_prepare_compiles_and_loads_without_launching(monkeypatch):
     assert kern.log == [] and compiled.loaded == 0
     monkeypatch.setattr(runtime, "interpret_mode", lambda: False)
     launch.prepare(x)
-    assert kern.log == [("warmup", (3, 2, 1), (x, 7), {"enable_fp_fusion": True, "BLOCK": 16, "FLAG": True})] and compiled.loaded == 1
+    options = {"enable_fp_fusion": True, "BLOCK": 16, "FLAG": True}
+    assert kern.log == [("warmup", (3, 2, 1), (x, 7), options)] and compiled.loaded == 1
     launch(x)  # the first launch compiles through the bound path
     kern.log.clear()
     launch.prepare(x)

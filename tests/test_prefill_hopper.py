@@ -462,7 +462,8 @@ def test_three_consumer_config_only_where_it_fits(kv, pv, d):
     assert hop.launch_options(checked) == dict(num_warps=4, maxnreg=128, enable_fp_fusion=True)
     # 3 x 128 threads x 152 + 128 x 40 leaves the default partition's consumer 168 of 16 x 32 x 128
     assert 16 * 32 * 128 - 2 * 128 * 152 - 128 * 40 == 128 * 168
-    assert hop.launch_options(hop._check_config(ws, _C(), 4, pv)) == dict(num_warps=4, maxnreg=168, enable_fp_fusion=True)
+    assert hop.launch_options(hop._check_config(ws, _C(), 4, pv)) == dict(num_warps=4, maxnreg=168,
+                                                                          enable_fp_fusion=True)
 
 
 @pytest.mark.parametrize("kv,pv", [pytest.param("int8", "bf16", id="int8-pv16"),
@@ -490,7 +491,8 @@ def test_route_schedule_follows_schedule_routes(kv, pv, d):
     assert all(p == "bf16" and dim <= 128 for _, p, dim in hop.SCHEDULE_ROUTES)
     assert all(k != "bf16" and p == "bf16" for k, p, _ in hop.V_SCALED_ROUTES)
     # PV in flight runs two consumer partitions, whose workers' PTX the compile hook rewrites
-    assert all(p == "bf16" and hop.SCHEDULE_ROUTES.get((k, p, dim), (2,))[0] == 2 for k, p, dim in hop.PV_IN_FLIGHT_ROUTES)
+    assert all(p == "bf16" and hop.SCHEDULE_ROUTES.get((k, p, dim), (2,))[0] == 2
+               for k, p, dim in hop.PV_IN_FLIGHT_ROUTES)
 
 
 @pytest.mark.parametrize("config", [pytest.param(hop.HopperPrefillConfig(dv=128), id="synchronous"),

@@ -104,10 +104,11 @@ def _forgetter(launch_ref, index: int):
 
 class CachedLaunch:
     """Launch ``kernel`` over ``grid`` with fixed ``constexprs`` (launch options such as
-    ``num_warps`` included; :data:`int8attn.runtime.FP_FUSION` unless they set it); positional arguments are passed per call, in the kernel's
-    parameter order, followed by ``fixed_args`` (the same every call: strides, sizes), and
-    must precede every constexpr parameter. Every launch is recorded in
-    :mod:`int8attn.launches` with ``facts`` (``grid`` added).
+    ``num_warps`` included; :data:`int8attn.runtime.FP_FUSION` unless they set it);
+    positional arguments are passed per call, in the kernel's parameter order, followed by
+    ``fixed_args`` (the same every call: strides, sizes), and must precede every constexpr
+    parameter. Every launch is recorded in :mod:`int8attn.launches` with ``facts`` (``grid``
+    added).
 
     Per call, on the cached path: the ``id()`` of every per-call argument compared with
     the previous call's as one tuple (the same objects as last time: nothing else to check;

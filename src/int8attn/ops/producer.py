@@ -19,7 +19,8 @@ from ..cache import KV_DTYPES, PagedKVCache
 from ..errors import error_flags
 from ..kernels.codes import KV_KIND
 from ..kernels.quantize import _quantize_query_kernel, _rope_quantize_write_kernel
-from ..runtime import FP_FUSION, TILE_ELEMS, default_num_warps, device_guard, full_tiles, heads_per_program, interpret_mode
+from ..runtime import (FP_FUSION, TILE_ELEMS, default_num_warps, device_guard, full_tiles, heads_per_program,
+                       interpret_mode)
 from ._launch import CachedLaunch, remembered
 
 
