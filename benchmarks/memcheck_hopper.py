@@ -151,7 +151,7 @@ def _raised() -> bool:
 
 def _pv_in_flight_configs(ws, head_dim: int) -> tuple:
     """Two consumer partitions with 16-bit PV in flight: the route's tiles, and above head_dim
-    128 also 32-key tiles in 4 stages (64-key tiles spill there)."""
+    128 also 32-key tiles in 4 stages (64-key tiles fit only 3 there)."""
     pv = hop.pv_in_flight_config(ws)
     return (pv,) if head_dim <= 128 else (pv, replace(pv, block_n=32, stages=4))
 

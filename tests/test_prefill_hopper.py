@@ -976,7 +976,7 @@ def test_gpu_warp_specialized_pv_in_flight(case, kv, pv):
 @pytest.mark.gpu
 @needs_sm90
 def test_gpu_warp_specialized_pv_in_flight_32_key_tiles(case, kv, pv):
-    """The same at head_dim 256 with 32-key tiles in 4 stages (64-key tiles spill there)."""
+    """The same at head_dim 256 with 32-key tiles in 4 stages (64-key tiles fit only 3 there)."""
     _check_schedule(case, kv, pv, lambda k, d, p: replace(hop.pv_in_flight_config(hop.warp_specialized_config(k, d, p)),
                                                           block_n=32, stages=4), "_prefill_hopper_ws_kernel")
 

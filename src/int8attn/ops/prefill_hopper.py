@@ -110,7 +110,9 @@ V_SCALED_ROUTES = frozenset({("int8", "bf16", 64), ("int8", "bf16", 128)})
 #: H100, three runs against the route's two-consumer QK-ahead config in the same run: int8 D128
 #: 1.04x / 1.04x, 1.03x / 1.04x, 1.04x / 1.06x. Not taken: a BF16 cache at D128 (0.99-1.01x /
 #: 1.01-1.02x against its three consumers), int8 D64 (0.94x / 1.03x), int8 D256 (0.75x with
-#: 64-key tiles, which spill; 0.98x / 1.00x with 32-key tiles); fp8 not measured.
+#: 64-key tiles, whose fp16 V ring fits 3 stages: a consumer with PV in flight holds three
+#: stages at once, 3 stages cost 0.67x at D128 too; 0.98x / 1.00x with 32-key tiles in 4
+#: stages); fp8 not measured.
 PV_IN_FLIGHT_ROUTES = frozenset({("int8", "bf16", 128)})
 
 
