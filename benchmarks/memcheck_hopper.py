@@ -96,8 +96,9 @@ def main() -> int:
         # every route of the warp-specialized kernel: PV in the cache's precision, and the
         # 8-bit caches' 16-bit PV (the loader's fp16 V)
         for kv, pv in _routes():
-            routed = hop.warp_specialized_config(kv, d, pv)
-            ws = hop.warp_specialized_config(kv, d, pv, pv_in_flight=False)  # the variants' base
+            # the variants' base; the route's config is it or, where PV_IN_FLIGHT_ROUTES names the
+            # route, its first PV-in-flight config
+            ws = hop.warp_specialized_config(kv, d, pv, pv_in_flight=False)
             b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
                                          kv_dtype=kv, seed=len(name), device="cuda")
             args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
@@ -113,7 +114,6 @@ def main() -> int:
                 m192 = hop.three_consumer_config(kv, d, pv)
                 lazy = (hop.other_rescale_rule(ws),) if pv == "bf16" else ()
                 configs = (ws, replace(ws, qk_ahead=not ws.qk_ahead), *lazy, *in_flight, *((m192,) if m192 else ()))
-                configs = configs if routed in configs else (routed, *configs)
             for cfg in configs:
                 out = testing.poisoned_like(want)
                 hop.prefill(*args, kernel="hopper", pv_mode=pv, out=out, config=cfg)
