@@ -141,7 +141,7 @@ def cfg_label(c) -> str:
     return (f"{c.block_n}/{c.num_warps}/{c.num_stages}" + (f"/m{c.min_block_m}" if c.min_block_m != 16 else "")
             + ("/swap" if c.swap_ab else "") + (f"/r{c.maxnreg}" if c.maxnreg else "")
             + ({True: "/fused", "last": "/fused", "barrier": "/barrier"}.get(c.fused_merge, ""))
-            + ("/pdl" if c.pdl else ""))
+            + ({False: "", True: "/pdl"}.get(c.pdl, f"/pdl-{c.pdl}")) + ("/cyclic" if c.cyclic_splits else ""))
 # head_dim 128, 16 rows (32q/8kv): int8 128/4/4 is 22 warp-instructions per key, 198 regs;
 # int8 128/4/5 swapped 29, 233 regs (row-major 128/4/5: 23, 223 regs);
 # fp8 swapped 64/4/6 39 per key, 193 regs; 128/4/5 27, 255 regs (128/4/4 keeps one tile: unpipelined)
@@ -250,16 +250,17 @@ def _variant_key(kv, pv, shape, plan):
     c = plan.config
     return (kv, pv, shape["hq"], shape["hkv"], shape["d"], shape["page"], plan.tokens_per_pass, plan.block_m,
             c.block_n, c.num_warps, c.num_stages, c.min_block_m, c.swap_ab, c.maxnreg, c.fused_merge, plan.head_split,
-            c.pdl)
+            c.pdl, c.cyclic_splits)
 
 
 def _compile_worker(key):
     """Run one variant once on toy inputs with the same specialization (worker process)."""
-    kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm, swap, maxnreg, fused, hsplit, pdl = key
+    kv, pv, hq, hkv, d, page, tpp, block_m, block_n, warps, stages, min_bm, swap, maxnreg, fused, hsplit, pdl, \
+        cyclic = key
     shape = dict(hq=hq, hkv=hkv, d=d, page=page)
     bs, ctx = 2, 4 * max(block_n, page)
     cache = make_cache(kv, bs * ctx // page, shape)
-    cfg = dec.DecodeConfig(block_n, warps, stages, min_bm, swap, maxnreg, fused, pdl)
+    cfg = dec.DecodeConfig(block_n, warps, stages, min_bm, swap, maxnreg, fused, pdl, cyclic)
     plan = dec.DecodePlan(num_splits=2, tokens_per_pass=tpp, block_m=block_m, config=cfg, pv_mode=pv, head_split=hsplit)
     q = torch.randn(bs * tpp, hq, d, device=DEV).to(torch.bfloat16)
     bt = torch.arange(bs * ctx // page, dtype=torch.int32, device=DEV).view(bs, -1)
@@ -293,7 +294,7 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
                block_n=p.config.block_n, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
                min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, maxnreg=p.config.maxnreg,
                fused_merge=p.config.fused_merge, merge=p.merge, head_split=p.head_split, pdl=p.config.pdl,
-               bytes=nbytes,
+               cyclic_splits=p.config.cyclic_splits, bytes=nbytes,
                quantize_in_call=quantize_in_call,
                config_source="tuned" if cfg is not None and cfg == r.best.get(kv) else (
                    "default" if cfg is None else "explicit"), **res)
@@ -372,6 +373,10 @@ def setup(r: Run) -> None:
         for bs, q_len in ((1, 1), (16, 1), (16, 2), (16, 4)):
             base = dec.plan_decode((bs * q_len, 24, 256), r.caches[kv], (bs, 2048)).config
             want(kv, None, HEADLINE, 16, q_len, _fused(base))
+    for kv in ("int8", "fp8"):  # section pdl
+        base = _fused(dec.plan_decode((1, 24, 256), r.caches[kv], (1, 2048)).config, False)
+        for change in SMALL_BATCH_LEVERS.values():
+            want(kv, None, HEADLINE, 1, 1, dataclasses.replace(base, **change))
     for kv, modes in ACC_MODES.items():   # accuracy: mean query length 3 (multi-token case)
         for mode in modes:
             pv, cfg = ACC_CONFIG_MODES.get(mode, (mode, None))
@@ -606,6 +611,30 @@ def fused_merge(r: Run) -> None:
             base = dec.plan_decode((BS_MID * q_len, 24, 256), r.caches["int8"], (BS_MID, ctx // 16)).config
             time_path(r, "fused", "int8 fused", "int8", None, _fused(base), HEADLINE, BS_MID, ctx, q_len=q_len,
                       graph_only=True)
+
+
+#: Section pdl's paths: changes to the default config (the split + merge kernels).
+SMALL_BATCH_LEVERS = {"two-launch": {}, "pdl-start": {"pdl": "start"}, "pdl-store": {"pdl": "store"},
+                      "pdl-exit": {"pdl": "exit"}, "cyclic": {"cyclic_splits": True},
+                      "cyclic pdl-store": {"cyclic_splits": True, "pdl": "store"}}
+
+
+@H.section("pdl")
+def small_batch_levers(r: Run) -> None:
+    """The split + merge kernels (graph replays) at small batches, side by side: plain;
+    the merge as the split kernel's programmatic dependent, triggered at the split programs'
+    start, after their tile loop ("store") or at their exit; tiles dealt to the splits in
+    turn with their block ids prefetched ("cyclic"), alone and with the "store" trigger; the
+    plain pair again last (drift check)."""
+    for ctx in (L8K, CONTEXTS[-1], 1024):
+        for bs in (1, 2, 4, 8, 16) if not SMOKE else (1, 2):
+            for kv in ("int8", "fp8"):
+                if r.late(f"pdl {kv} bs{bs} L{ctx}"):
+                    return
+                base = _fused(dec.plan_decode((bs, 24, 256), r.caches[kv], (bs, ctx // 16)).config, False)
+                for name, change in [*SMALL_BATCH_LEVERS.items(), ("two-launch again", {})]:
+                    time_path(r, "pdl", f"{kv} {name}", kv, None, dataclasses.replace(base, **change), HEADLINE, bs,
+                              ctx, graph_only=True)
 
 
 @H.section("d128")
@@ -860,7 +889,7 @@ def main():
 
 
 SECTIONS = (accuracy, tune, grid, small_batch, occupancy, profiles, batch_sweep, multi_token, multi_token_configs,
-            head_split, fused_merge, d128, split_sweep, peers)
+            head_split, fused_merge, small_batch_levers, d128, split_sweep, peers)
 
 if __name__ == "__main__":
     main()

@@ -1090,13 +1090,16 @@ def test_choose_head_split():
             plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), head_split=bad)
 
 
+@pytest.mark.parametrize("trigger", [True, "store", "exit"], ids=["start", "store", "exit"])
 @pytest.mark.parametrize("kv", ["int8", "bf16"])
-def test_programmatic_dependent_merge(device, monkeypatch, kv):
-    """``DecodeConfig(pdl=True)``: the merge kernel launched as the split kernel's
-    programmatic dependent (sm_90; the interpreter runs it as the plain merge) gives the
-    plain merge's result bit for bit, eagerly and replayed from a CUDA graph; on the GPU the
-    merge kernel is compiled for that launch; a non-bool value is refused at planning. Its
-    instructions: test_sm90_compile.test_programmatic_dependent_merge_compiles_for_sm90."""
+def test_programmatic_dependent_merge(device, monkeypatch, kv, trigger):
+    """``DecodeConfig(pdl=...)``: the merge kernel launched as the split kernel's
+    programmatic dependent (sm_90; the interpreter runs it as the plain merge), triggered at
+    the split programs' start, after their tile loop or at their exit, gives the plain
+    merge's result bit for bit, eagerly and replayed from a CUDA graph; on the GPU the merge
+    kernel is compiled for that launch; a value that names no trigger is refused at
+    planning. Its instructions:
+    test_sm90_compile.test_programmatic_dependent_merge_and_cyclic_splits_compile_for_sm90."""
     import int8attn.ops.decode as dec
 
     if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
@@ -1107,11 +1110,11 @@ def test_programmatic_dependent_merge(device, monkeypatch, kv):
     args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
     monkeypatch.setattr(dec, "default_config", lambda *a, **k: plain)
     want = decode_attention(*args, num_splits=7)
-    monkeypatch.setattr(dec, "default_config", lambda *a, **k: dataclasses.replace(plain, pdl=True))
+    monkeypatch.setattr(dec, "default_config", lambda *a, **k: dataclasses.replace(plain, pdl=trigger))
     launches.clear()
     got = decode_attention(*args, out=testing.poisoned_like(b.query), num_splits=7)
     assert torch.equal(got, want)
-    assert launches.last("_decode_split_kernel").facts["plan"].config.pdl
+    assert launches.last("_decode_split_kernel").facts["plan"].config.pdl == trigger
     assert launches.last("_decode_merge_kernel") is not None
     if device == "cuda":
         compiled = launches.last("_decode_merge_kernel").compiled
@@ -1124,6 +1127,43 @@ def test_programmatic_dependent_merge(device, monkeypatch, kv):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
-    with pytest.raises(ValueError, match="pdl must be a bool"):
+    for bad in (1, "end", None):
+        with pytest.raises(ValueError, match="pdl must be a bool or one of"):
+            dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape),
+                            config=dataclasses.replace(plain, pdl=bad))
+
+
+# (kv, pv, q_heads, kv_heads, head_dim, page, seq_lens, q_lens, splits, swap_ab)
+CYCLIC_CASES = [
+    # odd lengths over 32-key tiles: one tile (1, 17), a split past the tiles (40: 2 tiles, 3
+    # splits), uneven deals (97, 123, 250)
+    ("int8", "int8", 8, 2, 64, 16, [1, 17, 40, 97, 123, 250], [1, 1, 1, 1, 1, 1], 3, False),
+    ("int8", "int8", 8, 2, 64, 16, [97, 250, 33], [1, 1, 1], 5, True),
+    # several query passes (4 tokens x GQA 6 > 16 rows): the flat (pass, tile) loop
+    ("int8", "bf16", 12, 2, 64, 16, [123, 40], [4, 1], 3, False),
+    # fp8: the peeled last tile is the one split whose last tile it is
+    ("fp8", "fp8", 8, 2, 64, 16, [97, 123, 17, 250], [1, 2, 1, 1], 4, True),
+    ("fp8", "fp8", 8, 1, 128, 32, [250, 65], [1, 3], 3, False),
+    ("bf16", "bf16", 6, 2, 96, 16, [123, 97], [1, 2], 3, False),
+]
+
+
+@cases("kv,pv,hq,hkv,d,page,seq_lens,q_lens,splits,swap", CYCLIC_CASES)
+def test_cyclic_splits_match_references(kv, pv, hq, hkv, d, page, seq_lens, q_lens, splits, swap, device, monkeypatch):
+    """``DecodeConfig(cyclic_splits=True)``: tiles dealt to the splits in turn give the
+    float64 references' result within the usual bounds, through the merge (several splits
+    hold tiles) and with a split that holds none; the launch record names the option. (The
+    block-id prefetch it adds on a GPU: test_sm90_compile.)"""
+    import int8attn.ops.decode as dec
+
+    cfg = DecodeConfig(block_n=max(page, 32), num_warps=4, num_stages=3, fused_merge=False, swap_ab=swap, cyclic_splits=True)
+    monkeypatch.setattr(dec, "default_config", lambda *a, **k: cfg)
+    b = testing.make_paged_batch(seq_lens, q_lens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, kv_dtype=kv,
+                                 block_size=page, seed=29, device=device)
+    launches.clear()
+    _run_and_check(b, pv_mode=pv, num_splits=splits)
+    facts = launches.last("_decode_split_kernel").facts
+    assert facts["plan"].config.cyclic_splits and facts["plan"].num_splits == splits
+    with pytest.raises(ValueError, match="cyclic_splits must be a bool"):
         dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape),
-                        config=dataclasses.replace(plain, pdl=1))
+                        config=dataclasses.replace(cfg, cyclic_splits=1))

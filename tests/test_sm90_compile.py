@@ -100,7 +100,7 @@ def test_safe_decode_compiles_for_sm90(kv_dtype, monkeypatch):
     assert not failed, "\n".join(f"{r['name']}: {r['error']}" for r in failed)
 
 
-_PDL_FACTS = r"""
+_LAUNCH_FACTS = r"""
 import importlib, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
@@ -113,17 +113,21 @@ for key, rec in json.loads(sys.argv[1]).items():
     ptx = c.asm["ptx"]
     out["variants"][key] = {"wait": ptx.count("griddepcontrol.wait"),
                             "trigger": ptx.count("griddepcontrol.launch_dependents"),
-                            "launch_pdl": bool(getattr(c.metadata, "launch_pdl", False))}
+                            "launch_pdl": bool(getattr(c.metadata, "launch_pdl", False)),
+                            "prefetch": ptx.count("prefetch.global.L1")}
 print(json.dumps(out))
 """
 
 
-def test_programmatic_dependent_merge_compiles_for_sm90():
-    """``DecodeConfig(pdl=True)`` (which the interpreter runs as the plain merge): the split
-    kernel with PDL_TRIGGER issues one griddepcontrol.launch_dependents, the merge kernel
-    with PDL one griddepcontrol.wait and is compiled for a programmatic dependent launch;
-    the default launches hold neither instruction."""
+def test_programmatic_dependent_merge_and_cyclic_splits_compile_for_sm90():
+    """``DecodeConfig(pdl=...)`` (which the interpreter runs as the plain merge): the split
+    kernel triggering at its start or after its tile loop (PDL_TRIGGER) issues one
+    griddepcontrol.launch_dependents, the merge kernel with PDL one griddepcontrol.wait and
+    is compiled for a programmatic dependent launch. ``DecodeConfig(cyclic_splits=True)``:
+    the split kernel prefetches block ids (prefetch.global.L1; not under a sliding window,
+    whose first tile depends on the length). The default launches hold none of these."""
     from _sm90 import run_compile_script
+    from int8attn.kernels.codes import PDL_TRIGGER
     from int8attn.ops.decode import decode_attention
 
     torch.manual_seed(0)
@@ -138,12 +142,22 @@ def test_programmatic_dependent_merge_compiles_for_sm90():
                          torch.tensor([0, 1], dtype=torch.int32), num_splits=2)
     split = next(r for r in records if r["name"] == "_decode_split_kernel")
     merge = next(r for r in records if r["name"] == "_decode_merge_kernel")
+
+    def split_with(**constexprs):
+        return {**split, "constexprs": {**split["constexprs"], **constexprs}}
+
     spec = {"split": split, "merge": merge,
-            "split-pdl": {**split, "constexprs": {**split["constexprs"], "PDL_TRIGGER": True}},
+            "split-start": split_with(PDL_TRIGGER=PDL_TRIGGER["start"]),
+            "split-store": split_with(PDL_TRIGGER=PDL_TRIGGER["store"]),
+            "split-cyclic": split_with(CYCLIC_SPLITS=True),
+            "split-cyclic-window": split_with(CYCLIC_SPLITS=True, WINDOW=17),
             "merge-pdl": {**merge, "constexprs": {**merge["constexprs"], "PDL": True},
                           "options": {**merge["options"], "launch_pdl": True}}}
-    facts = run_compile_script(_PDL_FACTS, spec)["variants"]
-    assert facts["split-pdl"] == {"wait": 0, "trigger": 1, "launch_pdl": False}, facts
-    assert facts["merge-pdl"] == {"wait": 1, "trigger": 0, "launch_pdl": True}, facts
-    for key in ("split", "merge"):
-        assert facts[key] == {"wait": 0, "trigger": 0, "launch_pdl": False}, facts
+    facts = run_compile_script(_LAUNCH_FACTS, spec)["variants"]
+    none = {"wait": 0, "trigger": 0, "launch_pdl": False, "prefetch": 0}
+    for key in ("split-start", "split-store"):
+        assert facts[key] == {**none, "trigger": 1}, facts
+    assert facts["merge-pdl"] == {**none, "wait": 1, "launch_pdl": True}, facts
+    assert facts["split-cyclic"]["prefetch"] >= 1 and facts["split-cyclic"]["trigger"] == 0, facts
+    for key in ("split", "merge", "split-cyclic-window"):
+        assert facts[key] == none, facts

@@ -22,6 +22,13 @@ and test follows.
   already quantized (or a bf16 query for the bf16 cache); ``quantize`` a float query that
   one program per (sequence, KV head) quantizes in the launch for the others;
   ``quantize_lam`` the same, multiplied by the cache's channel-migration scale first.
+* ``PDL_TRIGGER`` -- where decode's split programs let their programmatic dependent (the
+  merge kernel, ``DecodeConfig.pdl``) launch (``PDL_TRIGGER``): ``exit`` no trigger
+  instruction (a program triggers as it exits; the code of a launch without PDL);
+  ``start`` first thing in each program; ``store`` after the tile loop, before the
+  partial rows are stored (multi-pass programs: at their end). The merge programs wait for
+  the whole split grid before reading a partial whatever the position: it only moves when
+  they may be scheduled.
 * ``LAZY_RESCALE`` -- when the warp-specialized Hopper prefill kernel rescales a 16-bit-P
   accumulator (``LAZY``): ``off`` every tile; ``warpgroup`` only in tiles where some row's
   maximum grew by more than ``LAZY_TAU`` (one warpgroup-wide test per tile); ``rows`` each
@@ -38,6 +45,7 @@ QK_ROUTE = {"bf16": 0, "int8_to_bf16": 1, "int8_native": 2}
 MERGE = {"kernel": 0, "last": 1, "barrier": 2}
 QUERY_IN = {"codes": 0, "quantize": 1, "quantize_lam": 2}
 LAZY_RESCALE = {"off": 0, "warpgroup": 1, "rows": 2}
+PDL_TRIGGER = {"exit": 0, "start": 1, "store": 2}
 
 # constexpr names for @triton.jit bodies
 KIND_INT8 = tl.constexpr(KV_KIND["int8"])
@@ -54,5 +62,7 @@ MERGE_LAST = tl.constexpr(MERGE["last"])
 MERGE_BARRIER = tl.constexpr(MERGE["barrier"])
 QUERY_CODES = tl.constexpr(QUERY_IN["codes"])
 QUERY_QUANTIZE_LAM = tl.constexpr(QUERY_IN["quantize_lam"])
+PDL_AT_START = tl.constexpr(PDL_TRIGGER["start"])
+PDL_AT_STORE = tl.constexpr(PDL_TRIGGER["store"])
 LAZY_WARPGROUP = tl.constexpr(LAZY_RESCALE["warpgroup"])
 LAZY_ROWS = tl.constexpr(LAZY_RESCALE["rows"])

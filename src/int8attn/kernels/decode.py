@@ -37,19 +37,22 @@ QGMMA for fp8, where the row-major 16-row e4m3 dot is lowered to HMMA after f16 
 The softmax runs down the columns; its denominators are kept per (key, row) and summed once
 per pass.
 
-Splits: a sequence of ``num_tiles = cdiv(seq_len, BLOCK_N)`` tiles is cut into
-``n_active = min(num_splits, num_tiles)`` contiguous runs of tiles whose sizes differ by
-at most one; programs with ``split >= n_active`` exit at once. The sizes come from
-``seq_len`` on the device, so the host never reads lengths. A sequence with one active
-split writes its output directly; otherwise each split writes (running max, sum,
+Splits: a sequence of ``num_tiles = cdiv(seq_len, BLOCK_N)`` tiles is cut into ``n_active
+= min(num_splits, num_tiles)`` contiguous runs of tiles whose sizes differ by at most one
+-- or, with ``CYCLIC_SPLITS``, dealt out in turn (split ``s`` takes tiles ``s, s +
+num_splits, ...``: its first tiles are known before the sequence's length, see
+:func:`_prefetch_block_ids`); programs with ``split >= n_active`` exit at once. The sizes
+come from ``seq_len`` on the device, so the host never reads lengths. A sequence with one
+active split writes its output directly; otherwise each split writes (running max, sum,
 unnormalized output) per row to the workspace and :func:`_decode_merge_kernel` combines
-them -- or, with ``FUSED_MERGE`` (codes ``MERGE``), the split kernel itself: the last of the
-sequence's splits to finish (``MERGE_LAST``, :func:`_arrive_and_merge`) or, in a cooperative
-launch, every split after a barrier, each its share of the columns (``MERGE_BARRIER``,
-:func:`_barrier_and_merge`); counters ``counter_ptr`` [num_seqs, Hkv x HEAD_SPLIT,
-num_splits (last) or 2 (barrier)] int32, which need no reset between launches: one launch per
-call. Sequences with ``q_len == 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows are
-not written).
+them (``PDL_TRIGGER``, codes ``PDL_TRIGGER``: where the split programs let the merge
+kernel, launched as their programmatic dependent, start) -- or, with ``FUSED_MERGE``
+(codes ``MERGE``), the split kernel itself: the last of the sequence's splits to finish
+(``MERGE_LAST``, :func:`_arrive_and_merge`) or, in a cooperative launch, every split after
+a barrier, each its share of the columns (``MERGE_BARRIER``, :func:`_barrier_and_merge`);
+counters ``counter_ptr`` [num_seqs, Hkv x HEAD_SPLIT, num_splits (last) or 2 (barrier)]
+int32, which need no reset between launches: one launch per call. Sequences with ``q_len
+== 0`` or ``q_len > MAX_QUERY_LEN`` are skipped (their rows are not written).
 
 Query (``QUERY_IN``, codes ``QUERY_IN``): the kernel reads the query's codes and scales
 (``codes``), or -- in a launch whose programs are all resident -- quantizes a float query
@@ -94,8 +97,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN, _raise_error
 from ._masks import _visible
-from .codes import (KIND_BF16, KIND_FP8, KIND_INT8, MERGE_BARRIER, MERGE_LAST, PV_BF16, PV_FP8, PV_INT8,
-                    PV_INT8_SIGNED, QUERY_CODES, QUERY_QUANTIZE_LAM)
+from .codes import (KIND_BF16, KIND_FP8, KIND_INT8, MERGE_BARRIER, MERGE_LAST, PDL_AT_START, PDL_AT_STORE, PV_BF16,
+                    PV_FP8, PV_INT8, PV_INT8_SIGNED, QUERY_CODES, QUERY_QUANTIZE_LAM)
 from .quantize import _quantize_rows, _round_to_e4m3_grid
 
 #: Running-max start value: finite, so a row that sees no key in a tile keeps
@@ -126,15 +129,45 @@ def _num_active_splits(seq_len, first_tile, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _split_tiles(seq_len, first_tile, split, num_splits, BLOCK_N: tl.constexpr):
-    """Tiles [lo, lo + count) of split ``split`` among the tiles from ``first_tile`` on:
-    runs whose sizes differ by at most one, the non-empty ones first."""
+def _split_tiles(seq_len, first_tile, split, num_splits, BLOCK_N: tl.constexpr, CYCLIC: tl.constexpr):
+    """Tiles ``lo, lo + step, ...`` (``count`` of them) of split ``split`` among the tiles
+    from ``first_tile`` on: runs whose sizes differ by at most one, the non-empty ones
+    first (step 1); with ``CYCLIC`` every ``num_splits``-th tile from ``first_tile +
+    split`` (step ``num_splits``, the caller's). Either way splits below ``min(num_splits,
+    tiles)`` hold at least one tile and the others none, so the merge sees the same active
+    splits."""
     num_tiles = tl.cdiv(seq_len, BLOCK_N) - first_tile
-    base = num_tiles // num_splits
-    rem = num_tiles % num_splits
-    lo = first_tile + split * base + tl.minimum(split, rem)
-    count = base + (split < rem).to(tl.int32)
+    if CYCLIC:
+        lo = first_tile + split
+        count = tl.maximum(tl.cdiv(num_tiles - split, num_splits), 0)
+    else:
+        base = num_tiles // num_splits
+        rem = num_tiles % num_splits
+        lo = first_tile + split * base + tl.minimum(split, rem)
+        count = base + (split < rem).to(tl.int32)
     return lo, count
+
+
+#: ``prefetch.global.L1 [$1]`` when ``$2`` is non-zero (Triton has no prefetch op; the
+#: result register only gives the asm an output).
+PREFETCH_L1_PTX = tl.constexpr("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L1 [$1]; mov.b32 $0, 0; }")
+#: Tiles whose block ids a ``CYCLIC_SPLITS`` program prefetches before its metadata arrives.
+PREFETCH_TILES = tl.constexpr(4)
+
+
+@triton.jit
+def _prefetch_block_ids(bt_row, split, num_splits, max_blocks, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``CYCLIC_SPLITS`` without a window: the block ids of this split's first
+    PREFETCH_TILES tiles (``split + k * num_splits``: they do not depend on the sequence's
+    length) prefetched into L1 in the same issue slot as the length loads. A program's start
+    is otherwise three dependent memory round trips (lengths -> block ids -> K/V); the
+    pipeline's block-id copies then find their lines in L1. One line per tile (its first
+    page's id; a tile's ids are contiguous); addresses past the table row are not touched
+    (predicated off), and a split past the sequence's tiles only warms lines it never reads."""
+    k = tl.arange(0, PREFETCH_TILES)
+    page = (split + k * num_splits) * (BLOCK_N // PAGE)
+    tl.inline_asm_elementwise(PREFETCH_L1_PTX, "=r,l,r", [bt_row + page, (page < max_blocks).to(tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 
@@ -189,9 +222,10 @@ def _decode_split_kernel(
     INTERPRET: tl.constexpr, SWAP_AB: tl.constexpr = False, SAFE: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = 0, MERGE_GROUP: tl.constexpr = 8, MERGE_M: tl.constexpr = 16,
     MERGE_CHUNK: tl.constexpr = 1, HEAD_SPLIT: tl.constexpr = 1, MERGE_COLS: tl.constexpr = 16,
-    QUERY_IN: tl.constexpr = 0, WINDOW: tl.constexpr = 0, PDL_TRIGGER: tl.constexpr = False,
+    QUERY_IN: tl.constexpr = 0, WINDOW: tl.constexpr = 0, PDL_TRIGGER: tl.constexpr = 0,
+    CYCLIC_SPLITS: tl.constexpr = False,
 ):
-    if PDL_TRIGGER:
+    if PDL_TRIGGER == PDL_AT_START:
         # the merge kernel (launched as this grid's programmatic dependent) may start once
         # every program got here: its programs load their metadata while these run, then
         # wait for this whole grid (griddepcontrol.wait) before reading a partial
@@ -209,6 +243,9 @@ def _decode_split_kernel(
         kv_head = kv_prog // HEAD_SPLIT
         head0 = kv_head * GROUP + (kv_prog % HEAD_SPLIT) * HEADS
     seq = tl.program_id(2)
+    if CYCLIC_SPLITS and WINDOW == 0 and not INTERPRET:
+        _prefetch_block_ids(block_table_ptr + seq.to(tl.int64) * stride_bt, split, num_splits, max_blocks, PAGE,
+                            BLOCK_N)
 
     # The program's start is a chain of loads (lengths -> block table -> K/V). seq_len is
     # part of the exit test so that its load is issued with the query bounds, one memory
@@ -247,7 +284,10 @@ def _decode_split_kernel(
         # (it cannot change before this program arrives: see _barrier_and_merge)
         gen0 = tl.atomic_add(counters + 1, 0, sem="relaxed", scope="gpu")
 
-    tile_lo, tile_count = _split_tiles(seq_len, first_tile, split, num_splits, BLOCK_N)
+    tile_lo, tile_count = _split_tiles(seq_len, first_tile, split, num_splits, BLOCK_N, CYCLIC_SPLITS)
+    tile_step = 1
+    if CYCLIC_SPLITS:
+        tile_step = num_splits
 
     offs_m = tl.arange(0, BLOCK_M)
     row_tok = offs_m // HEADS
@@ -269,14 +309,18 @@ def _decode_split_kernel(
         l_i = _zero_sums(BLOCK_N, BLOCK_M, SWAP_AB)
         acc = _zero_acc(BLOCK_D, BLOCK_M, SWAP_AB)
         # Only the sequence's last tile holds slots past seq_len. An fp8 cache zeroes their
-        # V (stale e4m3 bytes may be NaN), so that tile is peeled off the loop and the
-        # others skip the select; int8 and bf16 tiles take one loop.
-        tile_end = tile_lo + tile_count
+        # V (stale e4m3 bytes may be NaN), so that tile is peeled off the loop (by the split
+        # whose last tile it is) and the others skip the select; int8 and bf16 tiles take one loop.
+        tile_end = tile_lo + tile_count * tile_step
         loop_end = tile_end
         if KV_KIND == KIND_FP8:
-            loop_end = tl.minimum(tile_end, tl.cdiv(seq_len, BLOCK_N) - 1)
+            if CYCLIC_SPLITS:
+                loop_end = tl.where(tile_end - tile_step == tl.cdiv(seq_len, BLOCK_N) - 1, tile_end - tile_step,
+                                    tile_end)
+            else:
+                loop_end = tl.minimum(tile_end, tl.cdiv(seq_len, BLOCK_N) - 1)
         bad_pages = _no_bad_pages(SAFE)
-        for tile in range(tile_lo, loop_end):
+        for tile in range(tile_lo, loop_end, tile_step):
             m_i, l_i, acc, n_bad = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row,
                                            k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
                                            stride_cb, stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
@@ -285,12 +329,16 @@ def _decode_split_kernel(
                 bad_pages += n_bad
         if KV_KIND == KIND_FP8:
             if loop_end < tile_end:
-                m_i, l_i, acc, n_bad = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_end - 1, seq_len,
+                m_i, l_i, acc, n_bad = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_end - tile_step, seq_len,
                                                bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
                                                stride_cb, stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
                                                BLOCK_M, KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB, SAFE, WINDOW)
                 if SAFE:
                     bad_pages += n_bad
+        if PDL_TRIGGER == PDL_AT_STORE:
+            # the tile loop is done: only the stores remain (multi-pass programs below store
+            # inside their loop and trigger as they exit)
+            gdc_launch_dependents()
         if SAFE:
             acc, l_i = _poison_bad(acc, l_i, bad, bad_pages, flags_ptr, seq, True)
         _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, _row_sums(l_i, SWAP_AB), tok, row_head, split,
@@ -325,10 +373,11 @@ def _decode_split_kernel(
             m_i = tl.where(fresh, NEG_BIG, m_i)
             l_i = tl.where(fresh, 0.0, l_i)
             acc = tl.where(fresh, 0.0, acc)
-            m_i, l_i, acc, n_bad = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile_lo + tile_idx, seq_len,
-                                           bt_row, k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head,
-                                           stride_cb, stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N,
-                                           BLOCK_M, KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB, SAFE, WINDOW)
+            tile = tile_lo + tile_idx * tile_step
+            m_i, l_i, acc, n_bad = _attend(q, row_scale, row_limit, m_i, l_i, acc, tile, seq_len, bt_row, k_ptr,
+                                           v_ptr, k_scale_ptr, v_scale_ptr, data_head, scale_head, stride_cb,
+                                           stride_sb, num_blocks, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, BLOCK_M, KV_KIND,
+                                           PV_KIND, True, INTERPRET, SWAP_AB, SAFE, WINDOW)
             # Last tile of the pass: its rows go to out (one active split) or to the partials.
             # (tl.where rather than `row_valid & last`: the interpreter mistypes that mask)
             last = tile_idx == tile_count - 1

@@ -24,7 +24,7 @@ import triton
 from .. import _checks
 from ..cache import PagedKVCache
 from ..errors import error_flags
-from ..kernels.codes import KV_KIND, MERGE, PV_KIND, PV_MODES, QUERY_IN
+from ..kernels.codes import KV_KIND, MERGE, PDL_TRIGGER, PV_KIND, PV_MODES, QUERY_IN
 from ..kernels.decode import _decode_merge_kernel, _decode_split_kernel
 from ..kernels.quantize import _quantize_query_kernel
 from ..runtime import capturing, device_guard, interpret_mode, sm_count, stream_id
@@ -96,14 +96,22 @@ class DecodeConfig:
     #: programs one by one, "barrier" runs as "last" and None as the merge kernel.
     fused_merge: bool | str | None = None
     #: The merge kernel as a programmatic dependent launch of the split kernel (sm_90+, not
-    #: under the interpreter): the split programs trigger it at their start, the merge
-    #: programs load their metadata while the split grid runs and wait for its completion
-    #: (griddepcontrol.wait) before reading a partial, so the second launch's latency
-    #: overlaps the first's tail. Applies where the merge kernel runs (eager "kernel" plans,
-    #: CUDA-graph captures of "auto" ones). Measured on an H100 (24 q / 4 KV, D256): graph
-    #: replays 0.5-1.9 us slower at batch 1-4 over 8k-32k contexts, 0.3-0.7 us faster at 1k,
-    #: equal from batch 8 (benchmarks/notes/decode.md); off by default.
-    pdl: bool = False
+    #: under the interpreter): the merge programs load their metadata while the split grid
+    #: runs and wait for its completion (griddepcontrol.wait) before reading a partial, so the
+    #: second launch's latency overlaps the first's tail. Where the split programs let it
+    #: start (kernels.codes.PDL_TRIGGER): "start" (True) first thing, "store" after their
+    #: tile loop, "exit" as they exit (no trigger instruction). Applies where the merge kernel
+    #: runs (eager "kernel" plans, CUDA-graph captures of "auto" ones). Measured on an H100
+    #: (24 q / 4 KV, D256), "start": graph replays 0.5-1.9 us slower at batch 1-4 over 8k-32k
+    #: contexts, 0.3-0.7 us faster at 1k, equal from batch 8 (benchmarks/notes/decode.md);
+    #: off by default.
+    pdl: bool | str = False
+    #: Deal a sequence's KV tiles to the splits in turn (split s: tiles s, s + splits, ...)
+    #: instead of in contiguous runs, so that each split program knows its first tiles
+    #: before the sequence's length arrives and prefetches their block ids into L1 alongside
+    #: the length loads (no sliding window): one dependent memory round trip fewer before its
+    #: first K/V copy. The same splits are active, so the merge is unchanged. Off by default.
+    cyclic_splits: bool = False
 
 
 #: Bytes of one K+V tile the default configs aim at, and the shared memory they may
@@ -385,9 +393,12 @@ def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None
         raise ValueError(f"maxnreg must be None or an int in [32, 255], got {config.maxnreg!r}")
     if config.fused_merge not in FUSED_MERGES:
         raise ValueError(f"fused_merge must be one of {FUSED_MERGES}, got {config.fused_merge!r}")
-    if not isinstance(config.pdl, bool):
-        raise ValueError(f"pdl must be a bool, got {config.pdl!r}")
-    if config.pdl and cache.device.type == "cuda" and torch.cuda.get_device_capability(cache.device)[0] < 9:
+    if not isinstance(config.pdl, bool) and config.pdl not in tuple(PDL_TRIGGER):
+        raise ValueError(f"pdl must be a bool or one of {tuple(PDL_TRIGGER)}, got {config.pdl!r}")
+    if not isinstance(config.cyclic_splits, bool):
+        raise ValueError(f"cyclic_splits must be a bool, got {config.cyclic_splits!r}")
+    if config.pdl is not False and cache.device.type == "cuda" \
+            and torch.cuda.get_device_capability(cache.device)[0] < 9:
         raise ValueError("pdl (programmatic dependent launch) needs an sm_90 or newer GPU")
     elem = cache.elem_bytes
     slots = resident_slots(config, cache.device, head_dim, elem)
@@ -700,7 +711,8 @@ class DecodeLaunch:
                                                             *self._q_codes.stride()[:2], *self._q_scales.stride()))
         safe = _checks.decode_clamps_enabled()
         # the merge kernel as the split kernel's programmatic dependent (DecodeConfig.pdl)
-        pdl = plan.config.pdl and splits > 1 and not interpret
+        pdl = plan.config.pdl is not False and splits > 1 and not interpret
+        trigger = PDL_TRIGGER["start" if plan.config.pdl is True else plan.config.pdl] if pdl else 0
         group = num_q_heads // cache.num_kv_heads // hs
         base = dict(
             GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
@@ -709,6 +721,7 @@ class DecodeLaunch:
             MAX_QUERY_LEN=MAX_DECODE_QUERY_LEN, KV_KIND=KV_KIND[cache.kv_dtype], PV_KIND=PV_KIND[plan.pv_mode],
             INTERPRET=interpret, SWAP_AB=cfg.swap_ab, **({"SAFE": True} if safe else {}),
             HEAD_SPLIT=hs, **({"WINDOW": window} if window else {}),
+            **({"CYCLIC_SPLITS": True} if cfg.cyclic_splits else {}),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg is not None else {}),
         )
@@ -723,8 +736,8 @@ class DecodeLaunch:
             if mode == "barrier":
                 # the barrier waits for every split: the driver must co-schedule the grid
                 constexprs["launch_cooperative_grid"] = True
-            elif mode == "kernel" and pdl:
-                constexprs["PDL_TRIGGER"] = True
+            elif mode == "kernel" and trigger:  # ("exit": the split kernel's plain code)
+                constexprs["PDL_TRIGGER"] = trigger
             # launched through CachedLaunch: Triton binds the arguments on the first call only;
             # recorded in int8attn.launches: launches.last("_decode_split_kernel").facts
             if not fused:
