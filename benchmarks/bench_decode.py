@@ -59,7 +59,7 @@ import _peers as P
 SMOKE = "--smoke" in sys.argv
 INTERPRET = H.start(SMOKE)   # before the kernels are imported
 
-from int8attn import bench, reference, runtime, testing  # noqa: E402
+from int8attn import bench, launches, reference, runtime, testing  # noqa: E402
 from int8attn.cache import PagedKVCache  # noqa: E402
 from int8attn.ops import decode as dec  # noqa: E402
 from int8attn.ops.producer import quantize_query  # noqa: E402
@@ -141,7 +141,8 @@ def cfg_label(c) -> str:
     return (f"{c.block_n}/{c.num_warps}/{c.num_stages}" + (f"/m{c.min_block_m}" if c.min_block_m != 16 else "")
             + ("/swap" if c.swap_ab else "") + (f"/r{c.maxnreg}" if c.maxnreg else "")
             + ({True: "/fused", "last": "/fused", "barrier": "/barrier"}.get(c.fused_merge, ""))
-            + ({False: "", True: "/pdl"}.get(c.pdl, f"/pdl-{c.pdl}")) + ("/cyclic" if c.cyclic_splits else ""))
+            + {None: "", False: "/pdl-off", True: "/pdl"}.get(c.pdl, f"/pdl-{c.pdl}")
+            + ("/cyclic" if c.cyclic_splits else ""))
 # head_dim 128, 16 rows (32q/8kv): int8 128/4/4 is 22 warp-instructions per key, 198 regs;
 # int8 128/4/5 swapped 29, 233 regs (row-major 128/4/5: 23, 223 regs);
 # fp8 swapped 64/4/6 39 per key, 193 regs; 128/4/5 27, 255 regs (128/4/4 keeps one tile: unpipelined)
@@ -272,6 +273,12 @@ def _compile_worker(key):
     return key
 
 
+def _pdl_trigger(plan):
+    """Where the last split launch of ``plan`` triggered its dependent merge (None: no PDL)."""
+    rec = launches.last("_decode_split_kernel")
+    return rec.facts.get("pdl") if rec is not None and rec.facts.get("plan") == plan else None
+
+
 def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_splits=None, graph_only=False,
               quantize_in_call=False, extra=None, head_split=None):
     cache = r.caches[kv] if shape is HEADLINE else r.caches_d128[kv]
@@ -294,6 +301,7 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
                block_n=p.config.block_n, num_warps=p.config.num_warps, num_stages=p.config.num_stages,
                min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, maxnreg=p.config.maxnreg,
                fused_merge=p.config.fused_merge, merge=p.merge, head_split=p.head_split, pdl=p.config.pdl,
+               pdl_trigger=_pdl_trigger(p),
                cyclic_splits=p.config.cyclic_splits, bytes=nbytes,
                quantize_in_call=quantize_in_call,
                config_source="tuned" if cfg is not None and cfg == r.best.get(kv) else (
@@ -613,28 +621,41 @@ def fused_merge(r: Run) -> None:
                       graph_only=True)
 
 
-#: Section pdl's paths: changes to the default config (the split + merge kernels).
-SMALL_BATCH_LEVERS = {"two-launch": {}, "pdl-start": {"pdl": "start"}, "pdl-store": {"pdl": "store"},
-                      "pdl-exit": {"pdl": "exit"}, "cyclic": {"cyclic_splits": True},
-                      "cyclic pdl-store": {"cyclic_splits": True, "pdl": "store"}}
+#: Section pdl's paths: changes to the planned config (the split + merge kernels; its own
+#: pdl is None: "store" on sm_90).
+SMALL_BATCH_LEVERS = {"two-launch": {"pdl": False}, "pdl-start": {"pdl": "start"}, "pdl-store": {"pdl": "store"},
+                      "pdl-exit": {"pdl": "exit"}, "cyclic": {"cyclic_splits": True, "pdl": False},
+                      "cyclic pdl-store": {"cyclic_splits": True, "pdl": "store"}, "default": {}}
+#: From batch 32 on (and for the BF16 cache) only what a default may cost.
+LARGE_BATCH_LEVERS = ("two-launch", "pdl-store", "default")
 
 
 @H.section("pdl")
 def small_batch_levers(r: Run) -> None:
-    """The split + merge kernels (graph replays) at small batches, side by side: plain;
-    the merge as the split kernel's programmatic dependent, triggered at the split programs'
-    start, after their tile loop ("store") or at their exit; tiles dealt to the splits in
-    turn with their block ids prefetched ("cyclic"), alone and with the "store" trigger; the
-    plain pair again last (drift check)."""
+    """The split + merge kernels (graph replays), side by side: plain; the merge as the
+    split kernel's programmatic dependent, triggered at the split programs' start, after
+    their tile loop ("store") or at their exit; tiles dealt to the splits in turn with their
+    block ids prefetched ("cyclic"), alone and with the "store" trigger; the planned config
+    ("default"); the plain pair again last (drift check). Batch 32-64 and the BF16 cache:
+    plain, "store" and the default. Then the split / merge kernels' device time at batch 1
+    (profiler, plain pair)."""
     for ctx in (L8K, CONTEXTS[-1], 1024):
-        for bs in (1, 2, 4, 8, 16) if not SMOKE else (1, 2):
-            for kv in ("int8", "fp8"):
+        for bs in (1, 2, 4, 8, 16, 32, 64) if not SMOKE else (1, 2):
+            for kv in ("int8", "fp8", "bf16"):
                 if r.late(f"pdl {kv} bs{bs} L{ctx}"):
                     return
                 base = _fused(dec.plan_decode((bs, 24, 256), r.caches[kv], (bs, ctx // 16)).config, False)
-                for name, change in [*SMALL_BATCH_LEVERS.items(), ("two-launch again", {})]:
+                names = list(SMALL_BATCH_LEVERS) if bs <= 16 and kv != "bf16" else LARGE_BATCH_LEVERS
+                for name in [*names, "two-launch again"]:
+                    change = SMALL_BATCH_LEVERS[name.replace(" again", "")]
                     time_path(r, "pdl", f"{kv} {name}", kv, None, dataclasses.replace(base, **change), HEADLINE, bs,
                               ctx, graph_only=True)
+    if INTERPRET:
+        return
+    for ctx in (L8K, CONTEXTS[-1]):
+        for kv in ("int8", "fp8"):
+            base = _fused(dec.plan_decode((1, 24, 256), r.caches[kv], (1, ctx // 16)).config, False)
+            kernel_profile(r, kv, dataclasses.replace(base, pdl=False), 1, ctx)
 
 
 @H.section("d128")

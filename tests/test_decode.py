@@ -1097,24 +1097,33 @@ def test_programmatic_dependent_merge(device, monkeypatch, kv, trigger):
     programmatic dependent (sm_90; the interpreter runs it as the plain merge), triggered at
     the split programs' start, after their tile loop or at their exit, gives the plain
     merge's result bit for bit, eagerly and replayed from a CUDA graph; on the GPU the merge
-    kernel is compiled for that launch; a value that names no trigger is refused at
-    planning. Its instructions:
+    kernel is compiled for that launch; the default (None) triggers after the tile loop
+    where the GPU takes programmatic launches and launches plainly elsewhere; a value that
+    names no trigger is refused at planning. Its instructions:
     test_sm90_compile.test_programmatic_dependent_merge_and_cyclic_splits_compile_for_sm90."""
     import int8attn.ops.decode as dec
 
     if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90 or newer")
-    plain = DecodeConfig(block_n=32, num_warps=4, num_stages=3, fused_merge=False)
+    plain = DecodeConfig(block_n=32, num_warps=4, num_stages=3, fused_merge=False, pdl=False)
     b = testing.make_paged_batch([300, 97, 1000], [1, 2, 1], num_q_heads=12, num_kv_heads=2, head_dim=64,
                                  kv_dtype=kv, seed=61, device=device)
     args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
     monkeypatch.setattr(dec, "default_config", lambda *a, **k: plain)
     want = decode_attention(*args, num_splits=7)
+    assert launches.last("_decode_split_kernel").facts["pdl"] is None
+    monkeypatch.setattr(dec, "default_config", lambda *a, **k: dataclasses.replace(plain, pdl=None))
+    assert torch.equal(decode_attention(*args, num_splits=7), want)
+    auto = "store" if device == "cuda" else None
+    assert launches.last("_decode_split_kernel").facts["pdl"] == launches.last("_decode_merge_kernel").facts["pdl"] \
+        == auto
     monkeypatch.setattr(dec, "default_config", lambda *a, **k: dataclasses.replace(plain, pdl=trigger))
     launches.clear()
     got = decode_attention(*args, out=testing.poisoned_like(b.query), num_splits=7)
     assert torch.equal(got, want)
     assert launches.last("_decode_split_kernel").facts["plan"].config.pdl == trigger
+    assert launches.last("_decode_split_kernel").facts["pdl"] == (
+        None if device != "cuda" else "start" if trigger is True else trigger)
     assert launches.last("_decode_merge_kernel") is not None
     if device == "cuda":
         compiled = launches.last("_decode_merge_kernel").compiled
@@ -1127,8 +1136,8 @@ def test_programmatic_dependent_merge(device, monkeypatch, kv, trigger):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want)
-    for bad in (1, "end", None):
-        with pytest.raises(ValueError, match="pdl must be a bool or one of"):
+    for bad in (1, "end", "auto"):
+        with pytest.raises(ValueError, match="pdl must be None, a bool or one of"):
             dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape),
                             config=dataclasses.replace(plain, pdl=bad))
 

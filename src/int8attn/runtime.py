@@ -2,7 +2,8 @@
 
 * :func:`interpret_mode`, :func:`default_device` -- Triton's CPU interpreter or a GPU;
 * :func:`sm_count`, :func:`device_guard`, :func:`stream_id`, :func:`capturing` -- the launch
-  device and stream; :func:`side_stream` -- a second stream for work that overlaps it;
+  device and stream; :func:`programmatic_launch` -- whether it runs programmatic dependent
+  launches; :func:`side_stream` -- a second stream for work that overlaps it;
 * :func:`default_num_warps`, :func:`heads_per_program`, :func:`full_tiles` -- the
   [rows, head_dim] program tile of the quantize / producer kernels (``TILE_ELEMS``);
 * :data:`FP_FUSION` -- the floating-point fusion every launch states.
@@ -55,6 +56,22 @@ def sm_count(device: torch.device) -> int:
 @functools.lru_cache(maxsize=64)  # one entry per GPU index
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may be launched as programmatic dependents
+    (``griddepcontrol``, Triton's ``launch_pdl``): an NVIDIA GPU of sm_90 or newer, not
+    the interpreter. Cached per GPU index, no sync."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpret_mode() or torch.version.hip is not None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_major(index) >= 9
+
+
+@functools.lru_cache(maxsize=64)  # one entry per GPU index
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def device_guard(device: torch.device):

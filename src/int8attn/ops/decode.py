@@ -27,7 +27,7 @@ from ..errors import error_flags
 from ..kernels.codes import KV_KIND, MERGE, PDL_TRIGGER, PV_KIND, PV_MODES, QUERY_IN
 from ..kernels.decode import _decode_merge_kernel, _decode_split_kernel
 from ..kernels.quantize import _quantize_query_kernel
-from ..runtime import capturing, device_guard, interpret_mode, sm_count, stream_id
+from ..runtime import capturing, device_guard, interpret_mode, programmatic_launch, sm_count, stream_id
 from ._launch import CachedLaunch, remembered
 from .producer import query_code_buffers, quantize_query_args, quantize_query_launch
 
@@ -100,12 +100,15 @@ class DecodeConfig:
     #: runs and wait for its completion (griddepcontrol.wait) before reading a partial, so the
     #: second launch's latency overlaps the first's tail. Where the split programs let it
     #: start (kernels.codes.PDL_TRIGGER): "start" (True) first thing, "store" after their
-    #: tile loop, "exit" as they exit (no trigger instruction). Applies where the merge kernel
-    #: runs (eager "kernel" plans, CUDA-graph captures of "auto" ones). Measured on an H100
-    #: (24 q / 4 KV, D256), "start": graph replays 0.5-1.9 us slower at batch 1-4 over 8k-32k
-    #: contexts, 0.3-0.7 us faster at 1k, equal from batch 8 (benchmarks/notes/decode.md);
-    #: off by default.
-    pdl: bool | str = False
+    #: tile loop, "exit" as they exit (no trigger instruction); False: a plain launch; None
+    #: (default): "store" where the GPU runs programmatic launches
+    #: (:func:`int8attn.runtime.programmatic_launch`), else a plain launch. Applies where the
+    #: merge kernel runs (eager "kernel" plans, CUDA-graph captures of "auto" ones). Graph
+    #: replays on an H100 (24 q / 4 KV, D256, int8 / fp8; benchmarks/notes/decode.md): "store"
+    #: 0.4-0.7 us faster at batch 1-4 over 1k-32k keys and equal at 8-16; "start" 0.5-2 us
+    #: slower at batch 1-4 over 8k-32k (its waiting merge programs take the slots of split
+    #: programs still to start); "exit" 0.1-0.3 us slower.
+    pdl: bool | str | None = None
     #: Deal a sequence's KV tiles to the splits in turn (split s: tiles s, s + splits, ...)
     #: instead of in contiguous runs, so that each split program knows its first tiles
     #: before the sequence's length arrives and prefetches their block ids into L1 alongside
@@ -393,12 +396,12 @@ def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None
         raise ValueError(f"maxnreg must be None or an int in [32, 255], got {config.maxnreg!r}")
     if config.fused_merge not in FUSED_MERGES:
         raise ValueError(f"fused_merge must be one of {FUSED_MERGES}, got {config.fused_merge!r}")
-    if not isinstance(config.pdl, bool) and config.pdl not in tuple(PDL_TRIGGER):
-        raise ValueError(f"pdl must be a bool or one of {tuple(PDL_TRIGGER)}, got {config.pdl!r}")
+    if config.pdl is not None and not isinstance(config.pdl, bool) and config.pdl not in tuple(PDL_TRIGGER):
+        raise ValueError(f"pdl must be None, a bool or one of {tuple(PDL_TRIGGER)}, got {config.pdl!r}")
     if not isinstance(config.cyclic_splits, bool):
         raise ValueError(f"cyclic_splits must be a bool, got {config.cyclic_splits!r}")
-    if config.pdl is not False and cache.device.type == "cuda" \
-            and torch.cuda.get_device_capability(cache.device)[0] < 9:
+    if config.pdl not in (None, False) and cache.device.type == "cuda" and not interpret_mode() \
+            and not programmatic_launch(cache.device):
         raise ValueError("pdl (programmatic dependent launch) needs an sm_90 or newer GPU")
     elem = cache.elem_bytes
     slots = resident_slots(config, cache.device, head_dim, elem)
@@ -711,8 +714,11 @@ class DecodeLaunch:
                                                             *self._q_codes.stride()[:2], *self._q_scales.stride()))
         safe = _checks.decode_clamps_enabled()
         # the merge kernel as the split kernel's programmatic dependent (DecodeConfig.pdl)
-        pdl = plan.config.pdl is not False and splits > 1 and not interpret
-        trigger = PDL_TRIGGER["start" if plan.config.pdl is True else plan.config.pdl] if pdl else 0
+        pdl = plan.config.pdl
+        if pdl is None:
+            pdl = "store" if programmatic_launch(device) else False
+        pdl = ("start" if pdl is True else pdl) if pdl and splits > 1 and not interpret else None
+        trigger = PDL_TRIGGER[pdl] if pdl else 0
         group = num_q_heads // cache.num_kv_heads // hs
         base = dict(
             GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
@@ -742,10 +748,12 @@ class DecodeLaunch:
             # recorded in int8attn.launches: launches.last("_decode_split_kernel").facts
             if not fused:
                 return CachedLaunch(_decode_split_kernel, self._split_grid, constexprs,
-                                    {"plan": plan, "safe": safe, "merge": mode, "query_in": "codes"},
+                                    {"plan": plan, "safe": safe, "merge": mode, "query_in": "codes",
+                                     "pdl": pdl if mode == "kernel" else None},
                                     fixed_args=self._split_args)
             return tuple(CachedLaunch(_decode_split_kernel, self._split_grid, {**constexprs, "QUERY_IN": QUERY_IN[q]},
-                                      {"plan": plan, "safe": safe, "merge": mode, "query_in": q}, fixed_args=fused_args)
+                                      {"plan": plan, "safe": safe, "merge": mode, "query_in": q,
+                                       "pdl": pdl if mode == "kernel" else None}, fixed_args=fused_args)
                          for q in ("quantize", "quantize_lam"))
 
         self._split_kernel = split_launch(merge, fuse_split)
@@ -774,7 +782,7 @@ class DecodeLaunch:
                 num_warps=max(1, min(4, chunk * merge_cols // 256)),
             )
             self._merge_kernel = CachedLaunch(_decode_merge_kernel, self._merge_grid, self._merge_constexprs,
-                                              {"plan": plan}, fixed_args=self._merge_args)
+                                              {"plan": plan, "pdl": pdl}, fixed_args=self._merge_args)
 
     @classmethod
     def for_tensors(cls, plan: DecodePlan, cache: PagedKVCache, query, q_quant, q_scale, block_table, out_strides,
