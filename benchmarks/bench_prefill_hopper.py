@@ -127,7 +127,7 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
                 # V scaled by the loader (P the plain fp16 p: one multiply per score fewer), or
                 # not, whichever the route's config does not do
                 ("hopper-ws-v-" + ("unscaled" if ws.v_scaled else "scaled"), replace(ws, v_scaled=not ws.v_scaled)),
-                *_pv_in_flight_placements(ws)]
+                *_pv_in_flight_placements(ws, split_release=True)]
         # the loader's copies in flight past the tile it converts (convert_lag; None: 1) and
         # the ring depth; the rescale rules (a warpgroup-wide lazy test per tile; per row with
         # each thread's multiplies behind a branch, or every tile)
@@ -172,7 +172,7 @@ def _three_consumers(kv_dtype: str, d: int, pv: str) -> list:
                                     ("hopper-ws-m192-qk-ahead", replace(m192, qk_ahead=True))]
 
 
-def _pv_in_flight_placements(ws) -> list:
+def _pv_in_flight_placements(ws, split_release: bool = False) -> list:
     """(label, config) pairs of 16-bit PV in flight across the next softmax (QK issued with
     PV) and where it runs: two consumer partitions ("hopper-ws-pv-ahead", their PTX leaving
     Triton's worker dispatch loop); both consumer warpgroups in one 8-warp partition (one copy
@@ -180,13 +180,18 @@ def _pv_in_flight_placements(ws) -> list:
     head_dim <= 128 the two partitions with a 3- and a 5-stage ring ("hopper-ws-pv-ahead-s3", "-s5") and
     one consumer warpgroup per program ("hopper-ws-one*"); above it the two partitions with 32-key
     tiles in 4 and 5 stages ("hopper-ws-pv-ahead-n32-s4", "-s5": no local memory, where 64-key tiles
-    spill)."""
+    spill). ``split_release`` (an 8-bit cache, whose loader converts V): the two partitions with
+    ring stages given back in two parts, 8-bit copies after QK and fp16 V after PV
+    ("hopper-ws-pv-ahead-split", and at head_dim <= 128 in 3 stages: "hopper-ws-pv-ahead-s3-split")."""
     pv_ahead = hop.pv_in_flight_config(ws)
-    out = [("hopper-ws-pv-ahead", pv_ahead),
+    split = replace(pv_ahead, split_release=True)
+    out = [("hopper-ws-pv-ahead", pv_ahead), *([("hopper-ws-pv-ahead-split", split)] if split_release else []),
            ("hopper-ws-shared", hop.shared_consumer_config(ws)),
            ("hopper-ws-shared-pv-ahead", hop.shared_consumer_config(ws, pv_in_flight=True))]
     if ws.dv <= 128:  # the ring's depth with PV in flight; one warpgroup per program, two programs per SM
         out += [(f"hopper-ws-pv-ahead-s{n}", replace(pv_ahead, stages=n)) for n in (3, 5) if n != pv_ahead.stages]
+        if split_release:
+            out.append(("hopper-ws-pv-ahead-s3-split", replace(split, stages=3)))
         out += [("hopper-ws-one", hop.shared_consumer_config(ws, warpgroups=1)),
                 ("hopper-ws-one-pv-ahead", hop.shared_consumer_config(ws, pv_in_flight=True, warpgroups=1))]
     else:  # 32-key tiles: the accumulator, a score tile and both P tiles fit the consumers' registers

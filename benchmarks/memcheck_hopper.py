@@ -5,7 +5,8 @@ fp8 and bf16 caches with PV in their precision, int8 and fp8 with 16-bit PV) and
 ``warp_specialized_config`` offers, the other QK schedule of each and, with 16-bit P, the
 other rescale rule (per row or every tile), two consumer partitions with PV in flight
 (``pv_in_flight_config``, and with 32-key tiles above head_dim 128: workers that exit instead
-of looping back) and three consumer
+of looping back; for the 8-bit caches also with ring stages released in two parts,
+``split_release``, in the route's ring and in 3 stages) and three consumer
 warpgroups where they fit;
 then the Hopper multi-token decode kernels (:mod:`int8attn.ops.decode_hopper`) over odd
 lengths, one-tile contexts and several split counts (the keys-on-M kernel with two and three
@@ -105,9 +106,9 @@ def main() -> int:
             want = prefill_attention(*args, pv_mode=pv)
             # 16-bit P: the other rescale rule too (per row, its multiplies behind divergent
             # branches, or every tile), two consumer partitions with PV in flight (their workers
-            # exit rather than loop back: kernels._worker_exit), and three consumer warpgroups
-            # where they fit
-            in_flight = _pv_in_flight_configs(ws, d) if pv == "bf16" else ()
+            # exit rather than loop back: kernels._worker_exit; an 8-bit cache's also with ring
+            # stages released in two parts), and three consumer warpgroups where they fit
+            in_flight = _pv_in_flight_configs(ws, d, split_release=kv != "bf16") if pv == "bf16" else ()
             if pv_in_flight_only:
                 configs = in_flight
             else:
@@ -119,7 +120,8 @@ def main() -> int:
                 hop.prefill(*args, kernel="hopper", pv_mode=pv, out=out, config=cfg)
                 bad += not _report(out, want, 0.05, f"{name} {kv}/{pv} block_m={cfg.block_m} block_n={cfg.block_n} "
                                                     f"qk_ahead={cfg.qk_ahead} lazy_rescale={cfg.lazy_rescale} "
-                                                    f"pipeline={cfg.pipeline}")
+                                                    f"pipeline={cfg.pipeline} stages={cfg.stages} "
+                                                    f"split_release={cfg.split_release}")
     for name, (hq, hkv, d, bs, lens, qlens) in ({} if only_bad or prefill_only else DECODE_CASES).items():
         for kv in ("int8", "fp8"):
             b = testing.make_paged_batch(lens, qlens, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, block_size=bs,
@@ -149,11 +151,17 @@ def _raised() -> bool:
     return False
 
 
-def _pv_in_flight_configs(ws, head_dim: int) -> tuple:
+def _pv_in_flight_configs(ws, head_dim: int, split_release: bool = False) -> tuple:
     """Two consumer partitions with 16-bit PV in flight: the route's tiles, and above head_dim
-    128 also 32-key tiles in 4 stages (64-key tiles fit only 3 there)."""
+    128 also 32-key tiles in 4 stages (64-key tiles fit only 3 there); ``split_release`` (an
+    8-bit cache's, whose loader converts V): also the route's tiles with ring stages released
+    in two parts, in the route's ring and in 3 stages where that is another depth."""
     pv = hop.pv_in_flight_config(ws)
-    return (pv,) if head_dim <= 128 else (pv, replace(pv, block_n=32, stages=4))
+    configs = (pv,) if head_dim <= 128 else (pv, replace(pv, block_n=32, stages=4))
+    if split_release:
+        split = replace(pv, split_release=True)
+        configs += (split,) if split.stages == 3 else (split, replace(split, stages=3))
+    return configs
 
 
 def _prefill_bad_metadata_cases(pv_in_flight_only: bool = False) -> int:

@@ -123,6 +123,16 @@ VARIANTS = [
     pytest.param("int8", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 3, "block_n": 64, "dv": 256,
                                               "qk_ahead": False, "lazy_rescale": "rows", "pipeline": True},
                  id="ws-int8-pv16-d256-pv-ahead"),
+    # ... with ring stages given back in two parts (split_release: the 8-bit copies after QK,
+    # the fp16 V after PV; a second mbarrier array)
+    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
+                                              "qk_ahead": False, "lazy_rescale": "rows", "v_scaled": True,
+                                              "pipeline": True, "split_release": True},
+                 id="ws-int8-pv16-d128-pv-ahead-split"),
+    pytest.param("int8", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 3, "block_n": 64, "dv": 256,
+                                              "qk_ahead": False, "lazy_rescale": "rows", "pipeline": True,
+                                              "split_release": True},
+                 id="ws-int8-pv16-d256-pv-ahead-split"),
     # one consumer warpgroup per program (block_m 64, two programs per SM under a 128-register cap)
     pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "block_m": 64, "stages": 3, "block_n": 64,
                                               "dv": 128, "qk_ahead": False, "lazy_rescale": "rows", "v_scaled": True,
@@ -138,8 +148,9 @@ PTX_TYPES_BF16_CACHE, SASS_CLASS_BF16_CACHE = "f32.bf16.bf16", "BF16"
 #: head_dim 256 (128-register accumulator + int32 PV tiles; 10 with Triton 3.6, 12 with 3.9,
 #: against ~220 with 64-key tiles): a regression guard, not a correctness property.
 SPILL_BUDGET = {"int8-pv8-d256": 16,
-                # two consumer partitions with 16-bit PV in flight at D256 (8 with Triton 3.6)
-                "ws-int8-pv16-d256-pv-ahead": 16,
+                # two consumer partitions with 16-bit PV in flight at D256 (8 with Triton 3.6), also
+                # with stages released in two parts (8 with Triton 3.6, 6 with 3.8; none at D128)
+                "ws-int8-pv16-d256-pv-ahead": 16, "ws-int8-pv16-d256-pv-ahead-split": 16,
                 # int8 PV result of tile j in flight across the softmax of tile j + 1, beside the
                 # accumulator (22 with Triton 3.6, 39 with 3.9; ~280 with 64-key tiles)
                 "pipe-int8-pv8-d128-n32-s4": 48,
@@ -195,8 +206,10 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   # per program (216 registers), int8 D128: 27
                                   "ws-int8-pv16-d64-m192-v-scaled": 64, "ws-int8-pv16-d128-shared-pv-ahead": 32,
                                   "ws-bf16-d128-shared-pv-ahead": 24, "ws-int8-pv16-d128-one-wg-pv-ahead": 32,
-                                  # two consumer partitions with PV in flight: 28 (D128), 75 (D256)
-                                  "ws-int8-pv16-d128-pv-ahead": 32, "ws-int8-pv16-d256-pv-ahead": 80}}
+                                  # two consumer partitions with PV in flight: 28 (D128), 75 (D256); with
+                                  # stages released in two parts: 24 (D128), 73 (D256)
+                                  "ws-int8-pv16-d128-pv-ahead": 32, "ws-int8-pv16-d256-pv-ahead": 80,
+                                  "ws-int8-pv16-d128-pv-ahead-split": 32, "ws-int8-pv16-d256-pv-ahead-split": 80}}
 
 #: Instructions allowed in the int8 16-bit-PV loader's tile loop (sm_90): a fixed part per
 #: tile (waits, barriers, block ids) and a part per V value each loader thread converts
@@ -270,6 +283,7 @@ for key, (kv, pv, d, bs, group, over) in json.loads(sys.argv[1]).items():
         "guarded_fmuls": guarded_fmuls(text),
         **gluon_facts(ptx, text),
         "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
+        "mbarrier_inits": len(re.findall(r"mbarrier\.init\.", ptx)),
         "sass_wgmma_waits": [int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", text)],
         "wgmma_serialized": ("wgmma.mma_async instructions are serialized" in ptxas_info(ptx)
                              if os.path.exists(PTXAS) else None),
@@ -333,6 +347,9 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
         # a config ptxas cannot pipeline makes it wait for every wgmma (C7511 / C7512 / C7514): the
         # warp-specialized configs measured on the H200 all keep their MMA chains pipelined
         assert got["wgmma_serialized"] is not True, got
+    if over.get("warp_specialized"):
+        # ready and empty per ring stage, and v16_empty with split_release
+        assert got["mbarrier_inits"] == (3 if over.get("split_release") else 2) * over["stages"], got
     if over.get("pipeline"):  # QK waited alone while PV stays in flight, in PTX and after ptxas
         # (ptxas serialises every wgmma of a kernel whose in-flight registers it cannot keep)
         assert got["wgmma_waits"] and max(got["wgmma_waits"]) >= 1, got
@@ -633,6 +650,60 @@ def test_shared_consumer_and_16bit_pv_in_flight_configs():
     assert hop.launch_options(two) == dict(num_warps=4, maxnreg=168, enable_fp_fusion=True)
     with pytest.raises(TypeError, match="shared_consumer must be a bool"):
         hop._check_config(replace(ws16, shared_consumer=1), _C(), 4, "bf16")
+
+
+def test_split_release_only_with_16bit_pv_in_flight_in_two_consumer_partitions():
+    """``split_release`` (ring stages given back in two parts, a second mbarrier array) reaches
+    the kernel as SPLIT_RELEASE on an 8-bit cache's 16-bit PV kept in flight in two consumer
+    partitions, at head_dim 128 and 256, with any ring depth; off by default. Everywhere else
+    -- the shared consumer partition (one or two warpgroups), three consumers, PV waited in its
+    own tile, PV in the cache's precision, a BF16 cache, the other kernels -- it raises before
+    any launch."""
+    for kv, d, group in (("int8", 128, 4), ("int8", 256, 6), ("fp8", 128, 4), ("int8", 64, 4)):
+        class _C:
+            kv_dtype, head_dim, block_size = kv, d, 16
+
+        ahead = hop.pv_in_flight_config(hop.warp_specialized_config(kv, d, "bf16"))
+        for stages in (ahead.stages, 3):
+            checked = hop._check_config(replace(ahead, split_release=True, stages=stages), _C(), group, "bf16")
+            assert checked.split_release and checked.stages == stages
+            assert hop.constexprs(checked, _C(), group, "bf16")["SPLIT_RELEASE"] is True
+            assert hop.launch_options(checked) == hop.launch_options(ahead)
+        assert hop.constexprs(hop._check_config(ahead, _C(), group, "bf16"), _C(), group, "bf16")["SPLIT_RELEASE"] \
+            is False
+    assert hop.HopperPrefillConfig().split_release is False
+    for kv, d in (("int8", 128), ("fp8", 256), ("bf16", 128)):
+        for pv in {"int8": ("int8", "bf16"), "fp8": ("fp8", "bf16"), "bf16": ("bf16",)}[kv]:
+            assert not hop.warp_specialized_config(kv, d, pv).split_release
+
+    class _C:
+        kv_dtype, head_dim, block_size = "int8", 128, 16
+
+    ws16 = hop.warp_specialized_config("int8", 128, "bf16", pv_in_flight=False)
+    split = "split_release applies to an 8-bit cache's 16-bit PV kept in flight in two consumer partitions"
+    for bad in (hop.shared_consumer_config(ws16, pv_in_flight=True),  # one 8-warp consumer partition
+                hop.shared_consumer_config(ws16, pv_in_flight=True, warpgroups=1),  # one warpgroup per program
+                hop.shared_consumer_config(ws16),
+                hop.three_consumer_config("int8", 128, "bf16"),  # three consumers: PV waited in its tile
+                ws16,  # PV waited in its own tile (the route's schedule without PV in flight)
+                hop.two_consumer_config("int8", 128, "bf16"),
+                hop.default_config("int8", 128, "bf16")):  # the synchronous kernel
+        with pytest.raises(ValueError, match=split):
+            hop._check_config(replace(bad, split_release=True), _C(), 4, "bf16")
+    # PV in the cache's precision (the loader converts nothing), in flight or not
+    for bad in (hop.warp_specialized_config("int8", 128), hop.pipelined_config("int8", 128),
+                hop.default_config("int8", 128, "int8")):
+        with pytest.raises(ValueError, match=split):
+            hop._check_config(replace(bad, split_release=True), _C(), 4, "int8")
+
+    class _CBf16(_C):
+        kv_dtype = "bf16"
+
+    bf16_ahead = hop.pv_in_flight_config(hop.warp_specialized_config("bf16", 128))
+    with pytest.raises(ValueError, match=split):
+        hop._check_config(replace(bf16_ahead, split_release=True), _CBf16(), 4, "bf16")
+    with pytest.raises(TypeError, match="split_release must be a bool"):
+        hop._check_config(replace(hop.pv_in_flight_config(ws16), split_release=1), _C(), 4, "bf16")
 
 
 def test_constexprs_are_built_once_per_layout_and_handed_out_as_fresh_dicts():
@@ -979,6 +1050,25 @@ def test_gpu_warp_specialized_pv_in_flight_32_key_tiles(case, kv, pv):
     """The same at head_dim 256 with 32-key tiles in 4 stages (64-key tiles fit only 3 there)."""
     _check_schedule(case, kv, pv, lambda k, d, p: replace(hop.pv_in_flight_config(hop.warp_specialized_config(k, d, p)),
                                                           block_n=32, stages=4), "_prefill_hopper_ws_kernel")
+
+
+@pytest.mark.parametrize("stages", [None, 3], ids=["route-stages", "s3"])
+@pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16" and c.values[1] != "bf16"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_warp_specialized_pv_in_flight_split_release(case, kv, pv, stages):
+    """Two consumer partitions with 16-bit PV in flight whose ring stages are given back in two
+    parts (``split_release``: the 8-bit copies after QK, the fp16 V after PV), with the
+    route's ring and with 3 stages (the depth of head_dim 256, where the route's is 3 already):
+    the warp-specialized kernel's cases of the 8-bit caches' 16-bit PV, single-tile programs
+    included (varlen)."""
+    def split_release(k, d, p):
+        ahead = hop.pv_in_flight_config(hop.warp_specialized_config(k, d, p))
+        if stages is not None and stages == ahead.stages:
+            return None  # the route-stages case
+        return replace(ahead, split_release=True, stages=stages or ahead.stages)
+
+    _check_schedule(case, kv, pv, split_release, "_prefill_hopper_ws_kernel")
 
 
 def _check_schedule(case, kv, pv, config_of, kernel_name):

@@ -6,7 +6,7 @@ inputs the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -154,14 +154,16 @@ def bad_metadata_cases(batch: PagedBatch, *, overrun: int) -> dict:
 #: The Hopper prefill kernels the bad-metadata checks run (GPU tests and the memcheck
 #: script), as (cache dtype, config name) for :func:`hopper_prefill_kernel`.
 HOPPER_PREFILL_KERNELS = (("int8", "ws"), ("fp8", "ws"), ("bf16", "ws"), ("int8", "ws16"), ("int8", "ws16-m192"),
-                          ("int8", "ws16-pv-in-flight"), ("int8", "sync"), ("fp8", "pipe"))
+                          ("int8", "ws16-pv-in-flight"), ("int8", "ws16-pv-in-flight-split"), ("int8", "sync"),
+                          ("fp8", "pipe"))
 
 
 def hopper_prefill_kernel(kv_dtype: str, which: str, head_dim: int = 128) -> tuple:
     """(pv_mode, config) of a :data:`HOPPER_PREFILL_KERNELS` name: "ws" the warp-specialized
     route in the cache's precision, "ws16" an 8-bit cache's 16-bit PV without PV in flight
     ("-m192": three consumer warpgroups, "-pv-in-flight": two consumer partitions with PV in
-    flight, the int8 D128 route), "sync" the synchronous kernel, "pipe" the pipelined one."""
+    flight, the int8 D128 route; "-split": the same with its ring stages released in two parts,
+    ``split_release``), "sync" the synchronous kernel, "pipe" the pipelined one."""
     from .ops import prefill_hopper as hop
 
     pv = "bf16" if which.startswith("ws16") else kv_dtype
@@ -169,6 +171,7 @@ def hopper_prefill_kernel(kv_dtype: str, which: str, head_dim: int = 128) -> tup
               "ws16": lambda: hop.warp_specialized_config(kv_dtype, head_dim, pv, pv_in_flight=False),
               "ws16-m192": lambda: hop.three_consumer_config(kv_dtype, head_dim, pv),
               "ws16-pv-in-flight": lambda: hop.warp_specialized_config(kv_dtype, head_dim, pv, pv_in_flight=True),
+              "ws16-pv-in-flight-split": lambda: replace(makers["ws16-pv-in-flight"](), split_release=True),
               "sync": lambda: hop.default_config(kv_dtype, head_dim, kv_dtype),
               "pipe": lambda: hop.pipelined_config(kv_dtype, head_dim)}
     return pv, makers[which]()

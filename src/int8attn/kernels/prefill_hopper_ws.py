@@ -55,6 +55,23 @@ stage completed, which implies every thread of the warpgroup issued it, after it
 of the stage's scales). A consumer fences the async proxy after its ``ready`` wait (the
 copies are generic-proxy writes, the MMAs read through the async proxy).
 
+``SPLIT_RELEASE`` (16-bit PV of an 8-bit cache with ``PV_IN_FLIGHT``, two consumer partitions
+only): a stage is given back in two parts, since with PV in flight a consumer holds stage
+``j`` for its fp16 V until PV(j) completes, about two tiles after its last read of the
+stage's 8-bit K, 8-bit V^T and scales. ``empty`` then guards those three (the loader's
+copies): each consumer warpgroup arrives on it for tile ``j`` once QK(j) -- waited at the end
+of tile ``j - 1`` -- completed and every thread read tile ``j``'s scales into registers (a
+warpgroup barrier before thread 0 arrives: the scales are generic-proxy loads of each
+thread, no MMA completion covers them yet). A second array, ``v16_empty`` (count: the
+consumer warpgroups), guards the fp16 V ring: arrived where ``empty`` is without it, after
+PV(j) completed. The loader waits ``empty`` (phase of tile ``j - STAGES``) before issuing
+tile ``j``'s copies, as without it, and ``v16_empty`` (the same phase) before it writes tile
+``j``'s fp16 V (:func:`_convert_v`); the first ``STAGES`` waits of each pass at once. Each
+barrier completes once per tile of its stage (one arrival per consumer warpgroup), and
+neither can complete twice ahead of the loader's wait: tile ``j + STAGES``'s arrivals need
+its ``ready``, which the loader signals after both waits of tile ``j + STAGES``. So the
+loader can copy two tiles ahead of the consumers in a 3-stage ring while PV holds a third.
+
 e4m3 V bytes past the sequence end may be NaN (stale slots) and ``NaN * 0`` is NaN in the
 MMA: the loader zeroes them in the one tile that crosses the end (after waiting for its
 copies) and signals that stage with one counted arrive after a partition barrier. Keys
@@ -122,20 +139,21 @@ def _alloc_ring(elem: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 def partition_constexprs(pv_in_flight: bool, qk_ahead: bool, block_n: int, convert_lag: int,
-                         consumers: int = 2, v_scaled: bool = False) -> dict:
+                         consumers: int = 2, v_scaled: bool = False, split_release: bool = False) -> dict:
     """The constexprs of :func:`_prefill_hopper_ws_kernel` beside those of
     :func:`int8attn.kernels.prefill_hopper.kernel_layouts` (built for 64 rows, 4 warps).
     ``CVT_V``: the loader's layout of a [CVT_ROWS, block_n] slice of a V^T tile it converts
     to fp16 (8 keys per thread: one 8-byte shared load, one 16-byte store); ``CVT_LAG``: the
     tiles whose copies the loader keeps in flight past the one it converts (:func:`_loader_16`);
-    ``V_SCALED``: the loader writes V scaled by its keys' scales (:func:`_convert_v`)."""
+    ``V_SCALED``: the loader writes V scaled by its keys' scales (:func:`_convert_v`);
+    ``SPLIT_RELEASE``: ring stages given back in two parts (module docstring)."""
     cols = block_n // 8
     cvt_rows = CVT_ELEMS * 32 * LOADER_WARPS.value // block_n
     consumer_regs, loader_regs, _ = REGISTER_BUDGETS[consumers]
     return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight,
                 QK_AHEAD=qk_ahead, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
                 CVT_V=gl.BlockedLayout([1, 8], [32 // cols, cols], [LOADER_WARPS.value, 1], [1, 0]),
-                CVT_ROWS=cvt_rows, CVT_LAG=convert_lag, V_SCALED=v_scaled)
+                CVT_ROWS=cvt_rows, CVT_LAG=convert_lag, V_SCALED=v_scaled, SPLIT_RELEASE=split_release)
 
 
 @gluon.jit
@@ -160,13 +178,14 @@ def _copy_scales_at(j, blk, ks_buf, vs_buf, k_scale_ptr, v_scale_ptr, scale_head
 def _loader(shared, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
             KV_KIND: gl.constexpr, PV_KIND: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
             LOAD_S: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr,
-            V_SCALED: gl.constexpr):
+            V_SCALED: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb, \
-        kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty = shared
+        kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty, v16_empty = shared
     if PV_KIND == PV_BF16 and KV_KIND != KIND_BF16:
         _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
                    kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-                   HEAD_DIM, PAGE, BLOCK_N, STAGES, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS, CVT_LAG, V_SCALED)
+                   v16_empty, HEAD_DIM, PAGE, BLOCK_N, STAGES, LOAD_K, LOAD_V, LOAD_S, CVT_V, CVT_ROWS, CVT_LAG,
+                   V_SCALED, SPLIT_RELEASE)
     else:
         _loader_8(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
                   kv_end, last_page, num_kv_tiles, k_ring, v_ring, ks_ring, vs_ring, ready, empty,
@@ -176,9 +195,9 @@ def _loader(shared, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.cons
 @gluon.jit
 def _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_head, stride_cb, stride_sb,
                kv_end, last_page, num_kv_tiles, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
-               HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+               v16_empty, HEAD_DIM: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                LOAD_K: gl.constexpr, LOAD_V: gl.constexpr, LOAD_S: gl.constexpr, CVT_V: gl.constexpr,
-               CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr, V_SCALED: gl.constexpr):
+               CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr, V_SCALED: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     """The loader of 16-bit PV over an 8-bit cache: tile ``j``'s copies (K, V^T into the
     8-bit staging ring, scales) are issued, then tile ``j - CVT_LAG``'s V^T is converted to
     fp16 and its stage signalled ``ready``: ``CVT_LAG`` tiles' copies stay in flight while one
@@ -186,7 +205,10 @@ def _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_
     was released by the consumers of tile ``j - STAGES``; converting tile ``j - CVT_LAG`` then
     leaves them ``STAGES - CVT_LAG - 1`` tiles of work before they need it. The staging
     stage of a tile is rewritten only ``STAGES`` tiles later, after its conversion.
-    ``V_SCALED``: ``1 / unit`` of :func:`_convert_v`, set by tile 0's conversion."""
+    ``V_SCALED``: ``1 / unit`` of :func:`_convert_v`, set by tile 0's conversion.
+    ``SPLIT_RELEASE``: ``empty`` releases only the staging part of a stage (K, V^T, scales),
+    so tile ``j``'s copies may be issued while PV(j - STAGES) still reads the stage's fp16 V;
+    :func:`_convert_v` waits ``v16_empty`` before it overwrites that."""
     inv_unit = gl.to_tensor(1.0)
     for j in range(0, num_kv_tiles):
         s = j % STAGES
@@ -200,17 +222,19 @@ def _loader_16(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, scale_
             c = j - CVT_LAG
             async_copy.wait_group(CVT_LAG)  # this thread's copies of tile c
             inv_unit = _convert_v(c, v_ring.index(c % STAGES), v16_ring.index(c % STAGES), vs_ring.index(c % STAGES),
-                                  ready.index(c % STAGES), kv_end, inv_unit, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS,
-                                  V_SCALED)
+                                  ready.index(c % STAGES), v16_empty.index(c % STAGES), kv_end, inv_unit, HEAD_DIM,
+                                  BLOCK_N, STAGES, CVT_V, CVT_ROWS, V_SCALED, SPLIT_RELEASE)
     async_copy.wait_group(0)
     for c in range(gl.maximum(num_kv_tiles - CVT_LAG, 0), num_kv_tiles):
         inv_unit = _convert_v(c, v_ring.index(c % STAGES), v16_ring.index(c % STAGES), vs_ring.index(c % STAGES),
-                              ready.index(c % STAGES), kv_end, inv_unit, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS, V_SCALED)
+                              ready.index(c % STAGES), v16_empty.index(c % STAGES), kv_end, inv_unit, HEAD_DIM,
+                              BLOCK_N, STAGES, CVT_V, CVT_ROWS, V_SCALED, SPLIT_RELEASE)
 
 
 @gluon.jit
-def _convert_v(j, v_buf, v16_buf, vs_buf, ready_bar, kv_end, inv_unit, HEAD_DIM: gl.constexpr,
-               BLOCK_N: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, V_SCALED: gl.constexpr):
+def _convert_v(j, v_buf, v16_buf, vs_buf, ready_bar, v16_empty_bar, kv_end, inv_unit, HEAD_DIM: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr,
+               V_SCALED: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     """V^T tile ``j`` (8-bit, its copies landed for this thread) to fp16, then ``ready``;
     returns ``inv_unit``. The first partition barrier makes every loader thread's copies
     visible before any reads them. Keys past the sequence end are zeroed only where they
@@ -223,7 +247,11 @@ def _convert_v(j, v_buf, v16_buf, vs_buf, ready_bar, kv_end, inv_unit, HEAD_DIM:
     paired multiply per value more here. ``unit`` is the consumers' own (P_UNIT_MARGIN x the
     largest V scale of tile 0, keys past the sequence end as 0: an exact maximum, so both
     partitions compute the same value) and set when tile 0 converts; stale keys' scales are
-    0, so their V is 0 (int8) or NaN-safe in the masked branch (fp8)."""
+    0, so their V is 0 (int8) or NaN-safe in the masked branch (fp8).
+
+    ``SPLIT_RELEASE``: ``v16_buf`` may still be read by PV(j - STAGES) (the copies into this
+    stage only waited for ``empty``): each thread waits ``v16_empty_bar`` for that tile's
+    phase before its first store (the first ``STAGES`` tiles' pass at once)."""
     _gc.cta_barrier()  # the loader's warps only (a named barrier inside a partition)
     vf = None
     if V_SCALED:
@@ -233,6 +261,8 @@ def _convert_v(j, v_buf, v16_buf, vs_buf, ready_bar, kv_end, inv_unit, HEAD_DIM:
             unit = gl.max(vs, 0) * P_UNIT_MARGIN
             inv_unit = 1.0 / gl.where(unit > 0.0, unit, 1.0)
         vf = (vs * inv_unit).to(gl.float16)
+    if SPLIT_RELEASE:
+        mbarrier.wait(v16_empty_bar, ((j // STAGES) & 1) ^ 1)
     if v_buf.dtype == gl.int8:
         _convert_rows(j, v_buf, v16_buf, kv_end, vf, HEAD_DIM, BLOCK_N, CVT_V, CVT_ROWS, False)
     elif (j + 1) * BLOCK_N > kv_end:
@@ -533,11 +563,11 @@ def _softmax_tile_16_rows_p(t, m_i, l_i, row_scale, row_limit, start, full_end, 
 
 @gluon.jit
 def _consumer_loop_pv16_in_flight(s, acc, m_i, l_i, k_scale, v_scale, q_smem, k_ring, v_ring, v16_ring, ks_ring,
-                                  vs_ring, ready, empty, kv_end, num_kv_tiles, row_scale, row_limit, inv_unit,
-                                  full_end, BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr, STAGES: gl.constexpr,
-                                  LAZY: gl.constexpr, V_SCALED: gl.constexpr, BLOCK_M: gl.constexpr,
-                                  QK_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, COL: gl.constexpr,
-                                  PV_ROW: gl.constexpr):
+                                  vs_ring, ready, empty, v16_empty, kv_end, num_kv_tiles, row_scale, row_limit,
+                                  inv_unit, full_end, BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr,
+                                  STAGES: gl.constexpr, LAZY: gl.constexpr, V_SCALED: gl.constexpr,
+                                  BLOCK_M: gl.constexpr, QK_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
+                                  COL: gl.constexpr, PV_ROW: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
     """The tile loop of a 16-bit PV with ``PV_IN_FLIGHT`` (FlashAttention-3's overlap inside a
     warpgroup): the softmax of tile ``j`` runs while PV(j - 1) is in flight; then PV(j - 1) is
     waited (its stage handed back, the accumulator rescaled), QK(j + 1) and PV(j) are issued and
@@ -547,7 +577,17 @@ def _consumer_loop_pv16_in_flight(s, acc, m_i, l_i, k_scale, v_scale, q_smem, k_
     is a phi of ``S_j``. ``s`` is S_0, a waited wgmma result (ptxas pipelines the loop only if
     the carried scores enter it so); returns (acc, m, l). Runs in the default partition, or in
     worker partitions whose PTX leaves Triton's dispatch loop (:mod:`._worker_exit`): inside
-    it ptxas serialises every wgmma of the kernel."""
+    it ptxas serialises every wgmma of the kernel.
+
+    ``SPLIT_RELEASE`` (module docstring): ``empty`` of tile ``j``'s stage is arrived once this
+    tile's K scale is applied -- QK(j) completed at the end of the previous iteration (tile 0:
+    before the loop, which also read tile 0's scales), so nothing reads the stage's K, 8-bit
+    V^T or scales again; the QK past the last tile re-reads a stage no copy follows -- and
+    ``v16_empty`` where ``empty`` is arrived without it, after PV(j) completed."""
+    if SPLIT_RELEASE:
+        pv_done = v16_empty  # PV(j) completed gives back the fp16 V only
+    else:
+        pv_done = empty  # the whole stage
     acc = warpgroup_mma_init(acc)  # carried as the MMA's accumulator: PV(j) is in flight at each iteration's end
     for j in range(0, num_kv_tiles):
         start = j * BLOCK_N
@@ -556,6 +596,11 @@ def _consumer_loop_pv16_in_flight(s, acc, m_i, l_i, k_scale, v_scale, q_smem, k_
                                         start, kv_end, BLOCK_N, KV_KIND, V_SCALED, COL)
         p_scale = None if V_SCALED else v_scale  # V_SCALED: P is p itself
         t = _k_scaled(s, k_scale, KV_KIND)
+        if SPLIT_RELEASE:
+            # thread 0 arrives for the warpgroup: the barrier orders every thread's loads of the
+            # stage's scales before it (the K scale's are already consumed, so it waits on little)
+            _gc.cta_barrier()  # this warpgroup's threads (a named barrier inside a partition)
+            mbarrier.arrive(empty.index(j % STAGES), count=1)
         if LAZY == LAZY_ROWS:
             p, factor, m_i, l_i = _softmax_tile_16_rows_p(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N,
                                                           COL, PV_ROW)
@@ -564,7 +609,7 @@ def _consumer_loop_pv16_in_flight(s, acc, m_i, l_i, k_scale, v_scale, q_smem, k_
             factor = gl.convert_layout(factor, PV_ROW)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if j >= 1:
-            mbarrier.arrive(empty.index((j - 1) % STAGES), count=1)
+            mbarrier.arrive(pv_done.index((j - 1) % STAGES), count=1)
         if LAZY == LAZY_ROWS:
             acc = _rescale_rows_skipping_ones(acc, factor)
         else:
@@ -583,7 +628,7 @@ def _consumer_loop_pv16_in_flight(s, acc, m_i, l_i, k_scale, v_scale, q_smem, k_
         acc = warpgroup_mma(_p_operand_16(p, p_scale, inv_unit, KV_KIND, P_LAYOUT), v_op, acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])
     acc = warpgroup_mma_wait(0, deps=[acc])
-    mbarrier.arrive(empty.index((num_kv_tiles - 1) % STAGES), count=1)
+    mbarrier.arrive(pv_done.index((num_kv_tiles - 1) % STAGES), count=1)
     return acc, m_i, l_i
 
 
@@ -592,8 +637,8 @@ def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.conste
               BLOCK_N: gl.constexpr, DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr,
               STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, LAZY: gl.constexpr,
               QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr,
-              V_SCALED: gl.constexpr, ROWS: gl.constexpr = WG_ROWS):
-    q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty, \
+              V_SCALED: gl.constexpr, SPLIT_RELEASE: gl.constexpr, ROWS: gl.constexpr = WG_ROWS):
+    q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty, v16_empty, \
         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale, \
         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh = shared
     ROW: gl.constexpr = gl.SliceLayout(1, QK_LAYOUT)
@@ -673,10 +718,10 @@ def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.conste
 
     if SIXTEEN and PV_IN_FLIGHT:
         acc0, m_i, l_i = _consumer_loop_pv16_in_flight(s, acc0, m_i, l_i, k_scale, v_scale, q_smem, k_ring, v_ring,
-                                                       v16_ring, ks_ring, vs_ring, ready, empty, kv_end, num_kv_tiles,
-                                                       row_scale, row_limit, inv_unit, full_end, BLOCK_N, KV_KIND,
-                                                       STAGES, LAZY, V_SCALED, BLOCK_M, QK_LAYOUT, P_LAYOUT, COL,
-                                                       PV_ROW)
+                                                       v16_ring, ks_ring, vs_ring, ready, empty, v16_empty, kv_end,
+                                                       num_kv_tiles, row_scale, row_limit, inv_unit, full_end, BLOCK_N,
+                                                       KV_KIND, STAGES, LAZY, V_SCALED, BLOCK_M, QK_LAYOUT, P_LAYOUT,
+                                                       COL, PV_ROW, SPLIT_RELEASE)
     else:
         for j in range(0, num_kv_tiles):
             start = j * BLOCK_N
@@ -807,7 +852,7 @@ def _prefill_hopper_ws_kernel(
     LOAD_Q: gl.constexpr, LOAD_K: gl.constexpr, LOAD_V: gl.constexpr,
     LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     LOADER_REGS: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr,
-    LAZY: gl.constexpr, V_SCALED: gl.constexpr, SHARED_CONSUMER: gl.constexpr,
+    LAZY: gl.constexpr, V_SCALED: gl.constexpr, SHARED_CONSUMER: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
 ):
     # SHARED_CONSUMER: both warpgroups in one partition (the default, 8 warps): one copy of the code
     NUM_WG: gl.constexpr = 1 if SHARED_CONSUMER else BLOCK_M // WG_ROWS
@@ -823,6 +868,9 @@ def _prefill_hopper_ws_kernel(
     gl.static_assert((CVT_LAG >= 1) and (CVT_LAG < STAGES), "the loader converts a tile it still holds")
     gl.static_assert(not V_SCALED or (PV_KIND == PV_BF16 and KV_KIND != KIND_BF16),
                      "V scaled by the loader: an 8-bit cache's 16-bit PV")
+    gl.static_assert(not SPLIT_RELEASE or (PV_KIND == PV_BF16 and KV_KIND != KIND_BF16 and PV_IN_FLIGHT
+                                           and not SHARED_CONSUMER and BLOCK_M == 2 * WG_ROWS),
+                     "stages released in two parts: an 8-bit cache's 16-bit PV in flight, two consumer partitions")
 
     if PV_IN_FLIGHT and not SHARED_CONSUMER and PV_KIND == PV_BF16:
         # consumer workers with PV in flight across their loop (16-bit P: the schedule measured
@@ -848,41 +896,49 @@ def _prefill_hopper_ws_kernel(
         v16_ring = gl.allocate_shared_memory(gl.float16, [STAGES, HEAD_DIM, BLOCK_N], V16_SMEM)
     else:
         v16_ring = v_ring
+    if SPLIT_RELEASE:
+        # the fp16 V ring's own release (module docstring); empty then guards the staging part only
+        v16_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(v16_empty.index(i), count=NUM_WG)
+    else:
+        v16_empty = empty  # not read: empty releases the whole stage
 
     # the partitions' runtime arguments, each a tuple of tensors (Gluon builds no tuple holding
     # layouts outside the partition list): what every consumer warpgroup takes beside its
     # index and the constexprs, and the loader's
-    shared = (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty,
+    shared = (q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty, v16_empty,
               kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale,
               stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh)
     loads = (k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, kv_head.to(gl.int64) * stride_ch,
              kv_head.to(gl.int64) * stride_sh, stride_cb, stride_sb, kv_end, last_page, num_kv_tiles,
-             k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty)
+             k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty, v16_empty)
     if SHARED_CONSUMER:
         gl.warp_specialize([
             (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, ROWS)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE,
+                         ROWS)),
             (_loader, (loads, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V,
-                       CVT_ROWS, CVT_LAG, V_SCALED)),
+                       CVT_ROWS, CVT_LAG, V_SCALED, SPLIT_RELEASE)),
         ], [LOADER_WARPS], [LOADER_REGS])
     elif NUM_WG == 2:
         gl.warp_specialize([
             (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE)),
             (_consumer, (shared, 1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE)),
             (_loader, (loads, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V,
-                       CVT_ROWS, CVT_LAG, V_SCALED)),
+                       CVT_ROWS, CVT_LAG, V_SCALED, SPLIT_RELEASE)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
     else:  # three consumer warpgroups (block_m 192)
         gl.warp_specialize([
             (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE)),
             (_consumer, (shared, 1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE)),
             (_consumer, (shared, 2, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE)),
             (_loader, (loads, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V,
-                       CVT_ROWS, CVT_LAG, V_SCALED)),
+                       CVT_ROWS, CVT_LAG, V_SCALED, SPLIT_RELEASE)),
         ], [4, 4, LOADER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])
 

@@ -151,9 +151,15 @@ class HopperPrefillConfig:
     between them; or one per program). The 16-bit-P routes' ``pipeline=True`` (PV of one tile
     in flight across the next tile's softmax) runs there or in two consumer partitions (block_m
     128), whose PTX a compile hook lets leave Triton's worker dispatch loop (inside it ptxas
-    serialises the kernel's wgmma: :mod:`int8attn.kernels._worker_exit`). The
-    warp-specialized kernel takes up to 6 stages (shared memory permitting), the others up
-    to 4."""
+    serialises the kernel's wgmma: :mod:`int8attn.kernels._worker_exit`); split_release (an
+    8-bit cache's 16-bit PV in flight in two consumer partitions only: :func:`pv_in_flight_config`
+    with ``pipeline`` and without ``shared_consumer``): each ring stage is given back to the
+    loader in two parts, its 8-bit K, V^T and scales (the ``empty`` barrier) once a consumer's
+    QK of that tile completed and its scales are in registers, its fp16 V (a second barrier,
+    ``v16_empty``) once the tile's PV completed, so that the loader can copy tiles ahead while
+    PV in flight still holds a stage's fp16 V (with 64-key tiles at head_dim 256 only 3 stages
+    fit); compile-checked, not measured. The warp-specialized kernel takes up to 6 stages
+    (shared memory permitting), the others up to 4."""
 
     block_m: int = 128
     block_n: int = 64
@@ -166,6 +172,7 @@ class HopperPrefillConfig:
     convert_lag: int | None = None
     v_scaled: bool = False
     shared_consumer: bool = False
+    split_release: bool = False
 
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillConfig:
@@ -458,6 +465,16 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         # two programs per SM: a 128-register launch cap, under which ptxas cannot compile a
         # wgmma with a [64, 256] fp32 accumulator (C7602)
         raise ValueError(f"shared_consumer with one warpgroup (block_m 64) needs head_dim <= 128, got {d}")
+    if not isinstance(config.split_release, bool):
+        raise TypeError(f"config.split_release must be a bool, got {config.split_release!r}")
+    if config.split_release and not (converts_v and config.pipeline and not config.shared_consumer
+                                     and config.block_m == 128):
+        # the second barrier array is arrived by two consumer partitions with PV in flight
+        # (kernels.prefill_hopper_ws._consumer_loop_pv16_in_flight); the shared consumer partition
+        # and the three-warpgroup schedule release whole stages
+        raise ValueError("split_release applies to an 8-bit cache's 16-bit PV kept in flight in two consumer "
+                         "partitions on the warp-specialized kernel (pv_in_flight_config: pipeline=True, "
+                         "block_m 128, shared_consumer=False)")
     _checks.check_pv_tile_keys(config.block_n, pv_mode)
     # resolved where the loader converts V, None elsewhere (a checked config checks again)
     return replace(config, dv=dv, convert_lag=lag if converts_v else None)
@@ -497,7 +514,8 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
         # every partition is one warpgroup: layouts of 64 rows and 4 warps
         const.update(kernel_layouts(64, config.block_n, head_dim, config.dv, kv, pv),
                      **partition_constexprs(config.pipeline, config.qk_ahead, config.block_n,
-                                            _convert_lag(config), config.block_m // 64, config.v_scaled),
+                                            _convert_lag(config), config.block_m // 64, config.v_scaled,
+                                            config.split_release),
                      LAZY=LAZY_RESCALE[_LAZY_NAMES.get(config.lazy_rescale, config.lazy_rescale)],
                      SHARED_CONSUMER=config.shared_consumer)
         if config.shared_consumer:  # the consumers' layouts span the partition's 8 warps
