@@ -8,7 +8,12 @@ one batch / context so ``ncu`` can profile one launch of the split kernel, e.g.:
         python3 benchmarks/ncu_decode.py --bs 1 --context 32768 --kv int8
 
 (the first calls compile and warm up; ``-s 3`` skips them). Prints nothing but the plan.
+An eager call runs the one-launch barrier merge with the query quantized in the launch;
+``--graph-kernels`` runs what a CUDA-graph replay runs instead: the query quantized first,
+then the split kernel and the merge kernel (``fused_merge=False``, the planned ``pdl``).
 """
+
+import dataclasses
 
 import argparse
 
@@ -16,6 +21,7 @@ import torch
 
 from int8attn import PagedKVCache, launches
 from int8attn.ops import decode as dec
+from int8attn.ops.producer import quantize_query
 
 
 def main() -> None:
@@ -24,6 +30,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--kv", default="int8", choices=("int8", "fp8", "bf16"))
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--graph-kernels", action="store_true", help="the split + merge kernels of a graph replay")
     args = ap.parse_args()
     hq, hkv, d, page = 24, 4, 256, 16
     pages = args.bs * args.context // page
@@ -43,8 +50,17 @@ def main() -> None:
     qsl = torch.arange(args.bs + 1, dtype=torch.int32, device="cuda")
     query = torch.randn(args.bs, hq, d, device="cuda").to(torch.bfloat16)
     ws = dec.DecodeWorkspace(args.bs, hq, d, device="cuda")
+    plan = None
+    if args.graph_kernels:
+        base = dec.plan_decode(tuple(query.shape), cache, tuple(block_table.shape))
+        plan = dec.plan_decode(tuple(query.shape), cache, tuple(block_table.shape),
+                               config=dataclasses.replace(base.config, fused_merge=False))
+        qq, qs = quantize_query(query, args.kv) if cache.quantized else (None, None)
     for _ in range(args.calls):
-        dec.decode_attention(query, cache, block_table, seq_lens, qsl, workspace=ws)
+        if plan is None:
+            dec.decode_attention(query, cache, block_table, seq_lens, qsl, workspace=ws)
+        else:
+            dec.run_decode(plan, query, cache, block_table, seq_lens, qsl, None, None, qq, qs, ws)
     torch.cuda.synchronize()
     split = launches.last("_decode_split_kernel")
     print("plan:", split.facts["plan"], "grid:", split.facts["grid"])

@@ -492,14 +492,15 @@ def test_three_consumer_config_only_where_it_fits(kv, pv, d):
 def test_route_schedule_follows_schedule_routes(kv, pv, d):
     """warp_specialized_config is the two-consumer config with QK after PV, except where
     SCHEDULE_ROUTES names three consumers and / or the next QK ahead (16-bit P only), with V
-    scaled by the loader where V_SCALED_ROUTES says so (8-bit caches' 16-bit PV only), and PV
-    in flight in two consumer partitions where PV_IN_FLIGHT_ROUTES says so."""
+    scaled by the loader where V_SCALED_ROUTES says so (8-bit caches' 16-bit PV only), PV
+    in flight in two consumer partitions where PV_IN_FLIGHT_ROUTES says so, with its ring
+    released in two parts where SPLIT_RELEASE_ROUTES says so (a subset: 8-bit caches only)."""
     consumers, qk_ahead = hop.SCHEDULE_ROUTES.get((kv, pv, d), (2, False))
     base = hop.three_consumer_config(kv, d, pv) if consumers == 3 else hop.two_consumer_config(kv, d, pv)
     got = hop.warp_specialized_config(kv, d, pv)
     want = replace(base, qk_ahead=qk_ahead, v_scaled=(kv, pv, d) in hop.V_SCALED_ROUTES)
     if (kv, pv, d) in hop.PV_IN_FLIGHT_ROUTES:
-        want = hop.pv_in_flight_config(want)
+        want = replace(hop.pv_in_flight_config(want), split_release=(kv, pv, d) in hop.SPLIT_RELEASE_ROUTES)
         assert got.pipeline and not got.qk_ahead and got.lazy_rescale != True, got  # noqa: E712
     assert got == want
     assert got.block_m == 64 * consumers, got
@@ -510,6 +511,8 @@ def test_route_schedule_follows_schedule_routes(kv, pv, d):
     # PV in flight runs two consumer partitions, whose workers' PTX the compile hook rewrites
     assert all(p == "bf16" and hop.SCHEDULE_ROUTES.get((k, p, dim), (2,))[0] == 2
                for k, p, dim in hop.PV_IN_FLIGHT_ROUTES)
+    assert hop.SPLIT_RELEASE_ROUTES <= hop.PV_IN_FLIGHT_ROUTES
+    assert all(k != "bf16" for k, _, _ in hop.SPLIT_RELEASE_ROUTES)
 
 
 @pytest.mark.parametrize("config", [pytest.param(hop.HopperPrefillConfig(dv=128), id="synchronous"),
@@ -655,7 +658,8 @@ def test_shared_consumer_and_16bit_pv_in_flight_configs():
 def test_split_release_only_with_16bit_pv_in_flight_in_two_consumer_partitions():
     """``split_release`` (ring stages given back in two parts, a second mbarrier array) reaches
     the kernel as SPLIT_RELEASE on an 8-bit cache's 16-bit PV kept in flight in two consumer
-    partitions, at head_dim 128 and 256, with any ring depth; off by default. Everywhere else
+    partitions, at head_dim 128 and 256, with any ring depth; off by default (routed only where
+    SPLIT_RELEASE_ROUTES says so: test_route_schedule_follows_schedule_routes). Everywhere else
     -- the shared consumer partition (one or two warpgroups), three consumers, PV waited in its
     own tile, PV in the cache's precision, a BF16 cache, the other kernels -- it raises before
     any launch."""
@@ -663,7 +667,7 @@ def test_split_release_only_with_16bit_pv_in_flight_in_two_consumer_partitions()
         class _C:
             kv_dtype, head_dim, block_size = kv, d, 16
 
-        ahead = hop.pv_in_flight_config(hop.warp_specialized_config(kv, d, "bf16"))
+        ahead = hop.pv_in_flight_config(hop.warp_specialized_config(kv, d, "bf16", pv_in_flight=False))
         for stages in (ahead.stages, 3):
             checked = hop._check_config(replace(ahead, split_release=True, stages=stages), _C(), group, "bf16")
             assert checked.split_release and checked.stages == stages

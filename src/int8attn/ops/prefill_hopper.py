@@ -108,12 +108,21 @@ V_SCALED_ROUTES = frozenset({("int8", "bf16", 64), ("int8", "bf16", 128)})
 #: worker dispatch loop, :mod:`int8attn.kernels._worker_exit`), replacing the schedule
 #: :data:`SCHEDULE_ROUTES` names. Chunk 4096 over prefix 28672 / 0, CUDA-graph replay on an
 #: H100, three runs against the route's two-consumer QK-ahead config in the same run: int8 D128
-#: 1.04x / 1.04x, 1.03x / 1.04x, 1.04x / 1.06x. Not taken: a BF16 cache at D128 (0.99-1.01x /
-#: 1.01-1.02x against its three consumers), int8 D64 (0.94x / 1.03x), int8 D256 (0.75x with
-#: 64-key tiles, whose fp16 V ring fits 3 stages: a consumer with PV in flight holds three
-#: stages at once, 3 stages cost 0.67x at D128 too; 0.98x / 1.00x with 32-key tiles in 4
-#: stages); fp8 not measured.
-PV_IN_FLIGHT_ROUTES = frozenset({("int8", "bf16", 128)})
+#: 1.04x / 1.04x, 1.03x / 1.04x, 1.04x / 1.06x; int8 D256 with the ring released in two parts
+#: (:data:`SPLIT_RELEASE_ROUTES`) 1.06x / 1.06x and 1.05x / 1.07x (two calls), where with
+#: whole stages it was 0.75x (64-key tiles, whose fp16 V ring fits 3 stages: a consumer with
+#: PV in flight holds three stages at once). Not taken: a BF16 cache at D128 (0.99-1.01x /
+#: 1.01-1.02x against its three consumers), int8 D64 (0.94x / 1.03x); fp8 not measured.
+PV_IN_FLIGHT_ROUTES = frozenset({("int8", "bf16", 128), ("int8", "bf16", 256)})
+
+#: The PV-in-flight routes whose ring stages go back to the loader in two parts
+#: (``split_release``: 8-bit copies after the tile's QK, fp16 V after its PV), so that the
+#: loader copies ahead while PV in flight holds a stage's fp16 V. Same runs: int8 D256 1.06x /
+#: 1.06x and 1.05x / 1.07x the whole-stage QK-ahead config it replaces (7776 -> 5488 µs with PV
+#: in flight at prefix 28672); int8 D128 0.93x / 0.93x its whole-stage PV-in-flight route
+#: (4 stages: the ring is deep enough there, and the release costs a warpgroup barrier and a
+#: second arrive per tile).
+SPLIT_RELEASE_ROUTES = frozenset({("int8", "bf16", 256)})
 
 
 def _route_key(kv_dtype: str, head_dim: int, pv_mode: str | None) -> tuple:
@@ -211,15 +220,18 @@ def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = 
     consumer warpgroups (:func:`three_consumer_config`) and / or the next tile's QK in flight
     across the softmax; V scaled by the loader where :data:`V_SCALED_ROUTES` says so; PV in
     flight across the next softmax (:func:`pv_in_flight_config`) where
-    :data:`PV_IN_FLIGHT_ROUTES` says so (``pv_in_flight=False``: the config without it, the
-    A/B of benchmarks and tests)."""
+    :data:`PV_IN_FLIGHT_ROUTES` says so, its ring released in two parts where
+    :data:`SPLIT_RELEASE_ROUTES` says so (``pv_in_flight=False``: the config without either,
+    the A/B of benchmarks and tests)."""
     route = _route_key(kv_dtype, head_dim, pv_mode)
     consumers, qk_ahead = SCHEDULE_ROUTES.get(route, (2, False))
     config = (three_consumer_config if consumers == 3 else two_consumer_config)(kv_dtype, head_dim, pv_mode)
     config = replace(config, qk_ahead=qk_ahead, v_scaled=route in V_SCALED_ROUTES)
     if pv_in_flight is None:
         pv_in_flight = route in PV_IN_FLIGHT_ROUTES
-    return pv_in_flight_config(config) if pv_in_flight else config
+    if not pv_in_flight:
+        return config
+    return replace(pv_in_flight_config(config), split_release=route in SPLIT_RELEASE_ROUTES)
 
 
 def pv_in_flight_config(config: HopperPrefillConfig) -> HopperPrefillConfig:
