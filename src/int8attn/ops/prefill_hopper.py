@@ -263,7 +263,9 @@ def shared_consumer_config(config: HopperPrefillConfig, pv_in_flight: bool = Fal
     (benchmarks/notes/prefill_hopper.md)."""
     if warpgroups not in (1, 2):
         raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups!r}")
-    config = replace(config, block_m=64 * warpgroups, shared_consumer=True)
+    # (a ring released in two parts needs two consumer partitions: a route's config that takes
+    # it gives it up here)
+    config = replace(config, block_m=64 * warpgroups, shared_consumer=True, split_release=False)
     if warpgroups == 1:
         config = replace(config, stages=min(config.stages, 3))
     return _pv16_in_flight(config) if pv_in_flight else config
