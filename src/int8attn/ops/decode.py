@@ -104,16 +104,18 @@ class DecodeConfig:
     #: (default): "store" where the GPU runs programmatic launches
     #: (:func:`int8attn.runtime.programmatic_launch`), else a plain launch. Applies where the
     #: merge kernel runs (eager "kernel" plans, CUDA-graph captures of "auto" ones). Graph
-    #: replays on an H100 (24 q / 4 KV, D256, int8 / fp8; benchmarks/notes/decode.md): "store"
-    #: 0.4-0.7 us faster at batch 1-4 over 1k-32k keys and equal at 8-16; "start" 0.5-2 us
-    #: slower at batch 1-4 over 8k-32k (its waiting merge programs take the slots of split
-    #: programs still to start); "exit" 0.1-0.3 us slower.
+    #: replays on an H100 (24 q / 4 KV, D256, int8 / fp8 / bf16; benchmarks/notes/decode.md):
+    #: "store" 0.3-0.7 us faster than a plain launch at batch 1-8 over 1k-32k keys and equal at
+    #: 16-64; "start" 0.5-2 us slower at batch 1-4 over 8k-32k (its waiting merge programs take
+    #: the slots of split programs still to start); "exit" 0.1-0.3 us slower.
     pdl: bool | str | None = None
     #: Deal a sequence's KV tiles to the splits in turn (split s: tiles s, s + splits, ...)
     #: instead of in contiguous runs, so that each split program knows its first tiles
     #: before the sequence's length arrives and prefetches their block ids into L1 alongside
     #: the length loads (no sliding window): one dependent memory round trip fewer before its
-    #: first K/V copy. The same splits are active, so the merge is unchanged. Off by default.
+    #: first K/V copy. The same splits are active, so the merge is unchanged. Measured on an
+    #: H100: no gain (within 0.5 us at batch 1-4 over 1k-8k keys, 0.8-1.1 us slower at batch 1
+    #: over 32k, 1.2% slower at batch 16: a split's pages lie spread over the sequence); off.
     cyclic_splits: bool = False
 
 

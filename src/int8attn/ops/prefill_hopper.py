@@ -167,7 +167,7 @@ class HopperPrefillConfig:
     QK of that tile completed and its scales are in registers, its fp16 V (a second barrier,
     ``v16_empty``) once the tile's PV completed, so that the loader can copy tiles ahead while
     PV in flight still holds a stage's fp16 V (with 64-key tiles at head_dim 256 only 3 stages
-    fit); compile-checked, not measured. The warp-specialized kernel takes up to 6 stages
+    fit; the routes that take it: :data:`SPLIT_RELEASE_ROUTES`). The warp-specialized kernel takes up to 6 stages
     (shared memory permitting), the others up to 4."""
 
     block_m: int = 128
