@@ -182,7 +182,9 @@ def _pv_in_flight_placements(ws, split_release: bool = False) -> list:
     tiles in 4 and 5 stages ("hopper-ws-pv-ahead-n32-s4", "-s5": no local memory, where 64-key tiles
     spill). ``split_release`` (an 8-bit cache, whose loader converts V): the two partitions with
     ring stages given back in two parts, 8-bit copies after QK and fp16 V after PV
-    ("hopper-ws-pv-ahead-split", and at head_dim <= 128 in 3 stages: "hopper-ws-pv-ahead-s3-split")."""
+    ("hopper-ws-pv-ahead-split"; at head_dim <= 128 in 3 stages: "hopper-ws-pv-ahead-s3-split";
+    above it with two tiles' copies in flight past the one converted, "-split-lag2", and 32-key
+    tiles in 4 and 5 stages, "hopper-ws-pv-ahead-n32-s4-split", "-s5-split")."""
     pv_ahead = hop.pv_in_flight_config(ws)
     split = replace(pv_ahead, split_release=True)
     out = [("hopper-ws-pv-ahead", pv_ahead), *([("hopper-ws-pv-ahead-split", split)] if split_release else []),
@@ -196,6 +198,9 @@ def _pv_in_flight_placements(ws, split_release: bool = False) -> list:
                 ("hopper-ws-one-pv-ahead", hop.shared_consumer_config(ws, pv_in_flight=True, warpgroups=1))]
     else:  # 32-key tiles: the accumulator, a score tile and both P tiles fit the consumers' registers
         out += [(f"hopper-ws-pv-ahead-n32-s{n}", replace(pv_ahead, block_n=32, stages=n)) for n in (4, 5)]
+        if split_release:  # and the two-part release: the route's 3 stages, 2 tiles converted ahead, 32-key tiles
+            out += [("hopper-ws-pv-ahead-split-lag2", replace(split, convert_lag=2)),
+                    *[(f"hopper-ws-pv-ahead-n32-s{n}-split", replace(split, block_n=32, stages=n)) for n in (4, 5)]]
     return out
 
 
