@@ -123,7 +123,9 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         if ws != routed:
             out += [("hopper-ws-pv-after", ws)]
         # the route's config; the two-consumer config with QK after PV where the route's differs
-        out += [("hopper-ws", routed), ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d, pv)),
+        # where the route keeps PV in flight: half of P's exponentials as an FMA polynomial
+        poly = [("hopper-ws-exp2-poly", replace(routed, exp2_poly=True))] if routed.pipeline else []
+        out += [("hopper-ws", routed), *poly, ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d, pv)),
                 # V scaled by the loader (P the plain fp16 p: one multiply per score fewer), or
                 # not, whichever the route's config does not do
                 ("hopper-ws-v-" + ("unscaled" if ws.v_scaled else "scaled"), replace(ws, v_scaled=not ws.v_scaled)),

@@ -133,6 +133,15 @@ VARIANTS = [
                                               "qk_ahead": False, "lazy_rescale": "rows", "pipeline": True,
                                               "split_release": True},
                  id="ws-int8-pv16-d256-pv-ahead-split"),
+    # the routed int8 configs at D128 / D256 with half of P's exponentials as an FMA polynomial
+    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
+                                              "qk_ahead": False, "lazy_rescale": "rows", "v_scaled": True,
+                                              "pipeline": True, "exp2_poly": True},
+                 id="ws-int8-pv16-d128-pv-ahead-exp2-poly"),
+    pytest.param("int8", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 3, "block_n": 64, "dv": 256,
+                                              "qk_ahead": False, "lazy_rescale": "rows", "pipeline": True,
+                                              "split_release": True, "exp2_poly": True},
+                 id="ws-int8-pv16-d256-pv-ahead-split-exp2-poly"),
     # one consumer warpgroup per program (block_m 64, two programs per SM under a 128-register cap)
     pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "block_m": 64, "stages": 3, "block_n": 64,
                                               "dv": 128, "qk_ahead": False, "lazy_rescale": "rows", "v_scaled": True,
@@ -151,6 +160,7 @@ SPILL_BUDGET = {"int8-pv8-d256": 16,
                 # two consumer partitions with 16-bit PV in flight at D256 (8 with Triton 3.6), also
                 # with stages released in two parts (8 with Triton 3.6, 6 with 3.8; none at D128)
                 "ws-int8-pv16-d256-pv-ahead": 16, "ws-int8-pv16-d256-pv-ahead-split": 16,
+                "ws-int8-pv16-d256-pv-ahead-split-exp2-poly": 16,
                 # int8 PV result of tile j in flight across the softmax of tile j + 1, beside the
                 # accumulator (22 with Triton 3.6, 39 with 3.9; ~280 with 64-key tiles)
                 "pipe-int8-pv8-d128-n32-s4": 48,
@@ -209,7 +219,9 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   # two consumer partitions with PV in flight: 28 (D128), 75 (D256); with
                                   # stages released in two parts: 24 (D128), 73 (D256)
                                   "ws-int8-pv16-d128-pv-ahead": 32, "ws-int8-pv16-d256-pv-ahead": 80,
-                                  "ws-int8-pv16-d128-pv-ahead-split": 32, "ws-int8-pv16-d256-pv-ahead-split": 80}}
+                                  "ws-int8-pv16-d128-pv-ahead-split": 32, "ws-int8-pv16-d256-pv-ahead-split": 80,
+                                  "ws-int8-pv16-d128-pv-ahead-exp2-poly": 32,
+                                  "ws-int8-pv16-d256-pv-ahead-split-exp2-poly": 80}}
 
 #: Instructions allowed in the int8 16-bit-PV loader's tile loop (sm_90): a fixed part per
 #: tile (waits, barriers, block ids) and a part per V value each loader thread converts
@@ -284,6 +296,7 @@ for key, (kv, pv, d, bs, group, over) in json.loads(sys.argv[1]).items():
         **gluon_facts(ptx, text),
         "wgmma_waits": [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)],
         "mbarrier_inits": len(re.findall(r"mbarrier\.init\.", ptx)),
+        "ex2": len(re.findall(r"\bex2\.approx", ptx)),
         "sass_wgmma_waits": [int(n, 16) for n in re.findall(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)", text)],
         "wgmma_serialized": ("wgmma.mma_async instructions are serialized" in ptxas_info(ptx)
                              if os.path.exists(PTXAS) else None),
@@ -354,6 +367,10 @@ def test_compiles_for_sm90_with_warpgroup_mmas(compiled_variants, request, kv, p
         # (ptxas serialises every wgmma of a kernel whose in-flight registers it cannot keep)
         assert got["wgmma_waits"] and max(got["wgmma_waits"]) >= 1, got
         assert got["sass_wgmma_waits"] and max(got["sass_wgmma_waits"]) >= 1, got
+    if over.get("exp2_poly"):  # half of P's exponentials leave the MUFU: 16 of a thread's 32 per tile
+        plain = compiled_variants["variants"][request.node.callspec.id.replace("-exp2-poly", "")]
+        fewer = plain["ex2"] - got["ex2"]
+        assert fewer > 0 and fewer % 16 == 0, (plain["ex2"], got["ex2"])
     budget = {**SPILL_BUDGET, **SPILL_BUDGET_BY_TRITON.get(".".join(compiled_variants["triton"].split(".")[:2]), {})}
     assert got["local_memory"] <= budget.get(request.node.callspec.id, 0), got
 
@@ -653,6 +670,29 @@ def test_shared_consumer_and_16bit_pv_in_flight_configs():
     assert hop.launch_options(two) == dict(num_warps=4, maxnreg=168, enable_fp_fusion=True)
     with pytest.raises(TypeError, match="shared_consumer must be a bool"):
         hop._check_config(replace(ws16, shared_consumer=1), _C(), 4, "bf16")
+
+
+def test_exp2_poly_only_in_the_16bit_pv_in_flight_loop():
+    """``exp2_poly`` reaches the kernel as EXP2_POLY with 16-bit PV in flight in two consumer
+    partitions and the per-row lazy rescale (off by default, on no route); elsewhere -- PV
+    waited in its own tile, the shared consumer partition, another rescale rule, 8-bit P --
+    it raises before any launch."""
+    class _C:
+        kv_dtype, head_dim, block_size = "int8", 128, 16
+
+    ahead = hop.pv_in_flight_config(hop.warp_specialized_config("int8", 128, "bf16", pv_in_flight=False))
+    checked = hop._check_config(replace(ahead, exp2_poly=True), _C(), 4, "bf16")
+    assert hop.constexprs(checked, _C(), 4, "bf16")["EXP2_POLY"] is True
+    assert hop.constexprs(hop._check_config(ahead, _C(), 4, "bf16"), _C(), 4, "bf16")["EXP2_POLY"] is False
+    assert not any(hop.warp_specialized_config(kv, d, pv).exp2_poly for kv in ("int8", "fp8", "bf16")
+                   for d in (64, 128, 256) for pv in ("bf16",))
+    ws16 = hop.warp_specialized_config("int8", 128, "bf16", pv_in_flight=False)
+    for bad, pv in ((ws16, "bf16"), (hop.shared_consumer_config(ws16, pv_in_flight=True), "bf16"),
+                    (replace(ahead, lazy_rescale=False), "bf16"), (hop.warp_specialized_config("int8", 128), "int8")):
+        with pytest.raises(ValueError, match="exp2_poly applies"):
+            hop._check_config(replace(bad, exp2_poly=True), _C(), 4, pv)
+    with pytest.raises(TypeError, match="exp2_poly must be a bool"):
+        hop._check_config(replace(ahead, exp2_poly=1), _C(), 4, "bf16")
 
 
 def test_split_release_only_with_16bit_pv_in_flight_in_two_consumer_partitions():
@@ -1035,6 +1075,17 @@ def test_gpu_warp_specialized_shared_consumer(case, kv, pv, pv_ahead, warpgroups
         return hop.shared_consumer_config(hop.warp_specialized_config(k, d, p), pv_ahead, warpgroups)
 
     _check_schedule(case, kv, pv, config_of, "_prefill_hopper_ws_kernel")
+
+
+@pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16"])
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_warp_specialized_exp2_poly(case, kv, pv):
+    """Two consumer partitions with 16-bit PV in flight and half of P's exponentials as an FMA
+    polynomial (``exp2_poly``): the same checks (float64 and the portable kernel), odd lengths,
+    masked keys and 4096-token chunks included."""
+    _check_schedule(case, kv, pv, lambda k, d, p: replace(hop.pv_in_flight_config(hop.warp_specialized_config(k, d, p)),
+                                                          exp2_poly=True), "_prefill_hopper_ws_kernel")
 
 
 @pytest.mark.parametrize("case,kv,pv", [c for c in WS_CASES if c.values[2] == "bf16"])

@@ -139,21 +139,25 @@ def _alloc_ring(elem: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
 
 
 def partition_constexprs(pv_in_flight: bool, qk_ahead: bool, block_n: int, convert_lag: int,
-                         consumers: int = 2, v_scaled: bool = False, split_release: bool = False) -> dict:
+                         consumers: int = 2, v_scaled: bool = False, split_release: bool = False,
+                         exp2_poly: bool = False) -> dict:
     """The constexprs of :func:`_prefill_hopper_ws_kernel` beside those of
     :func:`int8attn.kernels.prefill_hopper.kernel_layouts` (built for 64 rows, 4 warps).
     ``CVT_V``: the loader's layout of a [CVT_ROWS, block_n] slice of a V^T tile it converts
     to fp16 (8 keys per thread: one 8-byte shared load, one 16-byte store); ``CVT_LAG``: the
     tiles whose copies the loader keeps in flight past the one it converts (:func:`_loader_16`);
     ``V_SCALED``: the loader writes V scaled by its keys' scales (:func:`_convert_v`);
-    ``SPLIT_RELEASE``: ring stages given back in two parts (module docstring)."""
+    ``SPLIT_RELEASE``: ring stages given back in two parts (module docstring); ``EXP2_POLY``:
+    half of the 16-bit P's exponentials as an FMA polynomial (:data:`EXP2_POLY_PTX`; the
+    PV-in-flight loop of two consumer partitions only)."""
     cols = block_n // 8
     cvt_rows = CVT_ELEMS * 32 * LOADER_WARPS.value // block_n
     consumer_regs, loader_regs, _ = REGISTER_BUDGETS[consumers]
     return dict(LOAD_S=gl.BlockedLayout([4], [32], [LOADER_WARPS.value], [0]), PV_IN_FLIGHT=pv_in_flight,
                 QK_AHEAD=qk_ahead, CONSUMER_REGS=consumer_regs, LOADER_REGS=loader_regs,
                 CVT_V=gl.BlockedLayout([1, 8], [32 // cols, cols], [LOADER_WARPS.value, 1], [1, 0]),
-                CVT_ROWS=cvt_rows, CVT_LAG=convert_lag, V_SCALED=v_scaled, SPLIT_RELEASE=split_release)
+                CVT_ROWS=cvt_rows, CVT_LAG=convert_lag, V_SCALED=v_scaled, SPLIT_RELEASE=split_release,
+                EXP2_POLY=exp2_poly)
 
 
 @gluon.jit
@@ -391,6 +395,31 @@ def _masked_running_max(t, m_i, row_scale, row_limit, start, full_end, BLOCK_N: 
     return t, gl.maximum(m_i, gl.where(tile_max == tile_max, tile_max, NEG_BIG))
 
 
+#: ``EXP2_POLY``: of each pair of a thread's scores, the first exponential on the MUFU unit
+#: (``ex2.approx``), the second as an FMA polynomial (FlashAttention-4's split of the
+#: exponentials between the two pipes). 2^x = 2^j * 2^f with j = round(x) (the 1.5 * 2^23 add)
+#: and f in [-0.5, 0.5]; 2^f by a degree-3 polynomial (relative error <= 2.2e-4: below half
+#: an fp16 ulp of P); 2^j built in the exponent field and multiplied in, so a NaN input stays
+#: NaN; x clamped at -126 (``max.NaN``: NaN passes), so a masked score (-inf) gives 2^-126, a
+#: P of 0 in fp16.
+EXP2_POLY_PTX = gl.constexpr(
+    "{ .reg .f32 x, t, j, f, p, s; .reg .b32 b; "
+    "ex2.approx.f32 $0, $2; "
+    "max.NaN.f32 x, $3, 0fC2FC0000; add.rn.f32 t, x, 0f4B400000; sub.rn.f32 j, t, 0f4B400000; "
+    "sub.rn.f32 f, x, j; fma.rn.f32 p, f, 0f3D588B66, 0f3E77F6BB; fma.rn.f32 p, p, f, 0f3F318EE8; "
+    "fma.rn.f32 p, p, f, 0f3F7FFD8F; mov.b32 b, t; shl.b32 b, b, 23; add.s32 b, b, 0x3F800000; "
+    "mov.b32 s, b; mul.rn.f32 $1, p, s; }")
+
+
+@gluon.jit
+def _exp2(x, POLY: gl.constexpr):
+    """``exp2(x)``, with POLY half of it as :data:`EXP2_POLY_PTX`'s polynomial."""
+    if POLY:
+        return gl.inline_asm_elementwise(EXP2_POLY_PTX, "=f,=f,f,f", [x], dtype=gl.float32, is_pure=True, pack=2)
+    else:
+        return gl.exp2(x)
+
+
 @gluon.jit
 def _softmax_tile_16(t, v_scale, acc, m_i, l_i, row_scale, row_limit, inv_unit, start, full_end,
                      BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr, COL: gl.constexpr, PV_ROW: gl.constexpr,
@@ -550,13 +579,14 @@ def _v_chunk(v_buf, c: gl.constexpr, DV: gl.constexpr):
 
 @gluon.jit
 def _softmax_tile_16_rows_p(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N: gl.constexpr,
-                            COL: gl.constexpr, PV_ROW: gl.constexpr):
+                            COL: gl.constexpr, PV_ROW: gl.constexpr, EXP2_POLY: gl.constexpr = False):
     """:func:`_softmax_tile_16_rows` without touching the accumulator: returns (p in fp32, the
-    rows' rescale factor in the accumulator's row layout -- 1 where a row kept its maximum -- m, l)."""
+    rows' rescale factor in the accumulator's row layout -- 1 where a row kept its maximum -- m, l).
+    ``EXP2_POLY``: half of p's exponentials as an FMA polynomial (:data:`EXP2_POLY_PTX`)."""
     t, m_cand = _masked_running_max(t, m_i, row_scale, row_limit, start, full_end, BLOCK_N, COL)
     m_new = gl.where(m_cand - m_i > LAZY_TAU, m_cand, m_i)
     alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(t * row_scale[:, None] - m_new[:, None])
+    p = _exp2(t * row_scale[:, None] - m_new[:, None], EXP2_POLY)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, gl.convert_layout(alpha, PV_ROW), m_new, l_i
 
@@ -567,7 +597,8 @@ def _consumer_loop_pv16_in_flight(s, acc, m_i, l_i, k_scale, v_scale, q_smem, k_
                                   inv_unit, full_end, BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr,
                                   STAGES: gl.constexpr, LAZY: gl.constexpr, V_SCALED: gl.constexpr,
                                   BLOCK_M: gl.constexpr, QK_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr,
-                                  COL: gl.constexpr, PV_ROW: gl.constexpr, SPLIT_RELEASE: gl.constexpr):
+                                  COL: gl.constexpr, PV_ROW: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
+                                  EXP2_POLY: gl.constexpr = False):
     """The tile loop of a 16-bit PV with ``PV_IN_FLIGHT`` (FlashAttention-3's overlap inside a
     warpgroup): the softmax of tile ``j`` runs while PV(j - 1) is in flight; then PV(j - 1) is
     waited (its stage handed back, the accumulator rescaled), QK(j + 1) and PV(j) are issued and
@@ -603,7 +634,7 @@ def _consumer_loop_pv16_in_flight(s, acc, m_i, l_i, k_scale, v_scale, q_smem, k_
             mbarrier.arrive(empty.index(j % STAGES), count=1)
         if LAZY == LAZY_ROWS:
             p, factor, m_i, l_i = _softmax_tile_16_rows_p(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N,
-                                                          COL, PV_ROW)
+                                                          COL, PV_ROW, EXP2_POLY)
         else:
             p, factor, m_i, l_i = _online_softmax(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N, COL)
             factor = gl.convert_layout(factor, PV_ROW)
@@ -637,7 +668,8 @@ def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.conste
               BLOCK_N: gl.constexpr, DV: gl.constexpr, KV_KIND: gl.constexpr, PV_KIND: gl.constexpr,
               STAGES: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, LAZY: gl.constexpr,
               QK_LAYOUT: gl.constexpr, PV_LAYOUT: gl.constexpr, P_LAYOUT: gl.constexpr, LOAD_Q: gl.constexpr,
-              V_SCALED: gl.constexpr, SPLIT_RELEASE: gl.constexpr, ROWS: gl.constexpr = WG_ROWS):
+              V_SCALED: gl.constexpr, SPLIT_RELEASE: gl.constexpr, EXP2_POLY: gl.constexpr,
+              ROWS: gl.constexpr = WG_ROWS):
     q_ptr, q_scale_ptr, out_ptr, q_bufs, k_ring, v_ring, v16_ring, ks_ring, vs_ring, ready, empty, v16_empty, \
         kv_head, q_start, q_tile, q_len, ctx, kv_end, num_kv_tiles, qk_scale, \
         stride_qt, stride_qh, stride_qst, stride_qsh, stride_ot, stride_oh = shared
@@ -721,7 +753,7 @@ def _consumer(shared, WG: gl.constexpr, GROUP: gl.constexpr, HEAD_DIM: gl.conste
                                                        v16_ring, ks_ring, vs_ring, ready, empty, v16_empty, kv_end,
                                                        num_kv_tiles, row_scale, row_limit, inv_unit, full_end, BLOCK_N,
                                                        KV_KIND, STAGES, LAZY, V_SCALED, BLOCK_M, QK_LAYOUT, P_LAYOUT,
-                                                       COL, PV_ROW, SPLIT_RELEASE)
+                                                       COL, PV_ROW, SPLIT_RELEASE, EXP2_POLY)
     else:
         for j in range(0, num_kv_tiles):
             start = j * BLOCK_N
@@ -853,6 +885,7 @@ def _prefill_hopper_ws_kernel(
     LOAD_S: gl.constexpr, PV_IN_FLIGHT: gl.constexpr, QK_AHEAD: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     LOADER_REGS: gl.constexpr, CVT_V: gl.constexpr, CVT_ROWS: gl.constexpr, CVT_LAG: gl.constexpr,
     LAZY: gl.constexpr, V_SCALED: gl.constexpr, SHARED_CONSUMER: gl.constexpr, SPLIT_RELEASE: gl.constexpr,
+    EXP2_POLY: gl.constexpr,
 ):
     # SHARED_CONSUMER: both warpgroups in one partition (the default, 8 warps): one copy of the code
     NUM_WG: gl.constexpr = 1 if SHARED_CONSUMER else BLOCK_M // WG_ROWS
@@ -868,6 +901,9 @@ def _prefill_hopper_ws_kernel(
     gl.static_assert((CVT_LAG >= 1) and (CVT_LAG < STAGES), "the loader converts a tile it still holds")
     gl.static_assert(not V_SCALED or (PV_KIND == PV_BF16 and KV_KIND != KIND_BF16),
                      "V scaled by the loader: an 8-bit cache's 16-bit PV")
+    gl.static_assert(not EXP2_POLY or (PV_KIND == PV_BF16 and PV_IN_FLIGHT and not SHARED_CONSUMER
+                                       and LAZY == LAZY_ROWS),
+                     "exponentials split with a polynomial: 16-bit PV in flight, two consumer partitions, per-row lazy")
     gl.static_assert(not SPLIT_RELEASE or (PV_KIND == PV_BF16 and KV_KIND != KIND_BF16 and PV_IN_FLIGHT
                                            and not SHARED_CONSUMER and BLOCK_M == 2 * WG_ROWS),
                      "stages released in two parts: an 8-bit cache's 16-bit PV in flight, two consumer partitions")
@@ -916,7 +952,7 @@ def _prefill_hopper_ws_kernel(
     if SHARED_CONSUMER:
         gl.warp_specialize([
             (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE,
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE, EXP2_POLY,
                          ROWS)),
             (_loader, (loads, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V,
                        CVT_ROWS, CVT_LAG, V_SCALED, SPLIT_RELEASE)),
@@ -924,20 +960,20 @@ def _prefill_hopper_ws_kernel(
     elif NUM_WG == 2:
         gl.warp_specialize([
             (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE, EXP2_POLY)),
             (_consumer, (shared, 1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE, EXP2_POLY)),
             (_loader, (loads, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V,
                        CVT_ROWS, CVT_LAG, V_SCALED, SPLIT_RELEASE)),
         ], [4, LOADER_WARPS], [CONSUMER_REGS, LOADER_REGS])
     else:  # three consumer warpgroups (block_m 192)
         gl.warp_specialize([
             (_consumer, (shared, 0, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE, EXP2_POLY)),
             (_consumer, (shared, 1, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE, EXP2_POLY)),
             (_consumer, (shared, 2, GROUP, HEAD_DIM, BLOCK_Q, BLOCK_N, DV, KV_KIND, PV_KIND, STAGES, PV_IN_FLIGHT,
-                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE)),
+                         QK_AHEAD, LAZY, QK_LAYOUT, PV_LAYOUT, P_LAYOUT, LOAD_Q, V_SCALED, SPLIT_RELEASE, EXP2_POLY)),
             (_loader, (loads, HEAD_DIM, PAGE, BLOCK_N, STAGES, KV_KIND, PV_KIND, LOAD_K, LOAD_V, LOAD_S, CVT_V,
                        CVT_ROWS, CVT_LAG, V_SCALED, SPLIT_RELEASE)),
         ], [4, 4, LOADER_WARPS], [CONSUMER_REGS, CONSUMER_REGS, LOADER_REGS])

@@ -167,7 +167,12 @@ class HopperPrefillConfig:
     QK of that tile completed and its scales are in registers, its fp16 V (a second barrier,
     ``v16_empty``) once the tile's PV completed, so that the loader can copy tiles ahead while
     PV in flight still holds a stage's fp16 V (with 64-key tiles at head_dim 256 only 3 stages
-    fit; the routes that take it: :data:`SPLIT_RELEASE_ROUTES`). The warp-specialized kernel takes up to 6 stages
+    fit; the routes that take it: :data:`SPLIT_RELEASE_ROUTES`); exp2_poly (16-bit PV in flight
+    in two consumer partitions with the per-row lazy rescale only): of each pair of a thread's
+    scores, one exponential on the MUFU unit and one as an FMA polynomial
+    (:data:`int8attn.kernels.prefill_hopper_ws.EXP2_POLY_PTX`; relative error <= 2.2e-4),
+    FlashAttention-4's split of the exponentials between the two pipes; offered by no route.
+    The warp-specialized kernel takes up to 6 stages
     (shared memory permitting), the others up to 4."""
 
     block_m: int = 128
@@ -182,6 +187,7 @@ class HopperPrefillConfig:
     v_scaled: bool = False
     shared_consumer: bool = False
     split_release: bool = False
+    exp2_poly: bool = False
 
 
 def default_config(kv_dtype: str, head_dim: int, pv_mode: str) -> HopperPrefillConfig:
@@ -489,6 +495,14 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         raise ValueError("split_release applies to an 8-bit cache's 16-bit PV kept in flight in two consumer "
                          "partitions on the warp-specialized kernel (pv_in_flight_config: pipeline=True, "
                          "block_m 128, shared_consumer=False)")
+    if not isinstance(config.exp2_poly, bool):
+        raise TypeError(f"config.exp2_poly must be a bool, got {config.exp2_poly!r}")
+    if config.exp2_poly and not (config.warp_specialized and sixteen_bit_p and config.pipeline
+                                 and not config.shared_consumer and config.block_m == 128
+                                 and config.lazy_rescale == "rows"):
+        # the polynomial is in the softmax of _consumer_loop_pv16_in_flight's per-row lazy rule
+        raise ValueError("exp2_poly applies to 16-bit PV kept in flight in two consumer partitions with the per-row "
+                         "lazy rescale (pv_in_flight_config of a 16-bit-P route)")
     _checks.check_pv_tile_keys(config.block_n, pv_mode)
     # resolved where the loader converts V, None elsewhere (a checked config checks again)
     return replace(config, dv=dv, convert_lag=lag if converts_v else None)
@@ -529,7 +543,7 @@ def _constexprs(config: HopperPrefillConfig, kv_dtype: str, head_dim: int, block
         const.update(kernel_layouts(64, config.block_n, head_dim, config.dv, kv, pv),
                      **partition_constexprs(config.pipeline, config.qk_ahead, config.block_n,
                                             _convert_lag(config), config.block_m // 64, config.v_scaled,
-                                            config.split_release),
+                                            config.split_release, config.exp2_poly),
                      LAZY=LAZY_RESCALE[_LAZY_NAMES.get(config.lazy_rescale, config.lazy_rescale)],
                      SHARED_CONSUMER=config.shared_consumer)
         if config.shared_consumer:  # the consumers' layouts span the partition's 8 warps
