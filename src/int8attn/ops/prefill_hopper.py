@@ -171,7 +171,9 @@ class HopperPrefillConfig:
     in two consumer partitions with the per-row lazy rescale only): of each pair of a thread's
     scores, one exponential on the MUFU unit and one as an FMA polynomial
     (:data:`int8attn.kernels.prefill_hopper_ws.EXP2_POLY_PTX`; relative error <= 2.2e-4),
-    FlashAttention-4's split of the exponentials between the two pipes; offered by no route.
+    FlashAttention-4's split of the exponentials between the two pipes; offered by no route:
+    0.92x the int8 D256 route, 0.85-0.89x at D128 on an H100 (the consumers' FMA pipe is already
+    the busier one: benchmarks/notes/prefill_hopper.md).
     The warp-specialized kernel takes up to 6 stages
     (shared memory permitting), the others up to 4."""
 
