@@ -49,8 +49,13 @@ def sm_count(device: torch.device) -> int:
     device = torch.device(device)
     if device.type != "cuda":
         return 8
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     return _cuda_sm_count(index)
+
+
+def _cuda_index(device: torch.device) -> int:
+    """The GPU index of a CUDA ``device`` ("cuda" alone: the current one)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=64)  # one entry per GPU index
@@ -65,7 +70,7 @@ def programmatic_launch(device: torch.device) -> bool:
     device = torch.device(device)
     if device.type != "cuda" or interpret_mode() or torch.version.hip is not None:
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     return _cuda_major(index) >= 9
 
 
@@ -110,7 +115,7 @@ def side_stream(device: torch.device, priority: int) -> "torch.cuda.Stream":
     higher; -1 the highest on current GPUs), one per (device, priority), made on first use.
     Work on it is forked from and joined back into the current stream by its user."""
     device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _cuda_index(device)
     return _side_stream(index, priority)
 
 

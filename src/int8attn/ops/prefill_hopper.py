@@ -487,10 +487,13 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
         # two programs per SM: a 128-register launch cap, under which ptxas cannot compile a
         # wgmma with a [64, 256] fp32 accumulator (C7602)
         raise ValueError(f"shared_consumer with one warpgroup (block_m 64) needs head_dim <= 128, got {d}")
+    # 16-bit P in flight in two consumer partitions: the configs whose consumers run
+    # kernels.prefill_hopper_ws._consumer_loop_pv16_in_flight, where the options below live
+    pv16_in_flight_loop = (config.warp_specialized and sixteen_bit_p and config.pipeline and not config.shared_consumer
+                           and config.block_m == 128)
     if not isinstance(config.split_release, bool):
         raise TypeError(f"config.split_release must be a bool, got {config.split_release!r}")
-    if config.split_release and not (converts_v and config.pipeline and not config.shared_consumer
-                                     and config.block_m == 128):
+    if config.split_release and not (converts_v and pv16_in_flight_loop):
         # the second barrier array is arrived by two consumer partitions with PV in flight
         # (kernels.prefill_hopper_ws._consumer_loop_pv16_in_flight); the shared consumer partition
         # and the three-warpgroup schedule release whole stages
@@ -499,9 +502,7 @@ def _check_config(config: HopperPrefillConfig, cache, group: int, pv_mode: str) 
                          "block_m 128, shared_consumer=False)")
     if not isinstance(config.exp2_poly, bool):
         raise TypeError(f"config.exp2_poly must be a bool, got {config.exp2_poly!r}")
-    if config.exp2_poly and not (config.warp_specialized and sixteen_bit_p and config.pipeline
-                                 and not config.shared_consumer and config.block_m == 128
-                                 and config.lazy_rescale == "rows"):
+    if config.exp2_poly and not (pv16_in_flight_loop and config.lazy_rescale == "rows"):
         # the polynomial is in the softmax of _consumer_loop_pv16_in_flight's per-row lazy rule
         raise ValueError("exp2_poly applies to 16-bit PV kept in flight in two consumer partitions with the per-row "
                          "lazy rescale (pv_in_flight_config of a 16-bit-P route)")
