@@ -196,7 +196,10 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   "ws-fp8-pv16-d64-m192-v-scaled": 24,
                                   # int8 D64 three consumers, V scaled: 8; one shared consumer partition
                                   # with PV in flight, BF16 cache D128: 2
-                                  "ws-int8-pv16-d64-m192-v-scaled": 16, "ws-bf16-d128-shared-pv-ahead": 8},
+                                  "ws-int8-pv16-d64-m192-v-scaled": 16, "ws-bf16-d128-shared-pv-ahead": 8,
+                                  # the synchronous kernel's QK converted by I2FP at 128-key tiles: 4 (0
+                                  # with 3.6 / 3.9); fp8 V^T tail zeroed in two 128-channel slices: 6
+                                  "int8-pv16-d64-bs128-n128": 8, "pipe-fp8-pv8-d256-n32-m64-s4": 8},
                           # the warp-specialized kernel with Triton 3.9: 65, 282, 0, 32, 26; 16-bit PV of
                           # 8-bit caches: 94 / 106 / 86 (int8 / int8 lazy per row / fp8 lazy per row at
                           # D256), 0, 30 (fp8: the loader's masked branch); three consumers: 2 (int8 16-bit

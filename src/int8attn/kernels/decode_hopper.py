@@ -55,11 +55,11 @@ from triton.experimental.gluon.language.nvidia.hopper import async_copy, fence_a
 from . import _gluon_compat as _gc
 from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN
 from .codes import KIND_BF16, KIND_FP8, PV_INT8
-from .prefill_hopper import NEG_BIG, _bad_block_ids, _issue_rows_at, _issue_v_pages_at, _page_blocks, _pv_8bit, \
+from .prefill_hopper import NEG_BIG, _bad_block_ids, _issue_rows_at, _issue_v_pages_at, _page_ids, _pv_8bit, \
     _raise_flags, _store_output, _store_rows, _zero_tail_keys
-from .prefill_hopper_pipe import _softmax_tile
-from .prefill_hopper_ws import LOADER_WARPS, WG_ROWS, _alloc_ring, _copy_scales_at, _pv_int8_chunks, _qk, \
-    _stage_scales, _v_chunk
+from .prefill_hopper_pipe import _qk, _softmax_tile
+from .prefill_hopper_ws import LOADER_WARPS, WG_ROWS, _alloc_ring, _copy_scales_at, _pv_int8_chunks, _stage_scales, \
+    _v_chunk
 
 
 @gluon.jit
@@ -121,12 +121,14 @@ def _item_blocks(i, num_tiles, n_virtual, first_v, bt_row, last_page, num_blocks
     """Ring item ``i``'s tile (tile ``i // NC`` of consumer ``i % NC``, the run of virtual
     split ``first_v + i % NC``) and its block ids in the layouts of the K rows, the V^T pages
     and the scales, clamped into ``[0, num_blocks)`` (an id out of range was found by
-    :func:`_checked_program`: the rows it feeds are NaN)."""
+    :func:`_checked_program`: the rows it feeds are NaN). The ids stay int32 (the loader
+    carries the next item's across its loop in 40 registers); widen them where they scale
+    a stride."""
     lo, _ = _run(num_tiles, first_v + i % NC, n_virtual)
     tile = lo + i // NC
-    kblk = _page_blocks(tile, bt_row, last_page, PAGE, BLOCK_N, gl.SliceLayout(1, LOAD_K))
-    vblk = _page_blocks(tile, bt_row, last_page, PAGE, BLOCK_N, gl.SliceLayout(0, LOAD_V))
-    sblk = _page_blocks(tile, bt_row, last_page, PAGE, BLOCK_N, LOAD_S)
+    kblk = _page_ids(tile, bt_row, last_page, PAGE, BLOCK_N, gl.SliceLayout(1, LOAD_K))
+    vblk = _page_ids(tile, bt_row, last_page, PAGE, BLOCK_N, gl.SliceLayout(0, LOAD_V))
+    sblk = _page_ids(tile, bt_row, last_page, PAGE, BLOCK_N, LOAD_S)
     top = num_blocks - 1
     return (tile, gl.minimum(gl.maximum(kblk, 0), top), gl.minimum(gl.maximum(vblk, 0), top),
             gl.minimum(gl.maximum(sblk, 0), top))
@@ -149,10 +151,12 @@ def _decode_loader(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, bt_row, data_head, sc
                                                    bt_row, last_page, num_blocks, PAGE, BLOCK_N, LOAD_K, LOAD_V,
                                                    LOAD_S, NC)
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)  # first pass: phase 1 is done
-        _issue_rows_at(tile, kblk, k_ring.index(s), k_ptr, data_head, stride_cb, HEAD_DIM, PAGE, BLOCK_N, LOAD_K)
-        _issue_v_pages_at(tile, vblk, v_ring.index(s), v_ptr, data_head, stride_cb, HEAD_DIM, PAGE, BLOCK_N, LOAD_V)
-        _copy_scales_at(tile, sblk, ks_ring.index(s), vs_ring.index(s), k_scale_ptr, v_scale_ptr, scale_head,
-                        stride_sb, PAGE, BLOCK_N, LOAD_S)
+        _issue_rows_at(tile, kblk.to(gl.int64), k_ring.index(s), k_ptr, data_head, stride_cb, HEAD_DIM, PAGE,
+                       BLOCK_N, LOAD_K)
+        _issue_v_pages_at(tile, vblk.to(gl.int64), v_ring.index(s), v_ptr, data_head, stride_cb, HEAD_DIM, PAGE,
+                          BLOCK_N, LOAD_V)
+        _copy_scales_at(tile, sblk.to(gl.int64), ks_ring.index(s), vs_ring.index(s), k_scale_ptr, v_scale_ptr,
+                        scale_head, stride_sb, PAGE, BLOCK_N, LOAD_S)
         if KV_KIND == KIND_FP8:
             if (tile + 1) * BLOCK_N > kv_end:
                 # stale e4m3 bytes past the end may be NaN (NaN * 0 = NaN in the MMA): zero them

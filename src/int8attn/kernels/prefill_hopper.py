@@ -14,10 +14,9 @@ with cp.async ``STAGES - 1`` tiles ahead of the one being consumed):
 
 * K: one [BLOCK_N, HEAD_DIM] tile, rows gathered per key through the block table
   (16-byte cp.async per thread, 128-byte swizzled ``NVMMASharedLayout``); QK is
-  ``warpgroup_mma(Q_smem, K_smem^T)``: s8 x s8 -> s32 (accumulator starting at
-  ``0x4B400000`` so that its bits read as the fp32 ``12582912 + dot``, the portable
-  kernel's conversion-free trick) or e4m3 x e4m3 -> f32. Q is quantized before the launch
-  (one pre-pass) and sits in shared memory for the whole program.
+  ``warpgroup_mma(Q_smem, K_smem^T)``: s8 x s8 -> s32 from zero, converted to fp32 by one
+  I2FP per score (exact: the dot is below 2**24), or e4m3 x e4m3 -> f32. Q is quantized
+  before the launch (one pre-pass) and sits in shared memory for the whole program.
 * V: the 8-bit pages are stored transposed ([HEAD_DIM, PAGE], keys contiguous), so the
   [HEAD_DIM, BLOCK_N] tile is gathered page run by page run with 16-byte cp.async and is
   already the K-major B operand the 8-bit MMA needs (``v_smem.permute``: [BLOCK_N, D]).
@@ -141,11 +140,17 @@ def _slot_of(n, PAGE: gl.constexpr):
 
 
 @gluon.jit
-def _page_blocks(j, bt_row, last_page, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
-    """The block id of each key of tile ``j`` (a ``[BLOCK_N]`` vector in ``LAYOUT``), pages
+def _page_ids(j, bt_row, last_page, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    """The block id of each key of tile ``j`` (a ``[BLOCK_N]`` int32 vector in ``LAYOUT``), pages
     past the sequence's last page read as that page (in bounds, P = 0)."""
     n = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=LAYOUT)
-    return gl.load(bt_row + gl.minimum(_page_of(n, PAGE), last_page)).to(gl.int64)
+    return gl.load(bt_row + gl.minimum(_page_of(n, PAGE), last_page))
+
+
+@gluon.jit
+def _page_blocks(j, bt_row, last_page, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT: gl.constexpr):
+    """:func:`_page_ids` widened to int64, ready to scale by a cache stride."""
+    return _page_ids(j, bt_row, last_page, PAGE, BLOCK_N, LAYOUT).to(gl.int64)
 
 
 @gluon.jit
@@ -345,10 +350,14 @@ def _start_ring(k_ptr, v_ptr, bt_row, data_head, stride_cb, last_page, num_kv_ti
 @gluon.jit
 def _zero_tail_keys(v_buf, start, kv_end, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, LOAD_V: gl.constexpr):
     """Zero the V^T columns of keys >= kv_end in shared memory (e4m3 stale bytes may be NaN,
-    and NaN * 0 = NaN in the MMA)."""
-    vn = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LOAD_V))
-    vt = v_buf.load(LOAD_V)
-    v_buf.store(gl.where((vn < kv_end)[None, :], vt, gl.zeros_like(vt)))
+    and NaN * 0 = NaN in the MMA), at most 128 channels at a time: the whole tile at head_dim
+    256 is 32 registers per loader thread, which a 40-register loader partition spills."""
+    keep = (start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LOAD_V)) < kv_end)[None, :]
+    ROWS: gl.constexpr = HEAD_DIM if HEAD_DIM <= 128 else 128  # >= LOAD_V's rows: no replicated elements
+    for c in gl.static_range(0, HEAD_DIM, ROWS):
+        part = v_buf.slice(c, ROWS, dim=0)
+        vt = part.load(LOAD_V)
+        part.store(gl.where(keep, vt, gl.zeros_like(vt)))
 
 
 @gluon.jit
@@ -480,10 +489,9 @@ def _prefill_hopper_kernel(
         scale_off = sblk * stride_sb + scale_head + offs_n % PAGE
         k_scale = gl.load(k_scale_ptr + scale_off, mask=in_seq, other=0.0)
         v_scale = gl.load(v_scale_ptr + scale_off, mask=in_seq, other=0.0)
-        if KV_KIND == KIND_INT8:
-            s0 = gl.full([BLOCK_M, BLOCK_N], MAGIC_I, gl.int32, QK_LAYOUT)
-            x = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s0).to(gl.float32, bitcast=True)
-            t = x * k_scale[None, :] + (k_scale * -MAGIC_F)[None, :]
+        if KV_KIND == KIND_INT8:  # from zero, one I2FP per score (prefill_hopper_pipe._k_scaled)
+            s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, QK_LAYOUT)
+            t = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s0, use_acc=False).to(gl.float32) * k_scale[None, :]
         else:
             s0 = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, QK_LAYOUT)
             t = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s0, use_acc=False) * k_scale[None, :]

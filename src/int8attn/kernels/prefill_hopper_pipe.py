@@ -118,11 +118,26 @@ def _online_softmax(t, m_i, l_i, row_scale, row_limit, start, full_end, BLOCK_N:
 
 
 @gluon.jit
-def _k_scaled(s, k_scale, KV_KIND: gl.constexpr):
-    """A QK MMA result with each key's scale applied (base-2 score = t * the row's scale):
-    int8 from the ``MAGIC_I`` start (prefill_hopper), fp8 from zero; a BF16 cache's as it is."""
+def _qk(q_smem, k_buf, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr,
+        QK_LAYOUT: gl.constexpr):
+    """Issue QK of one tile (asynchronous), from zero (``use_acc=False``: no register start):
+    int32 for an int8 cache, fp32 otherwise; :func:`_k_scaled` converts it."""
     if KV_KIND == KIND_INT8:
-        t = s.to(gl.float32, bitcast=True) * k_scale[None, :] + (k_scale * -MAGIC_F)[None, :]
+        start = gl.zeros([BLOCK_M, BLOCK_N], gl.int32, QK_LAYOUT)
+    else:
+        start = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, QK_LAYOUT)
+    return warpgroup_mma(q_smem, k_buf.permute((1, 0)), start, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _k_scaled(s, k_scale, KV_KIND: gl.constexpr):
+    """A QK MMA result (:func:`_qk`) with each key's scale applied (base-2 score = t * the
+    row's scale); a BF16 cache's as it is. int8: the int32 dot converted by one I2FP (exact:
+    |dot| <= 256 * 127 * 127 < 2**24), where a ``MAGIC_I`` start cost a register move per
+    score and the conversion an FFMA plus a multiply per key (1.02-1.03x at head_dim 128 on
+    an H100, equal at 256: benchmarks/notes/prefill_hopper.md)."""
+    if KV_KIND == KIND_INT8:
+        t = s.to(gl.float32) * k_scale[None, :]
     elif KV_KIND == KIND_FP8:
         t = s * k_scale[None, :]
     else:
@@ -219,13 +234,7 @@ def _prefill_hopper_pipe_kernel(
     fence_async_shared()
     _gc.cta_barrier()
     k0 = k_ring.index(0)
-    if KV_KIND == KIND_INT8:
-        s = warpgroup_mma(q_smem, k0.permute((1, 0)), gl.full([BLOCK_M, BLOCK_N], MAGIC_I, gl.int32, QK_LAYOUT),
-                          is_async=True)
-    else:
-        s = warpgroup_mma(q_smem, k0.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, QK_LAYOUT),
-                          use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=[s])
+    s = warpgroup_mma_wait(0, deps=[_qk(q_smem, k0, BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)])
     k_scale, v_scale = _tile_scales(0, bt_row, k_scale_ptr, v_scale_ptr, scale_head, stride_sb, kv_end, last_page,
                                     PAGE, BLOCK_N, COL)
 
@@ -279,14 +288,7 @@ def _prefill_hopper_pipe_kernel(
         # order). The PV results come back as tensors still being written: their next use
         # is the wait of step 2.
         if has_next:
-            k_buf = k_ring.index((j + 1) % STAGES)
-            if KV_KIND == KIND_INT8:
-                s_tok = warpgroup_mma(q_smem, k_buf.permute((1, 0)),
-                                      gl.full([BLOCK_M, BLOCK_N], MAGIC_I, gl.int32, QK_LAYOUT), is_async=True)
-            else:
-                s_tok = warpgroup_mma(q_smem, k_buf.permute((1, 0)),
-                                      gl.zeros([BLOCK_M, BLOCK_N], gl.float32, QK_LAYOUT), use_acc=False,
-                                      is_async=True)
+            s_tok = _qk(q_smem, k_ring.index((j + 1) % STAGES), BLOCK_M, BLOCK_N, KV_KIND, QK_LAYOUT)
             t0, t1, t2, t3 = _issue_pv(p_op, v_buf, acc0, acc1, acc2, acc3, factor, BLOCK_M, DV, NUM_DV, PV_KIND,
                                        PV_LAYOUT)
             s, o0, o1, o2, o3 = warpgroup_mma_wait(NUM_DV, deps=[s_tok, t0, t1, t2, t3])

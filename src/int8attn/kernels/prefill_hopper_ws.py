@@ -89,7 +89,7 @@ from .codes import KIND_BF16, KIND_FP8, KIND_INT8, LAZY_ROWS, LAZY_WARPGROUP, PV
 from .prefill import INT8_TO_FP16_CONSTRAINTS, INT8_TO_FP16_PTX
 from .prefill_hopper import MAGIC_I, NEG_BIG, P_UNIT_MARGIN, _issue_rows, _issue_tile, _page_blocks, _slot_of, \
     _checked_tile, _pv_8bit, _store_output, _zero_tail_keys
-from .prefill_hopper_pipe import _issue_pv, _k_scaled, _online_softmax, _softmax_tile, _wait_and_fold
+from .prefill_hopper_pipe import _issue_pv, _k_scaled, _online_softmax, _qk, _softmax_tile, _wait_and_fold
 
 #: Warps of the loader partition (its threads are the ``ready`` barriers' arrival count).
 LOADER_WARPS = gl.constexpr(4)
@@ -487,18 +487,6 @@ def _softmax_tile_16_rows(t, v_scale, acc, m_i, l_i, row_scale, row_limit, inv_u
     p = gl.exp2(t * row_scale[:, None] - m_new[:, None])
     l_i = l_i + gl.sum(p, 1)
     return _p_operand_16(p, v_scale, inv_unit, KV_KIND, P_LAYOUT), acc, m_new, l_i
-
-
-@gluon.jit
-def _qk(q_smem, k_buf, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_KIND: gl.constexpr,
-        QK_LAYOUT: gl.constexpr):
-    """Issue QK of one tile (asynchronous); int8 starts at ``MAGIC_I`` (see prefill_hopper)."""
-    if KV_KIND == KIND_INT8:
-        return warpgroup_mma(q_smem, k_buf.permute((1, 0)), gl.full([BLOCK_M, BLOCK_N], MAGIC_I, gl.int32, QK_LAYOUT),
-                             is_async=True)
-    else:
-        return warpgroup_mma(q_smem, k_buf.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, QK_LAYOUT),
-                             use_acc=False, is_async=True)
 
 
 @gluon.jit
