@@ -353,11 +353,14 @@ def _zero_tail_keys(v_buf, start, kv_end, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
     and NaN * 0 = NaN in the MMA), at most 128 channels at a time: the whole tile at head_dim
     256 is 32 registers per loader thread, which a 40-register loader partition spills."""
     keep = (start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LOAD_V)) < kv_end)[None, :]
-    ROWS: gl.constexpr = HEAD_DIM if HEAD_DIM <= 128 else 128  # >= LOAD_V's rows: no replicated elements
-    for c in gl.static_range(0, HEAD_DIM, ROWS):
-        part = v_buf.slice(c, ROWS, dim=0)
-        vt = part.load(LOAD_V)
-        part.store(gl.where(keep, vt, gl.zeros_like(vt)))
+    if HEAD_DIM <= 128:
+        vt = v_buf.load(LOAD_V)
+        v_buf.store(gl.where(keep, vt, gl.zeros_like(vt)))
+    else:
+        for c in gl.static_range(0, HEAD_DIM, 128):  # 128 >= LOAD_V's rows: no replicated elements
+            part = v_buf.slice(c, 128, dim=0)
+            vt = part.load(LOAD_V)
+            part.store(gl.where(keep, vt, gl.zeros_like(vt)))
 
 
 @gluon.jit

@@ -133,9 +133,8 @@ def _qk(q_smem, k_buf, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, KV_KIND: gl
 def _k_scaled(s, k_scale, KV_KIND: gl.constexpr):
     """A QK MMA result (:func:`_qk`) with each key's scale applied (base-2 score = t * the
     row's scale); a BF16 cache's as it is. int8: the int32 dot converted by one I2FP (exact:
-    |dot| <= 256 * 127 * 127 < 2**24), where a ``MAGIC_I`` start cost a register move per
-    score and the conversion an FFMA plus a multiply per key (1.02-1.03x at head_dim 128 on
-    an H100, equal at 256: benchmarks/notes/prefill_hopper.md)."""
+    |dot| <= 256 * 127 * 127 < 2**24), which spares the register move per score that a
+    ``MAGIC_I`` start costs a warpgroup MMA (benchmarks/notes/prefill_hopper.md)."""
     if KV_KIND == KIND_INT8:
         t = s.to(gl.float32) * k_scale[None, :]
     elif KV_KIND == KIND_FP8:
