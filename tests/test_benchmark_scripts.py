@@ -1,6 +1,7 @@
 """Benchmark scripts' CPU-side logic: the P-step emulation's finding (benchmarks/emulate_p_step.py),
-the prefill benchmark's tables (benchmarks/bench_prefill_hopper.print_table) and the reader of
-Nsight Compute's per-instruction tables (benchmarks/ncu_source_table.py)."""
+the prefill benchmark's tables (benchmarks/bench_prefill_hopper.print_table), the source-tree
+A/B's exports (benchmarks/ab_trees_prefill_hopper.py) and the reader of Nsight Compute's
+per-instruction tables (benchmarks/ncu_source_table.py)."""
 
 import importlib.util
 import sys
@@ -99,3 +100,19 @@ def test_ncu_source_table_names_the_excess_and_the_stalls(tmp_path, capsys, monk
     out = capsys.readouterr().out
     assert "excess  16.0" in out and "rows 4-6: 40 samples: barrier 75%, long_sb 25%" in out
     assert "rows 1-4: 210: LDGSTS 95.2%, USETMAXREG 4.8%" in out
+
+
+def test_tree_ab_exports_revisions_and_directories_and_refuses_without_a_gpu(tmp_path, monkeypatch):
+    """benchmarks/ab_trees_prefill_hopper.py: a git revision is exported to its own ``src``, a
+    directory holding ``src/`` is used as it is, and without a CUDA GPU the run stops with a
+    clear message before any tree is compiled."""
+    ab = _script("ab_trees_prefill_hopper")
+    src = ab.export("HEAD", tmp_path)
+    assert (src / "int8attn" / "kernels" / "prefill_hopper_pipe.py").is_file()
+    assert src.parent.parent == tmp_path
+    assert ab.export(str(ab.REPO), tmp_path) == ab.REPO / "src"
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        ab.main(["--trees", "HEAD,HEAD", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
