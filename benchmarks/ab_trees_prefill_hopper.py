@@ -30,6 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+#: bench_prefill_hopper.py's cases, restated rather than imported: a child imports its own tree's
+#: int8attn, and an older tree may lack names that module imports
 SHAPES = {"24q4kv_d256": (24, 4, 256), "32q8kv_d128": (32, 8, 128), "16q4kv_d64": (16, 4, 64)}
 PREFIXES = (28672, 0)
 CHUNK = 4096

@@ -18,6 +18,12 @@ from int8attn.kernels.codes import LAZY_RESCALE
 from int8attn.ops import prefill_hopper as hop
 from int8attn.ops.prefill import DEFAULT_PV, prefill_attention
 
+#: The int8 cache's 16-bit PV kept in flight in two consumer partitions (the D128 / D256 routes'
+#: schedule, pv_in_flight_config): the variants below derive from these.
+PV_AHEAD_D128 = {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128, "qk_ahead": False,
+                 "lazy_rescale": "rows", "v_scaled": True, "pipeline": True}
+PV_AHEAD_D256 = {"warp_specialized": True, "stages": 3, "block_n": 64, "dv": 256, "qk_ahead": False,
+                 "lazy_rescale": "rows", "pipeline": True}
 #: (kv_dtype, pv_mode, head_dim, block_size, group, config overrides)
 VARIANTS = [
     pytest.param("int8", "int8", 128, 16, 4, {}, id="int8-pv8-d128"),
@@ -108,39 +114,24 @@ VARIANTS = [
                  id="ws-int8-pv16-d64-m192-v-scaled"),
     # both consumer warpgroups in one 8-warp partition with 16-bit PV in flight (shared_consumer,
     # pipeline): an int8 cache with V scaled, a BF16 cache
-    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
-                                              "qk_ahead": False, "lazy_rescale": "rows", "v_scaled": True,
-                                              "shared_consumer": True, "pipeline": True},
+    pytest.param("int8", "bf16", 128, 16, 4, {**PV_AHEAD_D128, "shared_consumer": True},
                  id="ws-int8-pv16-d128-shared-pv-ahead"),
     pytest.param("bf16", "bf16", 128, 16, 4, {"warp_specialized": True, "block_m": 128, "stages": 4,
                                               "qk_ahead": False, "shared_consumer": True, "pipeline": True},
                  id="ws-bf16-d128-shared-pv-ahead"),
     # two consumer partitions with 16-bit PV in flight (their workers leave the dispatch loop)
-    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
-                                              "qk_ahead": False, "lazy_rescale": "rows", "v_scaled": True,
-                                              "pipeline": True},
-                 id="ws-int8-pv16-d128-pv-ahead"),
-    pytest.param("int8", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 3, "block_n": 64, "dv": 256,
-                                              "qk_ahead": False, "lazy_rescale": "rows", "pipeline": True},
-                 id="ws-int8-pv16-d256-pv-ahead"),
+    pytest.param("int8", "bf16", 128, 16, 4, PV_AHEAD_D128, id="ws-int8-pv16-d128-pv-ahead"),
+    pytest.param("int8", "bf16", 256, 16, 6, PV_AHEAD_D256, id="ws-int8-pv16-d256-pv-ahead"),
     # ... with ring stages given back in two parts (split_release: the 8-bit copies after QK,
     # the fp16 V after PV; a second mbarrier array)
-    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
-                                              "qk_ahead": False, "lazy_rescale": "rows", "v_scaled": True,
-                                              "pipeline": True, "split_release": True},
+    pytest.param("int8", "bf16", 128, 16, 4, {**PV_AHEAD_D128, "split_release": True},
                  id="ws-int8-pv16-d128-pv-ahead-split"),
-    pytest.param("int8", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 3, "block_n": 64, "dv": 256,
-                                              "qk_ahead": False, "lazy_rescale": "rows", "pipeline": True,
-                                              "split_release": True},
+    pytest.param("int8", "bf16", 256, 16, 6, {**PV_AHEAD_D256, "split_release": True},
                  id="ws-int8-pv16-d256-pv-ahead-split"),
     # the routed int8 configs at D128 / D256 with half of P's exponentials as an FMA polynomial
-    pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 64, "dv": 128,
-                                              "qk_ahead": False, "lazy_rescale": "rows", "v_scaled": True,
-                                              "pipeline": True, "exp2_poly": True},
+    pytest.param("int8", "bf16", 128, 16, 4, {**PV_AHEAD_D128, "exp2_poly": True},
                  id="ws-int8-pv16-d128-pv-ahead-exp2-poly"),
-    pytest.param("int8", "bf16", 256, 16, 6, {"warp_specialized": True, "stages": 3, "block_n": 64, "dv": 256,
-                                              "qk_ahead": False, "lazy_rescale": "rows", "pipeline": True,
-                                              "split_release": True, "exp2_poly": True},
+    pytest.param("int8", "bf16", 256, 16, 6, {**PV_AHEAD_D256, "split_release": True, "exp2_poly": True},
                  id="ws-int8-pv16-d256-pv-ahead-split-exp2-poly"),
     # one consumer warpgroup per program (block_m 64, two programs per SM under a 128-register cap)
     pytest.param("int8", "bf16", 128, 16, 4, {"warp_specialized": True, "block_m": 64, "stages": 3, "block_n": 64,
