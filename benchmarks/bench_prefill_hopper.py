@@ -141,7 +141,7 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
             # sets the pace at D128 (sm_90 build, Triton 3.6: no local memory, MMAs pipelined;
             # at D256 it spills 166); three consumer warpgroups, with and without it
             out += [("hopper-ws-s6", replace(ws, stages=6)), ("hopper-ws-qk-ahead", replace(ws, qk_ahead=True)),
-                    *_three_consumers(kv_dtype, d, pv)]
+                    *_three_consumers(kv_dtype, d, pv), *_wide_tiles(ws, d)]
         else:
             # half the keys per tile at head_dim 256, 4 stages (the config before the 64-key
             # tiles; a fp16 V ring of 4 64-key stages would not fit in shared memory), and
@@ -172,6 +172,23 @@ def _three_consumers(kv_dtype: str, d: int, pv: str) -> list:
     m192 = hop.three_consumer_config(kv_dtype, d, pv)
     return [] if m192 is None else [("hopper-ws-m192", m192),
                                     ("hopper-ws-m192-qk-ahead", replace(m192, qk_ahead=True))]
+
+
+def _wide_tiles(ws, d: int) -> list:
+    """(label, config) of 128-key tiles for a 16-bit-P route at head_dim <= 128 (the tile
+    FlashAttention-3 runs there): each consumer's per-tile chain (QK wait, row maxima and
+    their shuffles, barriers, the rescale test) over twice the keys, two consumer warpgroups
+    (a third does not fit the registers). QK after PV ("hopper-ws-n128"); PV in flight across
+    the next softmax in two partitions, with whole stages and released in two parts, and in
+    one shared partition ("hopper-ws-pv-ahead-n128", "-n128-split", "hopper-ws-shared-pv-ahead-n128").
+    Stages: 3 at head_dim 128 (what fits shared memory with the fp16 V ring), 4 below."""
+    stages = 3 if d > 64 else 4
+    wide = replace(ws, block_m=128, block_n=128, stages=stages, qk_ahead=False)
+    pv_ahead = replace(hop.pv_in_flight_config(ws), block_n=128, stages=stages)
+    shared = replace(hop.shared_consumer_config(ws, pv_in_flight=True), block_n=128, stages=stages)
+    return [("hopper-ws-n128", wide), ("hopper-ws-pv-ahead-n128", pv_ahead),
+            ("hopper-ws-pv-ahead-n128-split", replace(pv_ahead, split_release=True)),
+            ("hopper-ws-shared-pv-ahead-n128", shared)]
 
 
 def _pv_in_flight_placements(ws, split_release: bool = False) -> list:

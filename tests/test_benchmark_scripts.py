@@ -45,6 +45,32 @@ def test_a_p_step_held_across_tiles_loses_to_the_per_tile_step(mode):
     assert held > 2 * row, (row, held)
 
 
+@pytest.mark.parametrize("kv,pv", [("int8", "int8"), ("int8", "bf16"), ("fp8", "fp8"), ("fp8", "bf16"),
+                                   ("bf16", "bf16")])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_every_prefill_benchmark_variant_is_a_valid_config(kv, pv, d):
+    """Each Hopper config the prefill benchmark times passes the launcher's config check (a
+    variant the launcher rejects would cost a device call to find), once per label, and the
+    16-bit-P routes at head_dim <= 128 include the 128-key tiles."""
+    from types import SimpleNamespace
+
+    from int8attn.ops import prefill_hopper as hop
+
+    configs = bench_prefill_hopper.hopper_configs(kv, d, pv)
+    labels = [label for label, _ in configs]
+    assert len(set(labels)) == len(labels) and "hopper-ws" in labels
+    cache = SimpleNamespace(kv_dtype=kv, head_dim=d)
+    for label, config in configs:
+        assert hop._check_config(config, cache, 4, pv) is not None, label
+    wide = {label: c for label, c in configs if "n128" in label}
+    if pv == "bf16" and kv != "bf16" and d <= 128:
+        assert set(wide) == {"hopper-ws-n128", "hopper-ws-pv-ahead-n128", "hopper-ws-pv-ahead-n128-split",
+                             "hopper-ws-shared-pv-ahead-n128"}
+        assert all(c.block_n == 128 and c.block_m == 128 for c in wide.values())
+    else:
+        assert not wide
+
+
 def test_prefill_table_prints_eager_and_graph_ratios(capsys):
     rows = [dict(shape="s", prefix=0, kv_dtype="int8", pv_mode="int8", kernel="portable", us=200.0, graph_us=150.0,
                  tops=10.0),
