@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from . import _gluon_compat as _gc
 from .decode_hopper import _checked_program, _decode_loader, _run
-from .prefill_hopper import MAGIC_F, MAGIC_I, MIN_REL_STEP, NEG_BIG
+from .prefill_hopper import MAGIC_F, MIN_REL_STEP, NEG_BIG
 from .prefill_hopper_ws import LOADER_WARPS, _alloc_ring, _fold_i32
 
 DC = gl.constexpr(64)  # output channels per PV chunk (the MMA's M)
@@ -145,8 +145,9 @@ def _swapped_consumer(out_ptr, part_acc_ptr, part_ml_ptr, q_smem, rs_smem, pt_bu
         start = (lo + k) * BLOCK_N
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
         fence_async_shared()
-        s = warpgroup_mma(k_ring.index(st), q_smem.permute((1, 0)),
-                          gl.full([BLOCK_N, R], MAGIC_I, gl.int32, QKT_LAYOUT), is_async=True)
+        # from zero (no register start), converted by one I2FP per score: the prefill kernels' rule (_k_scaled)
+        s = warpgroup_mma(k_ring.index(st), q_smem.permute((1, 0)), gl.zeros([BLOCK_N, R], gl.int32, QKT_LAYOUT),
+                          use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])
         ks = ks_ring.index(st).load(KEY)
         vs = vs_ring.index(st).load(KEY)
@@ -154,7 +155,7 @@ def _swapped_consumer(out_ptr, part_acc_ptr, part_ml_ptr, q_smem, rs_smem, pt_bu
         if start + BLOCK_N > kv_end:
             ks = gl.where(n < kv_end, ks, 0.0)
             vs = gl.where(n < kv_end, vs, 0.0)
-        t = s.to(gl.float32, bitcast=True) * ks[:, None] + (ks * -MAGIC_F)[:, None]
+        t = s.to(gl.float32) * ks[:, None]  # exact: |dot| <= 256 * 127 * 127 < 2**24
         if start + BLOCK_N > full_end:
             # each query token's last key (recomputed here: no [R] vector lives across the loop)
             row_limit = gl.minimum(ctx + gl.arange(0, R, layout=COLQ) // GROUP, kv_end - 1)
