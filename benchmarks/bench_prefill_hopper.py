@@ -119,12 +119,14 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         routed = hop.warp_specialized_config(kv_dtype, d, pv)
         # the variants below are of the route's schedule without PV in flight ("hopper-ws-pv-after"
         # where the route keeps PV in flight: PV_IN_FLIGHT_ROUTES)
-        ws = hop.warp_specialized_config(kv_dtype, d, pv, pv_in_flight=False)
+        ws = hop.warp_specialized_config(kv_dtype, d, pv, pv_in_flight=False, wide_tiles=False)
         if ws != routed:
             out += [("hopper-ws-pv-after", ws)]
         # the route's config; the two-consumer config with QK after PV where the route's differs
-        # where the route keeps PV in flight: half of P's exponentials as an FMA polynomial
-        poly = [("hopper-ws-exp2-poly", replace(routed, exp2_poly=True))] if routed.pipeline else []
+        # where the route keeps PV in flight with the per-row lazy rescale: half of P's
+        # exponentials as an FMA polynomial
+        poly = ([("hopper-ws-exp2-poly", replace(routed, exp2_poly=True))]
+                if routed.pipeline and routed.lazy_rescale == "rows" else [])
         out += [("hopper-ws", routed), *poly, ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d, pv)),
                 # V scaled by the loader (P the plain fp16 p: one multiply per score fewer), or
                 # not, whichever the route's config does not do
@@ -181,11 +183,10 @@ def _wide_tiles(ws, d: int) -> list:
     (a third does not fit the registers). QK after PV ("hopper-ws-n128"); PV in flight across
     the next softmax in two partitions, with whole stages and released in two parts, and in
     one shared partition ("hopper-ws-pv-ahead-n128", "-n128-split", "hopper-ws-shared-pv-ahead-n128").
-    Stages: 3 at head_dim 128 (what fits shared memory with the fp16 V ring), 4 below."""
-    stages = 3 if d > 64 else 4
-    wide = replace(ws, block_m=128, block_n=128, stages=stages, qk_ahead=False)
-    pv_ahead = replace(hop.pv_in_flight_config(ws), block_n=128, stages=stages)
-    shared = replace(hop.shared_consumer_config(ws, pv_in_flight=True), block_n=128, stages=stages)
+    Stages: :func:`int8attn.ops.prefill_hopper.wide_tile_config`'s (3 at head_dim 128, 4 below)."""
+    wide = hop.wide_tile_config(ws, d)
+    pv_ahead = hop.pv_in_flight_config(wide)
+    shared = hop.shared_consumer_config(wide, pv_in_flight=True)
     return [("hopper-ws-n128", wide), ("hopper-ws-pv-ahead-n128", pv_ahead),
             ("hopper-ws-pv-ahead-n128-split", replace(pv_ahead, split_release=True)),
             ("hopper-ws-shared-pv-ahead-n128", shared)]

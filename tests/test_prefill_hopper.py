@@ -108,10 +108,18 @@ VARIANTS = [
     pytest.param("fp8", "bf16", 64, 16, 4, {"warp_specialized": True, "block_m": 192, "stages": 4, "block_n": 64,
                                             "dv": 64, "qk_ahead": True, "v_scaled": True},
                  id="ws-fp8-pv16-d64-m192-v-scaled"),
-    # the routed int8 config at D64: three consumers, QK ahead, V scaled by the loader
+    # the int8 config at D64 before 128-key tiles: three consumers, QK ahead, V scaled by the loader
     pytest.param("int8", "bf16", 64, 16, 4, {"warp_specialized": True, "block_m": 192, "stages": 4, "block_n": 64,
                                              "dv": 64, "qk_ahead": True, "lazy_rescale": "rows", "v_scaled": True},
                  id="ws-int8-pv16-d64-m192-v-scaled"),
+    # the routed configs at D64 (WIDE_TILE_ROUTES): 128-key tiles in two consumer warpgroups; int8
+    # with V scaled and PV in flight, its ring released in two parts; fp8 with QK after PV
+    pytest.param("int8", "bf16", 64, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 128, "dv": 64,
+                                             "qk_ahead": False, "lazy_rescale": "rows", "v_scaled": True,
+                                             "pipeline": True, "split_release": True},
+                 id="ws-int8-pv16-d64-n128-pv-ahead-split"),
+    pytest.param("fp8", "bf16", 64, 16, 4, {"warp_specialized": True, "stages": 4, "block_n": 128, "dv": 64,
+                                            "qk_ahead": False}, id="ws-fp8-pv16-d64-n128"),
     # both consumer warpgroups in one 8-warp partition with 16-bit PV in flight (shared_consumer,
     # pipeline): an int8 cache with V scaled, a BF16 cache
     pytest.param("int8", "bf16", 128, 16, 4, {**PV_AHEAD_D128, "shared_consumer": True},
@@ -190,7 +198,9 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   "ws-int8-pv16-d64-m192-v-scaled": 16, "ws-bf16-d128-shared-pv-ahead": 8,
                                   # the synchronous kernel's QK converted by I2FP at 128-key tiles: 4 (0
                                   # with 3.6 / 3.9); fp8 V^T tail zeroed in two 128-channel slices: 6
-                                  "int8-pv16-d64-bs128-n128": 8, "pipe-fp8-pv8-d256-n32-m64-s4": 8},
+                                  "int8-pv16-d64-bs128-n128": 8, "pipe-fp8-pv8-d256-n32-m64-s4": 8,
+                                  # the routed fp8 D64 config, 128-key tiles: 2 (0 with 3.6)
+                                  "ws-fp8-pv16-d64-n128": 8},
                           # the warp-specialized kernel with Triton 3.9: 65, 282, 0, 32, 26; 16-bit PV of
                           # 8-bit caches: 94 / 106 / 86 (int8 / int8 lazy per row / fp8 lazy per row at
                           # D256), 0, 30 (fp8: the loader's masked branch); three consumers: 2 (int8 16-bit
@@ -205,6 +215,9 @@ SPILL_BUDGET_BY_TRITON = {"3.8": {"int8-pv8-d256": 48, "fp8-pv16-d256": 56,
                                   "ws-bf16-d128-m192": 48, "ws-fp8-pv16-d64-m192-qk-ahead": 56,
                                   # V scaled by the loader: 25 (int8 D128), 97 (fp8 D64 m192)
                                   "ws-int8-pv16-d128-v-scaled": 32, "ws-fp8-pv16-d64-m192-v-scaled": 112,
+                                  # the routed D64 configs, 128-key tiles: 33 (int8, PV in flight, split
+                                  # release), 38 (fp8); 0 with 3.6
+                                  "ws-int8-pv16-d64-n128-pv-ahead-split": 40, "ws-fp8-pv16-d64-n128": 48,
                                   # int8 D64 three consumers, V scaled: 51; one shared consumer partition
                                   # with PV in flight at D128: 25 (int8), 14 (BF16 cache); one warpgroup
                                   # per program (216 registers), int8 D128: 27
@@ -505,13 +518,21 @@ def test_route_schedule_follows_schedule_routes(kv, pv, d):
     SCHEDULE_ROUTES names three consumers and / or the next QK ahead (16-bit P only), with V
     scaled by the loader where V_SCALED_ROUTES says so (8-bit caches' 16-bit PV only), PV
     in flight in two consumer partitions where PV_IN_FLIGHT_ROUTES says so, with its ring
-    released in two parts where SPLIT_RELEASE_ROUTES says so (a subset: 8-bit caches only)."""
-    consumers, qk_ahead = hop.SCHEDULE_ROUTES.get((kv, pv, d), (2, False))
+    released in two parts where SPLIT_RELEASE_ROUTES says so (a subset: 8-bit caches only);
+    128-key tiles in two consumer warpgroups where WIDE_TILE_ROUTES says so (in place of
+    SCHEDULE_ROUTES' schedule)."""
+    route = (kv, pv, d)
+    consumers, qk_ahead = hop.SCHEDULE_ROUTES.get(route, (2, False))
     base = hop.three_consumer_config(kv, d, pv) if consumers == 3 else hop.two_consumer_config(kv, d, pv)
     got = hop.warp_specialized_config(kv, d, pv)
-    want = replace(base, qk_ahead=qk_ahead, v_scaled=(kv, pv, d) in hop.V_SCALED_ROUTES)
-    if (kv, pv, d) in hop.PV_IN_FLIGHT_ROUTES:
-        want = replace(hop.pv_in_flight_config(want), split_release=(kv, pv, d) in hop.SPLIT_RELEASE_ROUTES)
+    want = replace(base, qk_ahead=qk_ahead, v_scaled=route in hop.V_SCALED_ROUTES)
+    assert hop.warp_specialized_config(kv, d, pv, pv_in_flight=False, wide_tiles=False) == want
+    if route in hop.WIDE_TILE_ROUTES:
+        want = hop.wide_tile_config(want, d)
+        consumers = 2
+        assert (want.block_m, want.block_n, want.qk_ahead) == (128, 128, False), want
+    if route in hop.PV_IN_FLIGHT_ROUTES:
+        want = replace(hop.pv_in_flight_config(want), split_release=route in hop.SPLIT_RELEASE_ROUTES)
         assert got.pipeline and not got.qk_ahead and got.lazy_rescale != True, got  # noqa: E712
     assert got == want
     assert got.block_m == 64 * consumers, got
@@ -520,8 +541,9 @@ def test_route_schedule_follows_schedule_routes(kv, pv, d):
     assert all(p == "bf16" and dim <= 128 for _, p, dim in hop.SCHEDULE_ROUTES)
     assert all(k != "bf16" and p == "bf16" for k, p, _ in hop.V_SCALED_ROUTES)
     # PV in flight runs two consumer partitions, whose workers' PTX the compile hook rewrites
-    assert all(p == "bf16" and hop.SCHEDULE_ROUTES.get((k, p, dim), (2,))[0] == 2
+    assert all(p == "bf16" and (hop.SCHEDULE_ROUTES.get((k, p, dim), (2,))[0] == 2 or (k, p, dim) in hop.WIDE_TILE_ROUTES)
                for k, p, dim in hop.PV_IN_FLIGHT_ROUTES)
+    assert all(k != "bf16" and p == "bf16" and dim <= 128 for k, p, dim in hop.WIDE_TILE_ROUTES)
     assert hop.SPLIT_RELEASE_ROUTES <= hop.PV_IN_FLIGHT_ROUTES
     assert all(k != "bf16" for k, _, _ in hop.SPLIT_RELEASE_ROUTES)
 

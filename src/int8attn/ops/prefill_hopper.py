@@ -112,8 +112,9 @@ V_SCALED_ROUTES = frozenset({("int8", "bf16", 64), ("int8", "bf16", 128)})
 #: (:data:`SPLIT_RELEASE_ROUTES`) 1.06x / 1.06x and 1.05x / 1.07x (two calls), where with
 #: whole stages it was 0.75x (64-key tiles, whose fp16 V ring fits 3 stages: a consumer with
 #: PV in flight holds three stages at once). Not taken: a BF16 cache at D128 (0.99-1.01x /
-#: 1.01-1.02x against its three consumers), int8 D64 (0.94x / 1.03x); fp8 not measured.
-PV_IN_FLIGHT_ROUTES = frozenset({("int8", "bf16", 128), ("int8", "bf16", 256)})
+#: 1.01-1.02x against its three consumers), int8 D64 with 64-key tiles (0.94x / 1.03x; with
+#: 128-key tiles it is routed: :data:`WIDE_TILE_ROUTES`); fp8 not measured.
+PV_IN_FLIGHT_ROUTES = frozenset({("int8", "bf16", 64), ("int8", "bf16", 128), ("int8", "bf16", 256)})
 
 #: The PV-in-flight routes whose ring stages go back to the loader in two parts
 #: (``split_release``: 8-bit copies after the tile's QK, fp16 V after its PV), so that the
@@ -122,7 +123,20 @@ PV_IN_FLIGHT_ROUTES = frozenset({("int8", "bf16", 128), ("int8", "bf16", 256)})
 #: in flight at prefix 28672); int8 D128 0.93x / 0.93x its whole-stage PV-in-flight route
 #: (4 stages: the ring is deep enough there, and the release costs a warpgroup barrier and a
 #: second arrive per tile).
-SPLIT_RELEASE_ROUTES = frozenset({("int8", "bf16", 256)})
+SPLIT_RELEASE_ROUTES = frozenset({("int8", "bf16", 64), ("int8", "bf16", 256)})
+
+#: The 16-bit-P routes whose warp-specialized config runs 128-key tiles (:func:`wide_tile_config`:
+#: two consumer warpgroups, QK after PV, 4 stages at head_dim 64), in place of the 64-key
+#: schedule :data:`SCHEDULE_ROUTES` names; the int8 route keeps PV in flight with its ring
+#: released in two parts (:data:`PV_IN_FLIGHT_ROUTES`, :data:`SPLIT_RELEASE_ROUTES`). Each
+#: consumer's per-tile chain (QK wait, row maxima and their shuffles, barriers, the rescale
+#: test) then covers twice the keys. Chunk 4096 over prefix 28672 / 0 (16q/4kv D64), CUDA-graph
+#: replay on an H100, against the three-consumer QK-ahead config in the same call, two calls:
+#: int8 1.10x / 1.12x and 1.10x / 1.14x; fp8 (QK after PV) 1.05x / 1.12x. Not taken at head_dim
+#: 128 (3 stages fit shared memory beside the fp16 V ring): int8 with PV in flight and the split
+#: release 1.02x / 0.97x and 1.01x / 0.97x, QK after PV 0.98x / 0.96x, PV in flight with whole
+#: stages 0.70x / 0.75x (benchmarks/notes/prefill_hopper.md).
+WIDE_TILE_ROUTES = frozenset({("int8", "bf16", 64), ("fp8", "bf16", 64)})
 
 
 def _route_key(kv_dtype: str, head_dim: int, pv_mode: str | None) -> tuple:
@@ -221,7 +235,7 @@ def pipelined_config(kv_dtype: str, head_dim: int) -> HopperPrefillConfig | None
 
 
 def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = None,
-                            pv_in_flight: bool | None = None) -> HopperPrefillConfig:
+                            pv_in_flight: bool | None = None, wide_tiles: bool | None = None) -> HopperPrefillConfig:
     """The warp-specialized config a route launches (``pv_mode`` None: PV in the cache's
     precision; "bf16" with an 8-bit cache: its default 16-bit PV, fp16 V converted by the
     loader): :func:`two_consumer_config`, or where :data:`SCHEDULE_ROUTES` says so three
@@ -230,16 +244,27 @@ def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = 
     flight across the next softmax (:func:`pv_in_flight_config`) where
     :data:`PV_IN_FLIGHT_ROUTES` says so, its ring released in two parts where
     :data:`SPLIT_RELEASE_ROUTES` says so (``pv_in_flight=False``: the config without either,
-    the A/B of benchmarks and tests)."""
+    the A/B of benchmarks and tests); 128-key tiles where :data:`WIDE_TILE_ROUTES` says so
+    (``wide_tiles=False``: the 64-key config, the base of the benchmark's variants)."""
     route = _route_key(kv_dtype, head_dim, pv_mode)
     consumers, qk_ahead = SCHEDULE_ROUTES.get(route, (2, False))
     config = (three_consumer_config if consumers == 3 else two_consumer_config)(kv_dtype, head_dim, pv_mode)
     config = replace(config, qk_ahead=qk_ahead, v_scaled=route in V_SCALED_ROUTES)
+    if route in WIDE_TILE_ROUTES if wide_tiles is None else wide_tiles:
+        config = wide_tile_config(config, head_dim)
     if pv_in_flight is None:
         pv_in_flight = route in PV_IN_FLIGHT_ROUTES
     if not pv_in_flight:
         return config
     return replace(pv_in_flight_config(config), split_release=route in SPLIT_RELEASE_ROUTES)
+
+
+def wide_tile_config(config: HopperPrefillConfig, head_dim: int) -> HopperPrefillConfig:
+    """A warp-specialized 16-bit-P ``config`` (head_dim <= 128) with 128-key tiles: two consumer
+    warpgroups (block_m 128; a third does not fit the registers), QK after PV, and the stages
+    that fit shared memory beside the fp16 V ring -- 3 at head_dim 128, 4 below. The routes
+    that take it: :data:`WIDE_TILE_ROUTES`."""
+    return replace(config, block_m=128, block_n=128, stages=3 if head_dim > 64 else 4, qk_ahead=False)
 
 
 def pv_in_flight_config(config: HopperPrefillConfig) -> HopperPrefillConfig:
