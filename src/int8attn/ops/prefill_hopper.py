@@ -89,7 +89,9 @@ LAZY_ROWS_ROUTES = frozenset({(kv, "bf16", d) for kv in ("int8", "fp8") for d in
 #: 1.14x / 1.01-1.02x (the first chunk of a prompt pays ~7 us, long contexts gain 40-190 us);
 #: at D128 (32q/8kv) the 8-bit caches' QK ahead, int8 1.02x / 1.02x / 1.00x, fp8 1.01-1.02x /
 #: 1.01x / 1.00x (three consumers 0.88-0.93x there: 32-key tiles), a BF16 cache's three
-#: consumers 1.05-1.06x / 1.05x / 1.00x (with QK ahead 0.70-0.73x).
+#: consumers 1.05-1.06x / 1.05x / 1.00x (with QK ahead 0.70-0.73x). The 8-bit caches at D64 now
+#: run 128-key tiles instead (:data:`WIDE_TILE_ROUTES`); their entries here give the 64-key
+#: config (``warp_specialized_config(..., wide_tiles=False)``) the benchmark times beside it.
 SCHEDULE_ROUTES = {("int8", "bf16", 64): (3, True), ("fp8", "bf16", 64): (3, True), ("bf16", "bf16", 64): (3, True),
                    ("int8", "bf16", 128): (2, True), ("fp8", "bf16", 128): (2, True),
                    ("bf16", "bf16", 128): (3, False)}
@@ -132,7 +134,8 @@ SPLIT_RELEASE_ROUTES = frozenset({("int8", "bf16", 64), ("int8", "bf16", 256)})
 #: consumer's per-tile chain (QK wait, row maxima and their shuffles, barriers, the rescale
 #: test) then covers twice the keys. Chunk 4096 over prefix 28672 / 0 (16q/4kv D64), CUDA-graph
 #: replay on an H100, against the three-consumer QK-ahead config in the same call, two calls:
-#: int8 1.10x / 1.12x and 1.10x / 1.14x; fp8 (QK after PV) 1.05x / 1.12x. Not taken at head_dim
+#: int8 1.10x / 1.12x and 1.10x / 1.14x; fp8 (QK after PV) 1.05x / 1.12x; a third call on the
+#: routed tree 1.09x / 1.12x (int8), 1.05x / 1.13x (fp8). Not taken at head_dim
 #: 128 (3 stages fit shared memory beside the fp16 V ring): int8 with PV in flight and the split
 #: release 1.02x / 0.97x and 1.01x / 0.97x, QK after PV 0.98x / 0.96x, PV in flight with whole
 #: stages 0.70x / 0.75x (benchmarks/notes/prefill_hopper.md).
