@@ -117,8 +117,8 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         out.append(("hopper-m64", replace(sync, block_m=64)))
     if pv == "bf16":  # 16-bit PV: the loader converts V to fp16
         routed = hop.warp_specialized_config(kv_dtype, d, pv)
-        # the variants below are of the route's schedule without PV in flight ("hopper-ws-pv-after"
-        # where the route keeps PV in flight: PV_IN_FLIGHT_ROUTES)
+        # the variants below are of the route's 64-key schedule without PV in flight
+        # ("hopper-ws-pv-after" where the route's differs: PV_IN_FLIGHT_ROUTES, WIDE_TILE_ROUTES)
         ws = hop.warp_specialized_config(kv_dtype, d, pv, pv_in_flight=False, wide_tiles=False)
         if ws != routed:
             out += [("hopper-ws-pv-after", ws)]

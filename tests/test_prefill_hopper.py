@@ -541,8 +541,9 @@ def test_route_schedule_follows_schedule_routes(kv, pv, d):
     assert all(p == "bf16" and dim <= 128 for _, p, dim in hop.SCHEDULE_ROUTES)
     assert all(k != "bf16" and p == "bf16" for k, p, _ in hop.V_SCALED_ROUTES)
     # PV in flight runs two consumer partitions, whose workers' PTX the compile hook rewrites
-    assert all(p == "bf16" and (hop.SCHEDULE_ROUTES.get((k, p, dim), (2,))[0] == 2 or (k, p, dim) in hop.WIDE_TILE_ROUTES)
-               for k, p, dim in hop.PV_IN_FLIGHT_ROUTES)
+    # (a wide-tile route runs two consumer warpgroups whatever SCHEDULE_ROUTES says)
+    assert all(p == "bf16" and (hop.SCHEDULE_ROUTES.get((k, p, dim), (2,))[0] == 2
+                                or (k, p, dim) in hop.WIDE_TILE_ROUTES) for k, p, dim in hop.PV_IN_FLIGHT_ROUTES)
     assert all(k != "bf16" and p == "bf16" and dim <= 128 for k, p, dim in hop.WIDE_TILE_ROUTES)
     assert hop.SPLIT_RELEASE_ROUTES <= hop.PV_IN_FLIGHT_ROUTES
     assert all(k != "bf16" for k, _, _ in hop.SPLIT_RELEASE_ROUTES)

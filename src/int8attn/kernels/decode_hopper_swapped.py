@@ -145,7 +145,7 @@ def _swapped_consumer(out_ptr, part_acc_ptr, part_ml_ptr, q_smem, rs_smem, pt_bu
         start = (lo + k) * BLOCK_N
         mbarrier.wait(ready.index(st), (i // STAGES) & 1)
         fence_async_shared()
-        # from zero (no register start), converted by one I2FP per score: the prefill kernels' rule (_k_scaled)
+        # from zero (no register start), converted by one I2FP per score: the prefill rule (_k_scaled)
         s = warpgroup_mma(k_ring.index(st), q_smem.permute((1, 0)), gl.zeros([BLOCK_N, R], gl.int32, QKT_LAYOUT),
                           use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=[s])

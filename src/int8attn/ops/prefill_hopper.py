@@ -253,7 +253,9 @@ def warp_specialized_config(kv_dtype: str, head_dim: int, pv_mode: str | None = 
     consumers, qk_ahead = SCHEDULE_ROUTES.get(route, (2, False))
     config = (three_consumer_config if consumers == 3 else two_consumer_config)(kv_dtype, head_dim, pv_mode)
     config = replace(config, qk_ahead=qk_ahead, v_scaled=route in V_SCALED_ROUTES)
-    if route in WIDE_TILE_ROUTES if wide_tiles is None else wide_tiles:
+    if wide_tiles is None:
+        wide_tiles = route in WIDE_TILE_ROUTES
+    if wide_tiles:
         config = wide_tile_config(config, head_dim)
     if pv_in_flight is None:
         pv_in_flight = route in PV_IN_FLIGHT_ROUTES
