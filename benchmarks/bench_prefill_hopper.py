@@ -105,9 +105,12 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
         ws = hop.warp_specialized_config(kv_dtype, d)
         # the rescale rules: the warpgroup-wide lazy test, and per row or every tile (whichever
         # the route's config does not take); two and three consumer warpgroups
+        # and at head_dim 64 128-key tiles (at 128 three stages of bf16 K and V spill, 295
+        # local-memory instructions in the sm_90 build)
         return [("hopper-ws", ws), ("hopper-ws-lazy", replace(ws, lazy_rescale=True)), _other_rescale(ws),
                 *_pv_in_flight_placements(ws),
-                ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d)), *_three_consumers(kv_dtype, d, pv)]
+                ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d)), *_three_consumers(kv_dtype, d, pv),
+                *(_wide_tiles(ws, d, split_release=False) if d == 64 else [])]
     sync = hop.default_config(kv_dtype, d, pv)
     out = [("hopper", sync)]
     pipe = hop.pipelined_config(kv_dtype, d) if pv != "bf16" else None
@@ -176,20 +179,20 @@ def _three_consumers(kv_dtype: str, d: int, pv: str) -> list:
                                     ("hopper-ws-m192-qk-ahead", replace(m192, qk_ahead=True))]
 
 
-def _wide_tiles(ws, d: int) -> list:
+def _wide_tiles(ws, d: int, split_release: bool = True) -> list:
     """(label, config) of 128-key tiles for a 16-bit-P route at head_dim <= 128 (the tile
     FlashAttention-3 runs there): each consumer's per-tile chain (QK wait, row maxima and
     their shuffles, barriers, the rescale test) over twice the keys, two consumer warpgroups
     (a third does not fit the registers). QK after PV ("hopper-ws-n128"); PV in flight across
     the next softmax in two partitions, with whole stages and released in two parts, and in
-    one shared partition ("hopper-ws-pv-ahead-n128", "-n128-split", "hopper-ws-shared-pv-ahead-n128").
-    Stages: :func:`int8attn.ops.prefill_hopper.wide_tile_config`'s (3 at head_dim 128, 4 below)."""
+    one shared partition ("hopper-ws-pv-ahead-n128", "-n128-split" -- ``split_release``: an
+    8-bit cache -- and "hopper-ws-shared-pv-ahead-n128"). Stages:
+    :func:`int8attn.ops.prefill_hopper.wide_tile_config`'s (3 at head_dim 128, 4 below)."""
     wide = hop.wide_tile_config(ws, d)
     pv_ahead = hop.pv_in_flight_config(wide)
-    shared = hop.shared_consumer_config(wide, pv_in_flight=True)
-    return [("hopper-ws-n128", wide), ("hopper-ws-pv-ahead-n128", pv_ahead),
-            ("hopper-ws-pv-ahead-n128-split", replace(pv_ahead, split_release=True)),
-            ("hopper-ws-shared-pv-ahead-n128", shared)]
+    split = [("hopper-ws-pv-ahead-n128-split", replace(pv_ahead, split_release=True))] if split_release else []
+    return [("hopper-ws-n128", wide), ("hopper-ws-pv-ahead-n128", pv_ahead), *split,
+            ("hopper-ws-shared-pv-ahead-n128", hop.shared_consumer_config(wide, pv_in_flight=True))]
 
 
 def _pv_in_flight_placements(ws, split_release: bool = False) -> list:

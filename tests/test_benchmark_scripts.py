@@ -51,7 +51,7 @@ def test_a_p_step_held_across_tiles_loses_to_the_per_tile_step(mode):
 def test_every_prefill_benchmark_variant_is_a_valid_config(kv, pv, d):
     """Each Hopper config the prefill benchmark times passes the launcher's config check (a
     variant the launcher rejects would cost a device call to find), once per label, and the
-    16-bit-P routes at head_dim <= 128 include the 128-key tiles."""
+    8-bit caches' 16-bit PV at head_dim <= 128 and a BF16 cache at 64 include 128-key tiles."""
     from types import SimpleNamespace
 
     from int8attn.ops import prefill_hopper as hop
@@ -64,12 +64,14 @@ def test_every_prefill_benchmark_variant_is_a_valid_config(kv, pv, d):
         assert hop._check_config(config, cache, 4, pv) is not None, label
     # before de-duplication: a variant equal to the route's config is timed as "hopper-ws"
     wide = {label: c for label, c in bench_prefill_hopper._all_hopper_configs(kv, d, pv) if "n128" in label}
+    both = {"hopper-ws-n128", "hopper-ws-pv-ahead-n128", "hopper-ws-shared-pv-ahead-n128"}
     if pv == "bf16" and kv != "bf16" and d <= 128:
-        assert set(wide) == {"hopper-ws-n128", "hopper-ws-pv-ahead-n128", "hopper-ws-pv-ahead-n128-split",
-                             "hopper-ws-shared-pv-ahead-n128"}
-        assert all(c.block_n == 128 and c.block_m == 128 for c in wide.values())
+        assert set(wide) == both | {"hopper-ws-pv-ahead-n128-split"}
+    elif kv == "bf16" and d == 64:  # a BF16 cache: no split release (it has no 8-bit copies to give back early)
+        assert set(wide) == both
     else:
         assert not wide
+    assert all(c.block_n == 128 and c.block_m == 128 for c in wide.values())
 
 
 def test_prefill_table_prints_eager_and_graph_ratios(capsys):
