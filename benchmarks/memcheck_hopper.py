@@ -16,12 +16,15 @@ and (without ``--decode-only``) on every Hopper prefill kernel: NaN rows for it,
 flag, and no access outside any tensor.
 
     compute-sanitizer --tool memcheck --error-exitcode 1 python benchmarks/memcheck_hopper.py \
-        [--decode-only | --bad-metadata-only | --prefill-only] [--routes int8/bf16,fp8/bf16] [--pv-in-flight-only]
+        [--decode-only | --bad-metadata-only | --prefill-only] [--routes int8/bf16,fp8/bf16] [--pv-in-flight-only] \
+        [--cases odd-d64-bs64]
 
 (``--bad-metadata-only``: the out-of-range metadata cases alone, decode and prefill -- the
 part a change to the kernels' prologues needs; ``--prefill-only``: no decode case;
 ``--routes``: of the prefill routes, only these cache/PV pairs; ``--pv-in-flight-only``: of the
-prefill configs, only those with 16-bit PV in flight in two consumer partitions.)
+prefill configs, only those with 16-bit PV in flight in two consumer partitions; ``--cases``:
+of the prefill cases, only these, and of the bad-metadata prefill kernels only those at their
+head_dims.)
 
 Each case is also compared with the portable kernel (rel-L2 printed; NaN or an unwritten
 row fails the script), so a run that reports no memory error also shows the kernel ran.
@@ -71,6 +74,17 @@ def _report(out, want, tol: float, label: str) -> bool:
 PREFILL_ROUTES = (("int8", "int8"), ("fp8", "fp8"), ("bf16", "bf16"), ("int8", "bf16"), ("fp8", "bf16"))
 
 
+def _selected_cases() -> dict:
+    """The prefill cases to run: ``--cases name,...`` or all of them."""
+    if "--cases" not in sys.argv:
+        return CASES
+    want = [c for c in sys.argv[sys.argv.index("--cases") + 1].split(",") if c]
+    unknown = set(want) - set(CASES)
+    if unknown:
+        raise SystemExit(f"unknown cases {sorted(unknown)}; known: {sorted(CASES)}")
+    return {name: CASES[name] for name in want}
+
+
 def _routes() -> tuple:
     """The prefill (cache, PV) routes to run: ``--routes kv/pv,...`` or all of them."""
     if "--routes" not in sys.argv:
@@ -92,7 +106,7 @@ def main() -> int:
     decode_only = "--decode-only" in sys.argv
     prefill_only = "--prefill-only" in sys.argv
     pv_in_flight_only = "--pv-in-flight-only" in sys.argv
-    prefill_cases = {} if decode_only or only_bad else CASES
+    prefill_cases = {} if decode_only or only_bad else _selected_cases()
     for name, (hq, hkv, d, bs, lens, qlens) in prefill_cases.items():
         # every route of the warp-specialized kernel: PV in the cache's precision, and the
         # 8-bit caches' 16-bit PV (the loader's fp16 V)
@@ -171,14 +185,18 @@ def _prefill_bad_metadata_cases(pv_in_flight_only: bool = False) -> int:
     os.environ["INT8ATTN_CHECK_VALUES"] = "0"
     failed = 0
     routes = _routes()
+    head_dims = {case[2] for case in _selected_cases().values()}
     for kv, which in testing.HOPPER_PREFILL_KERNELS:
+        if testing.hopper_prefill_head_dim(which) not in head_dims:
+            continue
         if pv_in_flight_only and "pv-in-flight" not in which:
             continue
         pv, config = testing.hopper_prefill_kernel(kv, which)
         if (kv, pv) not in routes:
             continue
-        b = testing.make_paged_batch([300, 400, 250], [120, 210, 90], num_q_heads=32, num_kv_heads=8, head_dim=128,
-                                     kv_dtype=kv, seed=17, device="cuda")
+        b = testing.make_paged_batch([300, 400, 250], [120, 210, 90], num_q_heads=32, num_kv_heads=8,
+                                     head_dim=testing.hopper_prefill_head_dim(which), kv_dtype=kv, seed=17,
+                                     device="cuda")
         for case, (bt, sl, qsl, bad_seq, _) in testing.bad_metadata_cases(b, overrun=50).items():
             out = hop.prefill_attention_hopper(b.query, b.cache, bt, sl, qsl, pv_mode=pv, config=config)
             torch.cuda.synchronize()

@@ -1237,6 +1237,20 @@ BAD_METADATA_KERNELS = [pytest.param(kv, which, id=f"{kv}-{which.replace('ws16',
 
 
 @pytest.mark.parametrize("kv,which", BAD_METADATA_KERNELS)
+def test_bad_metadata_kernels_are_valid_configs(kv, which):
+    """Every kernel the bad-metadata checks (GPU tests, memcheck script) name is a config the
+    launcher accepts at its head_dim; the "-d64" names are the 128-key-tile routes."""
+
+    class _C:
+        kv_dtype, head_dim, block_size = kv, testing.hopper_prefill_head_dim(which), 16
+
+    pv, config = testing.hopper_prefill_kernel(kv, which)
+    hop._check_config(config, _C(), 4, pv)  # raises ValueError on a config the launcher refuses
+    if which.endswith("-d64"):
+        assert (kv, pv, 64) in hop.WIDE_TILE_ROUTES and config.block_n == 128, config
+
+
+@pytest.mark.parametrize("kv,which", BAD_METADATA_KERNELS)
 @pytest.mark.parametrize("case", ["block id too large", "block id negative", "seq_len beyond table",
                                   "seq_len negative", "seq_len below q_len", "query range past num_tokens"])
 @pytest.mark.gpu
@@ -1249,7 +1263,8 @@ def test_gpu_bad_metadata_gives_nan_rows_and_a_flag(case, kv, which, monkeypatch
     from int8attn.errors import DeviceMetadataError, check_errors
 
     monkeypatch.setenv("INT8ATTN_CHECK_VALUES", "0")
-    b = _batch([300, 400, 250], [120, 210, 90], hq=32, hkv=8, d=128, kv=kv, seed=17, device="cuda")
+    b = _batch([300, 400, 250], [120, 210, 90], hq=32, hkv=8, d=testing.hopper_prefill_head_dim(which), kv=kv,
+               seed=17, device="cuda")
     pv, config = testing.hopper_prefill_kernel(kv, which)
     kw = dict(pv_mode=pv, config=config)
     good = hop.prefill_attention_hopper(*_args(b), **kw)
