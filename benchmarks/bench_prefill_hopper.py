@@ -304,6 +304,7 @@ def bench_bf16_peers(rec, shape, prefix):
         traceback.print_exc()
         _record(rec, **base, kernel="sdpa_bf16", error=repr(e)[:400])
         ref = None
+    _flashinfer_paged(rec, dict(base, kv_dtype="bf16 paged"), q, k, v, ops)
     try:
         from flash_attn.cute import flash_attn_func  # FlashAttention-4 (CuTe DSL)
     except Exception as e:  # noqa: BLE001
@@ -319,6 +320,32 @@ def bench_bf16_peers(rec, shape, prefix):
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         _record(rec, **base, kernel="fa4_bf16", error=repr(e)[:400])
+
+
+def _flashinfer_paged(rec, base, q, k, v, ops) -> None:
+    """FlashInfer's paged prefill (``backend="fa3"``, BF16, 16-token pages in a shuffled
+    order), the paged BF16 peer, on the dense peers' tokens; timed by this script's timers."""
+    import _peers as P
+
+    times = {}
+
+    class _Timer:  # the timing hook _peers calls: eager and, with --graph, graph replay
+        @staticmethod
+        def time(fn):
+            times.update(_timed(fn))
+            return times["us"]
+
+    try:
+        res = P.flashinfer_prefill(_Timer, q[0], k[0], v[0], [k.shape[1]], [q.shape[1]])
+    except P.Unavailable as e:
+        _record(rec, **base, kernel="flashinfer_fa3_bf16", error=str(e)[:300])
+        return
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        _record(rec, **base, kernel="flashinfer_fa3_bf16", error=repr(e)[:400])
+        return
+    _record(rec, **base, kernel="flashinfer_fa3_bf16", **times, tops=ops / times["us"] * 1e-6,
+            rel_l2_vs_fp32=res["rel_l2"], peer_version=res["peer_version"])
 
 
 #: Mixed-batch overlap variants: (label) -> (side stream priority, prefill launched first)
@@ -397,29 +424,31 @@ def bench_gemm_floor(rec, size: int = 8192):
 
 def print_table(rows, key: str = "us") -> None:
     """One line per timed kernel: ``key`` ("us" eager, or "graph_us"), TOP/s, and ratios
-    against the portable kernel on the same route, SDPA / FA4 BF16 and the BF16 cache on the
-    warp-specialized kernel ("WS16") on the same case (all from this run, all by ``key``)."""
+    against the portable kernel on the same route, SDPA / FA4 BF16 (dense), FlashInfer's paged
+    BF16 ("FI") and the BF16 cache on the warp-specialized kernel ("WS16") on the same case
+    (all from this run, all by ``key``)."""
     timed = [r for r in rows if key in r and "shape" in r and "batch" not in r and r.get("kernel") != "quantize_query"]
-    peers = {(r["shape"], r["prefix"], r["kernel"]): r[key] for r in timed if r.get("kv_dtype") == "bf16 dense"}
+    peers = {(r["shape"], r["prefix"], r["kernel"]): r[key] for r in timed if r.get("pv_mode") is None}
     port = {(r["shape"], r["prefix"], r["kv_dtype"], r["pv_mode"]): r[key] for r in timed
             if r.get("kernel") == "portable"}
     # the BF16 cache on the warp-specialized kernel: the ratio within one design
     ws16 = {(r["shape"], r["prefix"]): r[key] for r in timed
             if r.get("kernel") == "hopper-ws" and r.get("kv_dtype") == "bf16"}
     head = f"{'case':<22} {'kv/pv':<10} {'kernel':<23} {key:>9} {'TOP/s':>7} {'x port':>7} {'x SDPA':>7} " \
-           f"{'x FA4':>7} {'x WS16':>7} {'relL2':>7}"
+           f"{'x FA4':>7} {'x FI':>7} {'x WS16':>7} {'relL2':>7}"
     print("\n" + head + "\n" + "-" * len(head))
     for r in timed:
         case = f"{r['shape']} p{r['prefix']}"
-        route = "bf16" if r["kv_dtype"] == "bf16 dense" else f"{r['kv_dtype']}/{r['pv_mode']}"
+        route = "bf16" if r.get("pv_mode") is None else f"{r['kv_dtype']}/{r['pv_mode']}"
         p = port.get((r["shape"], r["prefix"], r["kv_dtype"], r.get("pv_mode")))
         sd = peers.get((r["shape"], r["prefix"], "sdpa_bf16"))
         fa = peers.get((r["shape"], r["prefix"], "fa4_bf16"))
+        fi = peers.get((r["shape"], r["prefix"], "flashinfer_fa3_bf16"))
         ratio = lambda ref: f"{ref / r[key]:7.2f}" if ref else f"{'-':>7}"  # noqa: E731
         err = r.get("rel_l2_vs_portable")
         tops = r["tops"] * r["us"] / r[key] if "tops" in r else 0.0
         print(f"{case:<22} {route:<10} {r['kernel']:<23} {r[key]:9.1f} {tops:7.1f} {ratio(p)} "
-              f"{ratio(sd)} {ratio(fa)} {ratio(ws16.get((r['shape'], r['prefix'])))} "
+              f"{ratio(sd)} {ratio(fa)} {ratio(fi)} {ratio(ws16.get((r['shape'], r['prefix'])))} "
               f"{'' if err is None else format(err, '7.4f')}")
     for r in rows if key == "us" else ():
         if r.get("kernel") == "gluon_wgmma_s8_gemm" and "tops" in r:
