@@ -1241,12 +1241,14 @@ def test_bad_metadata_kernels_are_valid_configs(kv, which):
     """Every kernel the bad-metadata checks (GPU tests, memcheck script) name is a config the
     launcher accepts at its head_dim; the "-d64" names are the 128-key-tile routes."""
 
+    d = testing.hopper_prefill_head_dim(which)
+
     class _C:
-        kv_dtype, head_dim, block_size = kv, testing.hopper_prefill_head_dim(which), 16
+        kv_dtype, head_dim, block_size = kv, d, 16
 
     pv, config = testing.hopper_prefill_kernel(kv, which)
     hop._check_config(config, _C(), 4, pv)  # raises ValueError on a config the launcher refuses
-    if which.endswith("-d64"):
+    if d == 64:
         assert (kv, pv, 64) in hop.WIDE_TILE_ROUTES and config.block_n == 128, config
 
 
