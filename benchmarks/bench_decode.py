@@ -302,7 +302,7 @@ def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_split
                min_block_m=p.config.min_block_m, swap_ab=p.config.swap_ab, maxnreg=p.config.maxnreg,
                fused_merge=p.config.fused_merge, merge=p.merge, head_split=p.head_split, pdl=p.config.pdl,
                pdl_trigger=_pdl_trigger(p),
-               cyclic_splits=p.config.cyclic_splits, bytes=nbytes,
+               cyclic_splits=p.config.cyclic_splits, query_pdl=p.config.query_pdl, bytes=nbytes,
                quantize_in_call=quantize_in_call,
                config_source="tuned" if cfg is not None and cfg == r.best.get(kv) else (
                    "default" if cfg is None else "explicit"), **res)
@@ -658,6 +658,30 @@ def small_batch_levers(r: Run) -> None:
             kernel_profile(r, kv, dataclasses.replace(base, pdl=False), 1, ctx)
 
 
+#: The "qpdl" section's rows: the producer's codes (no quantization in the call), then calls
+#: that quantize their query with the split kernel launched plainly and as the quantize
+#: kernel's programmatic dependent (DecodeConfig.query_pdl), the plain one again last.
+QUERY_PDL_ROWS = {"codes": (False, {}), "qcall plain": (True, {"query_pdl": False}),
+                  "qcall qpdl": (True, {"query_pdl": True}), "qcall plain again": (True, {"query_pdl": False})}
+
+
+@H.section("qpdl")
+def query_pdl(r: Run) -> None:
+    """Graph replays of default plans that quantize their query in the call: the split
+    kernel launched plainly after the quantize kernel, or as its programmatic dependent
+    (``DecodeConfig.query_pdl``), beside the same plan given the producer's codes."""
+    points = ((1, L8K), (1, CONTEXTS[-1]), (16, L8K), (4, L8K), (16, CONTEXTS[-1]), (64, L8K), (2, L8K), (1, 1024),
+              (64, CONTEXTS[-1]))
+    for bs, ctx in points if not SMOKE else points[:2]:
+        for kv in ("int8", "fp8"):
+            if r.late(f"qpdl {kv} bs{bs} L{ctx}"):
+                return
+            base = dec.plan_decode((bs, 24, 256), r.caches[kv], (bs, ctx // 16)).config
+            for name, (in_call, change) in QUERY_PDL_ROWS.items():
+                time_path(r, "qpdl", f"{kv} {name}", kv, None, dataclasses.replace(base, **change), HEADLINE, bs,
+                          ctx, graph_only=True, quantize_in_call=in_call)
+
+
 @H.section("d128")
 def d128(r: Run) -> None:
     """32q/8kv at head_dim 128 with the default configs, plus the candidate int8 configs
@@ -910,7 +934,7 @@ def main():
 
 
 SECTIONS = (accuracy, tune, grid, small_batch, occupancy, profiles, batch_sweep, multi_token, multi_token_configs,
-            head_split, fused_merge, small_batch_levers, d128, split_sweep, peers)
+            head_split, fused_merge, small_batch_levers, query_pdl, d128, split_sweep, peers)
 
 if __name__ == "__main__":
     main()

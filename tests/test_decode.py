@@ -1142,6 +1142,74 @@ def test_programmatic_dependent_merge(device, monkeypatch, kv, trigger):
                             config=dataclasses.replace(plain, pdl=bad))
 
 
+@pytest.mark.parametrize("migrated", [False, True], ids=["plain", "migrated"])
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_split_kernel_as_the_query_quantizations_dependent(device, monkeypatch, kv, migrated):
+    """``DecodeConfig(query_pdl=...)``: where a call quantizes its query in a kernel of its
+    own, the split kernel launched as that kernel's programmatic dependent gives the plain
+    launch's result bit for bit -- eagerly with the merge kernel and the "last" merge, and
+    replayed from a CUDA graph of the default "auto" plan -- with channel migration too;
+    on the GPU both kernels are compiled for it. None takes it where the GPU runs
+    programmatic launches (the default, False, until it is timed); calls given the
+    producer's codes, and launches that quantize the query themselves (every quantizing
+    launch under the interpreter, eager barrier launches), never do; a value that is not a
+    bool is refused at planning. Its
+    instructions: test_sm90_compile.test_split_kernel_waits_for_the_query_quantization_on_sm90."""
+    import int8attn.ops.decode as dec
+
+    if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90 or newer")
+    on = device == "cuda"
+    b = testing.make_paged_batch([300, 97, 1000], [1, 2, 1], num_q_heads=12, num_kv_heads=2, head_dim=64,
+                                 kv_dtype=kv, seed=62, device=device)
+    if migrated:
+        lam = torch.rand(2, 64, generator=torch.Generator().manual_seed(4)).add_(0.5).to(device)
+        b.cache.set_channel_migration(lam)
+    args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
+    assert dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape)).config.query_pdl is False
+    plain = DecodeConfig(block_n=32, num_warps=4, num_stages=3, fused_merge=False, query_pdl=False)
+
+    def run(config, **kw):
+        monkeypatch.setattr(dec, "default_config", lambda *a, **k: config)
+        launches.clear()
+        return decode_attention(*args, out=testing.poisoned_like(b.query), num_splits=7, **kw)
+
+    for merge in (False, "last"):
+        want = run(dataclasses.replace(plain, fused_merge=merge))
+        assert launches.last("_decode_split_kernel").facts["query_pdl"] is False
+        got = run(dataclasses.replace(plain, fused_merge=merge, query_pdl=None))
+        testing.assert_close_verbose(got, want, rel_l2=0.0, name=f"query_pdl, merge {merge}")
+        assert torch.equal(got, want), merge
+        split, quantize = launches.last("_decode_split_kernel"), launches.last("_quantize_query_kernel")
+        assert split.facts["query_pdl"] is on and (quantize is None) is (not on), (split.facts, quantize)
+        if on:
+            assert quantize.facts["query_pdl"] is True
+            assert getattr(split.compiled.metadata, "launch_pdl", None) is True
+    q_quant, q_scale = quantize_query(b.query, kv, channel_scale=b.cache.key_channel_scale)
+    run(dataclasses.replace(plain, query_pdl=None), q_quant=q_quant, q_scale=q_scale)
+    assert launches.last("_decode_split_kernel").facts["query_pdl"] is False
+    assert launches.last("_quantize_query_kernel") is None
+    if on:
+        want = run(dataclasses.replace(plain, fused_merge=False))
+        auto = dataclasses.replace(plain, fused_merge=None, query_pdl=None)
+        run(auto)  # eager: the barrier launch quantizes itself and loads the captured kernels
+        assert launches.last("_decode_split_kernel").facts["query_pdl"] is False
+        out = torch.empty_like(b.query)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            decode_attention(*args, out=out, num_splits=7)
+        assert launches.last("_decode_split_kernel").facts["query_pdl"] is True
+        out.fill_(math.nan)
+        graph.replay()
+        torch.cuda.synchronize()
+        testing.assert_close_verbose(out, want, rel_l2=0.0, name="query_pdl, graph replay")
+        assert torch.equal(out, want)
+    for bad in (1, "yes"):
+        with pytest.raises(ValueError, match="query_pdl must be None or a bool"):
+            dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape),
+                            config=dataclasses.replace(plain, query_pdl=bad))
+
+
 # (kv, pv, q_heads, kv_heads, head_dim, page, seq_lens, q_lens, splits, swap_ab)
 CYCLIC_CASES = [
     # odd lengths over 32-key tiles: one tile (1, 17), a split past the tiles (40: 2 tiles, 3

@@ -115,6 +115,10 @@ for key, rec in json.loads(sys.argv[1]).items():
                             "trigger": ptx.count("griddepcontrol.launch_dependents"),
                             "launch_pdl": bool(getattr(c.metadata, "launch_pdl", False)),
                             "prefetch": ptx.count("prefetch.global.L1")}
+    if "griddepcontrol.wait" in ptx:
+        head = ptx[:ptx.index("griddepcontrol.wait")]
+        out["variants"][key].update(loads_before_wait=head.count("ld.global"),
+                                    writes_before_wait=head.count("st.global") + head.count("atom."))
 print(json.dumps(out))
 """
 
@@ -157,7 +161,46 @@ def test_programmatic_dependent_merge_and_cyclic_splits_compile_for_sm90():
     none = {"wait": 0, "trigger": 0, "launch_pdl": False, "prefetch": 0}
     for key in ("split-start", "split-store"):
         assert facts[key] == {**none, "trigger": 1}, facts
-    assert facts["merge-pdl"] == {**none, "wait": 1, "launch_pdl": True}, facts
+    assert {k: v for k, v in facts["merge-pdl"].items() if k in none} == {**none, "wait": 1, "launch_pdl": True}, facts
     assert facts["split-cyclic"]["prefetch"] >= 1 and facts["split-cyclic"]["trigger"] == 0, facts
     for key in ("split", "merge", "split-cyclic-window"):
+        assert facts[key] == none, facts
+
+
+def test_split_kernel_waits_for_the_query_quantization_on_sm90():
+    """``DecodeConfig(query_pdl=...)``: the query quantization kernel with
+    ``LAUNCH_DEPENDENTS`` issues one griddepcontrol.launch_dependents; the split kernel with
+    ``QUERY_WAIT`` is compiled for a programmatic dependent launch and issues one
+    griddepcontrol.wait, after its metadata loads (the query bounds and the length) and
+    before any store or atomic (it must not read the codes, nor write, before the quantize
+    grid completes). The default launches hold neither."""
+    from _sm90 import run_compile_script
+    from int8attn.ops.decode import decode_attention
+    from int8attn.ops.producer import quantize_query
+
+    torch.manual_seed(0)
+    cache = int8attn.PagedKVCache(8, 16, 2, 64, kv_dtype="int8", device="cpu")
+    alloc = int8attn.BlockAllocator.for_cache(cache)
+    n = 70
+    int8attn.write_kv(cache, torch.randn(n, 2, 64, dtype=torch.bfloat16), torch.randn(n, 2, 64, dtype=torch.bfloat16),
+                      alloc.slot_mapping(0, n))
+    query = torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    with launched_kernels() as records:
+        q_quant, q_scale = quantize_query(query, "int8")
+        decode_attention(query, cache, alloc.block_table([0]), alloc.seq_lens([0]),
+                         torch.tensor([0, 1], dtype=torch.int32), q_quant=q_quant, q_scale=q_scale, num_splits=2)
+    split = next(r for r in records if r["name"] == "_decode_split_kernel")
+    quant = next(r for r in records if r["name"] == "_quantize_query_kernel")
+    assert split["constexprs"].get("SAFE"), "the default split launch clamps its metadata"
+    spec = {"split": split, "quantize": quant,
+            "split-wait": {**split, "constexprs": {**split["constexprs"], "QUERY_WAIT": True},
+                           "options": {**split["options"], "launch_pdl": True}},
+            "quantize-trigger": {**quant, "constexprs": {**quant["constexprs"], "LAUNCH_DEPENDENTS": True}}}
+    facts = run_compile_script(_LAUNCH_FACTS, spec)["variants"]
+    none = {"wait": 0, "trigger": 0, "launch_pdl": False, "prefetch": 0}
+    assert facts["quantize-trigger"] == {**none, "trigger": 1}, facts
+    wait = facts["split-wait"]
+    assert {k: wait[k] for k in none} == {**none, "wait": 1, "launch_pdl": True}, facts
+    assert wait["loads_before_wait"] >= 3 and wait["writes_before_wait"] == 0, facts
+    for key in ("split", "quantize"):
         assert facts[key] == none, facts

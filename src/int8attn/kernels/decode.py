@@ -60,7 +60,10 @@ itself (``quantize`` / ``quantize_lam``, :func:`_quantize_slot_query`): split 0 
 (sequence, grid axis 1) slot rounds the slot's rows into ``qc`` / ``qcs`` and the slot's
 other splits wait for them on a ready count that precedes the merge's words in the
 counters (one more word per slot). The query is then quantized once per launch, never
-per split, and an eager decode that quantizes its query is one launch.
+per split, and an eager decode that quantizes its query is one launch. ``QUERY_WAIT``: the
+codes come from :func:`int8attn.kernels.quantize._quantize_query_kernel` launched just
+before, this launch being its programmatic dependent (``griddepcontrol.wait`` once the
+metadata is loaded, before any other access).
 
 head_dim: any multiple of 16 from 16 to 256. The tiles span ``BLOCK_D``, head_dim rounded
 up to a power of two (``tl.arange`` and the MMA shapes need one); when the two differ, every
@@ -223,7 +226,7 @@ def _decode_split_kernel(
     FUSED_MERGE: tl.constexpr = 0, MERGE_GROUP: tl.constexpr = 8, MERGE_M: tl.constexpr = 16,
     MERGE_CHUNK: tl.constexpr = 1, HEAD_SPLIT: tl.constexpr = 1, MERGE_COLS: tl.constexpr = 16,
     QUERY_IN: tl.constexpr = 0, WINDOW: tl.constexpr = 0, PDL_TRIGGER: tl.constexpr = 0,
-    CYCLIC_SPLITS: tl.constexpr = False,
+    CYCLIC_SPLITS: tl.constexpr = False, QUERY_WAIT: tl.constexpr = False,
 ):
     if PDL_TRIGGER == PDL_AT_START:
         # the merge kernel (launched as this grid's programmatic dependent) may start once
@@ -253,6 +256,12 @@ def _decode_split_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
+    if QUERY_WAIT:
+        # Launched as the query quantization's programmatic dependent: the metadata above is
+        # the caller's, loaded while that grid runs; the codes are read and anything at all
+        # is written only after the whole quantize grid has completed and flushed. Every
+        # program waits (also those that exit below), so this grid never completes first.
+        gdc_wait()
     bad = False
     if SAFE:
         q_start, q_len, seq_len, bad_q, bad_len = _untrusted_metadata(q_start, q_len, seq_len, num_tokens,

@@ -36,6 +36,7 @@ helpers).
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 from ._errors import ERR_POSITION, ERR_SLOT, NO_INDEX, _raise_error
 from .codes import KIND_BF16, KIND_INT8
@@ -228,9 +229,12 @@ def _quantize_query_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_st, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, FULL: tl.constexpr,
     KIND: tl.constexpr, HAS_LAM: tl.constexpr, INTERPRET: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,
 ):
     """Rows = (token, head) pairs, BLOCK_R per program; FULL when num_rows % BLOCK_R == 0
-    and HEAD_DIM == BLOCK_D.
+    and HEAD_DIM == BLOCK_D. ``LAUNCH_DEPENDENTS``: every program lets the stream's next
+    kernel, launched as this grid's programmatic dependent (decode's split kernel), start
+    first thing; that kernel waits for this grid's completion before it reads the codes.
 
     q [T, H, D] (any float dtype, unit stride on D) -> out [T, H, D] int8 / fp8,
     scale [T, H] fp32. HAS_LAM: each row is multiplied by the channel-migration scale
@@ -238,6 +242,8 @@ def _quantize_query_kernel(
     quantized (one fp32 multiply per element). Row numbers are int32 (T * H < 2**31): a
     64-bit division by num_heads would cost a long subroutine per row.
     """
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     row_mask = rows < num_rows

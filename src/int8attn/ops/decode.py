@@ -109,6 +109,18 @@ class DecodeConfig:
     #: 16-64; "start" 0.5-2 us slower at batch 1-4 over 8k-32k (its waiting merge programs take
     #: the slots of split programs still to start); "exit" 0.1-0.3 us slower.
     pdl: bool | str | None = None
+    #: The split kernel as a programmatic dependent launch of the query quantization, in
+    #: calls that quantize their query in a kernel of its own (CUDA-graph captures of "auto"
+    #: plans, eager "kernel" and "last" plans; sm_90+, not under the interpreter): the
+    #: quantize programs let it launch first thing, and each split program loads its
+    #: metadata, then waits for the quantize grid (griddepcontrol.wait) before it reads the
+    #: codes or writes anything, so the split launch's latency and first memory round trip
+    #: overlap the quantization (a graph call that quantizes its query costs 2.5-6.7 us
+    #: more than one given the producer's codes at batch 1: benchmarks/notes/decode.md).
+    #: None: where the GPU runs programmatic launches
+    #: (:func:`int8attn.runtime.programmatic_launch`); False (default until it is timed on
+    #: a GPU: bench_decode.py's "qpdl" section): a plain launch.
+    query_pdl: bool | None = False
     #: Deal a sequence's KV tiles to the splits in turn (split s: tiles s, s + splits, ...)
     #: instead of in contiguous runs, so that each split program knows its first tiles
     #: before the sequence's length arrives and prefetches their block ids into L1 alongside
@@ -402,9 +414,12 @@ def _plan_decode(query_shape, cache: _PlanCache, block_table_shape, pv_mode=None
         raise ValueError(f"pdl must be None, a bool or one of {tuple(PDL_TRIGGER)}, got {config.pdl!r}")
     if not isinstance(config.cyclic_splits, bool):
         raise ValueError(f"cyclic_splits must be a bool, got {config.cyclic_splits!r}")
-    if config.pdl not in (None, False) and cache.device.type == "cuda" and not interpret_mode() \
-            and not programmatic_launch(cache.device):
-        raise ValueError("pdl (programmatic dependent launch) needs an sm_90 or newer GPU")
+    if config.query_pdl is not None and not isinstance(config.query_pdl, bool):
+        raise ValueError(f"query_pdl must be None or a bool, got {config.query_pdl!r}")
+    for name in ("pdl", "query_pdl"):
+        if getattr(config, name) not in (None, False) and cache.device.type == "cuda" and not interpret_mode() \
+                and not programmatic_launch(cache.device):
+            raise ValueError(f"{name} (programmatic dependent launch) needs an sm_90 or newer GPU")
     elem = cache.elem_bytes
     slots = resident_slots(config, cache.device, head_dim, elem)
     programs = num_seqs * cache.num_kv_heads * head_split
@@ -632,10 +647,10 @@ class DecodeLaunch:
         window: the sliding window (0: full causal attention; both kernels' ``WINDOW``).
     """
 
-    __slots__ = ("plan", "quantize", "_query_launch", "_q_codes", "_q_scales", "_device", "_part_acc", "_part_ml",
+    __slots__ = ("plan", "quantize", "_q_codes", "_q_scales", "_device", "_part_acc", "_part_ml",
                  "_split_grid", "_split_args", "_merge_grid", "_merge_args",
                  "_merge_constexprs", "_quantize_kernel", "_split_kernel", "_merge_kernel", "_quantize_kernel_lam",
-                 "_query_dims", "_counters", "_eager_split", "_graph_ready")
+                 "_query_dims", "_query_pdl", "_counters", "_eager_split", "_graph_ready")
 
     def __init__(self, plan: DecodePlan, cache: PagedKVCache, num_tokens: int, num_q_heads: int, num_seqs: int, *,
                  device, q_strides, q_scale_strides, out_strides, block_table_stride: int,
@@ -644,11 +659,10 @@ class DecodeLaunch:
         head_dim = cache.head_dim
         splits = plan.num_splits
         self.plan, self.quantize, self._device = plan, quantize, device
-        self._query_launch = self._q_codes = self._q_scales = None
+        self._q_codes = self._q_scales = None
         interpret = interpret_mode()
         raw_q_strides = q_strides
         if quantize:
-            self._query_launch = _query_launch(num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
             self._q_codes, self._q_scales = query_code_buffers(num_tokens, num_q_heads, head_dim, cache.kv_dtype,
                                                                device)
             q_strides, q_scale_strides = self._q_codes.stride(), self._q_scales.stride()
@@ -721,6 +735,12 @@ class DecodeLaunch:
             pdl = "store" if programmatic_launch(device) else False
         pdl = ("start" if pdl is True else pdl) if pdl and splits > 1 and not interpret else None
         trigger = PDL_TRIGGER[pdl] if pdl else 0
+        # the split kernel as the query quantization's programmatic dependent
+        # (DecodeConfig.query_pdl): only where a quantize kernel of its own runs just before it
+        query_pdl = plan.config.query_pdl
+        if query_pdl is None:
+            query_pdl = programmatic_launch(device)
+        query_pdl = bool(query_pdl) and quantize and not fuse_split and not interpret
         group = num_q_heads // cache.num_kv_heads // hs
         base = dict(
             GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
@@ -749,13 +769,16 @@ class DecodeLaunch:
             # launched through CachedLaunch: Triton binds the arguments on the first call only;
             # recorded in int8attn.launches: launches.last("_decode_split_kernel").facts
             if not fused:
+                if query_pdl:
+                    constexprs.update(QUERY_WAIT=True, launch_pdl=True)
                 return CachedLaunch(_decode_split_kernel, self._split_grid, constexprs,
                                     {"plan": plan, "safe": safe, "merge": mode, "query_in": "codes",
-                                     "pdl": pdl if mode == "kernel" else None},
+                                     "pdl": pdl if mode == "kernel" else None, "query_pdl": query_pdl},
                                     fixed_args=self._split_args)
             return tuple(CachedLaunch(_decode_split_kernel, self._split_grid, {**constexprs, "QUERY_IN": QUERY_IN[q]},
                                       {"plan": plan, "safe": safe, "merge": mode, "query_in": q,
-                                       "pdl": pdl if mode == "kernel" else None}, fixed_args=fused_args)
+                                       "pdl": pdl if mode == "kernel" else None, "query_pdl": False},
+                                      fixed_args=fused_args)
                          for q in ("quantize", "quantize_lam"))
 
         self._split_kernel = split_launch(merge, fuse_split)
@@ -763,8 +786,9 @@ class DecodeLaunch:
         self._graph_ready = self._eager_split is None  # eager calls run what a capture runs
         self._quantize_kernel = self._merge_kernel = self._quantize_kernel_lam = None
         self._query_dims = (num_tokens, num_q_heads, head_dim, cache.kv_dtype, interpret)
+        self._query_pdl = query_pdl
         if quantize:
-            self._quantize_kernel = CachedLaunch(_quantize_query_kernel, *self._query_launch)
+            self._quantize_kernel = self._quantize_launch(False)
         self._merge_grid = None
         if splits > 1 and merge == "kernel":
             merge_cols = merge_columns(head_dim)
@@ -837,6 +861,14 @@ class DecodeLaunch:
             if self._merge_kernel is not None:
                 self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc)
 
+    def _quantize_launch(self, has_lam: bool) -> CachedLaunch:
+        """The query quantization's launch (``has_lam``: with channel migration); its
+        programs trigger the split kernel's launch first thing with ``query_pdl``."""
+        grid, options = _query_launch(*self._query_dims, has_lam)
+        if self._query_pdl:
+            options = {**options, "LAUNCH_DEPENDENTS": True}
+        return CachedLaunch(_quantize_query_kernel, grid, options, {"query_pdl": self._query_pdl})
+
     def _run_split(self, launch, query, q_quant, q_scale, cache, tail, prepare: bool = False) -> None:
         """One split-kernel launch: ``launch`` a CachedLaunch reading the query's codes
         (quantized first, with ``quantize``), or a (plain, migrated) pair that quantizes
@@ -854,8 +886,7 @@ class DecodeLaunch:
                 quantize = self._quantize_kernel
             else:
                 if self._quantize_kernel_lam is None:
-                    self._quantize_kernel_lam = CachedLaunch(_quantize_query_kernel,
-                                                             *_query_launch(*self._query_dims, True))
+                    self._quantize_kernel_lam = self._quantize_launch(True)
                 quantize = self._quantize_kernel_lam
             (quantize.prepare if prepare else quantize)(*quantize_query_args(query, q_quant, q_scale, lam))
         (launch.prepare if prepare else launch)(q_quant, q_scale, *tail)
