@@ -102,14 +102,18 @@ def prefill_cases() -> None:
 
 def decode_cases() -> None:
     """Every case with the split + merge kernels and with each fused merge (one launch:
-    the last split merges, or every split after a barrier; the barrier only on a GPU)."""
+    the last split merges, or every split after a barrier; the barrier only on a GPU). The
+    split kernel is the query quantization's programmatic dependent wherever the GPU takes
+    that launch (``query_pdl=None``), whatever the default: the split + merge and "last"
+    runs quantize their query in a kernel of their own."""
     import dataclasses
 
     from int8attn.ops import decode as dec
 
     real = dec.default_config
     for fused in (False, True, "barrier") if DEVICE == "cuda" else (False, True):
-        dec.default_config = lambda *a, k_=fused, **k: dataclasses.replace(real(*a, **k), fused_merge=k_)
+        dec.default_config = lambda *a, k_=fused, **k: dataclasses.replace(real(*a, **k), fused_merge=k_,
+                                                                           query_pdl=None)
         try:
             _decode_cases({False: "", True: "fused ", "barrier": "barrier "}[fused])
         finally:
