@@ -123,16 +123,12 @@ print(json.dumps(out))
 """
 
 
-def test_programmatic_dependent_merge_and_cyclic_splits_compile_for_sm90():
-    """``DecodeConfig(pdl=...)`` (which the interpreter runs as the plain merge): the split
-    kernel triggering at its start or after its tile loop (PDL_TRIGGER) issues one
-    griddepcontrol.launch_dependents, the merge kernel with PDL one griddepcontrol.wait and
-    is compiled for a programmatic dependent launch. ``DecodeConfig(cyclic_splits=True)``:
-    the split kernel prefetches block ids (prefetch.global.L1; not under a sliding window,
-    whose first tile depends on the length). The default launches hold none of these."""
-    from _sm90 import run_compile_script
-    from int8attn.kernels.codes import PDL_TRIGGER
+def _small_decode_records(given_codes: bool) -> list:
+    """The launch records of one int8 decode call (one sequence of 70 keys, GQA 2, head_dim
+    64, two splits) under the interpreter; ``given_codes``: the query quantized first by
+    the query quantization kernel (recorded too) and passed as codes."""
     from int8attn.ops.decode import decode_attention
+    from int8attn.ops.producer import quantize_query
 
     torch.manual_seed(0)
     cache = int8attn.PagedKVCache(8, 16, 2, 64, kv_dtype="int8", device="cpu")
@@ -142,8 +138,23 @@ def test_programmatic_dependent_merge_and_cyclic_splits_compile_for_sm90():
                       alloc.slot_mapping(0, n))
     query = torch.randn(1, 4, 64, dtype=torch.bfloat16)
     with launched_kernels() as records:
+        codes = dict(zip(("q_quant", "q_scale"), quantize_query(query, "int8"))) if given_codes else {}
         decode_attention(query, cache, alloc.block_table([0]), alloc.seq_lens([0]),
-                         torch.tensor([0, 1], dtype=torch.int32), num_splits=2)
+                         torch.tensor([0, 1], dtype=torch.int32), num_splits=2, **codes)
+    return records
+
+
+def test_programmatic_dependent_merge_and_cyclic_splits_compile_for_sm90():
+    """``DecodeConfig(pdl=...)`` (which the interpreter runs as the plain merge): the split
+    kernel triggering at its start or after its tile loop (PDL_TRIGGER) issues one
+    griddepcontrol.launch_dependents, the merge kernel with PDL one griddepcontrol.wait and
+    is compiled for a programmatic dependent launch. ``DecodeConfig(cyclic_splits=True)``:
+    the split kernel prefetches block ids (prefetch.global.L1; not under a sliding window,
+    whose first tile depends on the length). The default launches hold none of these."""
+    from _sm90 import run_compile_script
+    from int8attn.kernels.codes import PDL_TRIGGER
+
+    records = _small_decode_records(given_codes=False)
     split = next(r for r in records if r["name"] == "_decode_split_kernel")
     merge = next(r for r in records if r["name"] == "_decode_merge_kernel")
 
@@ -175,20 +186,8 @@ def test_split_kernel_waits_for_the_query_quantization_on_sm90():
     before any store or atomic (it must not read the codes, nor write, before the quantize
     grid completes). The default launches hold neither."""
     from _sm90 import run_compile_script
-    from int8attn.ops.decode import decode_attention
-    from int8attn.ops.producer import quantize_query
 
-    torch.manual_seed(0)
-    cache = int8attn.PagedKVCache(8, 16, 2, 64, kv_dtype="int8", device="cpu")
-    alloc = int8attn.BlockAllocator.for_cache(cache)
-    n = 70
-    int8attn.write_kv(cache, torch.randn(n, 2, 64, dtype=torch.bfloat16), torch.randn(n, 2, 64, dtype=torch.bfloat16),
-                      alloc.slot_mapping(0, n))
-    query = torch.randn(1, 4, 64, dtype=torch.bfloat16)
-    with launched_kernels() as records:
-        q_quant, q_scale = quantize_query(query, "int8")
-        decode_attention(query, cache, alloc.block_table([0]), alloc.seq_lens([0]),
-                         torch.tensor([0, 1], dtype=torch.int32), q_quant=q_quant, q_scale=q_scale, num_splits=2)
+    records = _small_decode_records(given_codes=True)
     split = next(r for r in records if r["name"] == "_decode_split_kernel")
     quant = next(r for r in records if r["name"] == "_quantize_query_kernel")
     assert split["constexprs"].get("SAFE"), "the default split launch clamps its metadata"
