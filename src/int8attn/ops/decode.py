@@ -109,6 +109,14 @@ class DecodeConfig:
     #: 16-64; "start" 0.5-2 us slower at batch 1-4 over 8k-32k (its waiting merge programs take
     #: the slots of split programs still to start); "exit" 0.1-0.3 us slower.
     pdl: bool | str | None = None
+    #: Deal a sequence's KV tiles to the splits in turn (split s: tiles s, s + splits, ...)
+    #: instead of in contiguous runs, so that each split program knows its first tiles
+    #: before the sequence's length arrives and prefetches their block ids into L1 alongside
+    #: the length loads (no sliding window): one dependent memory round trip fewer before its
+    #: first K/V copy. The same splits are active, so the merge is unchanged. Measured on an
+    #: H100: no gain (within 0.5 us at batch 1-4 over 1k-8k keys, 0.8-1.1 us slower at batch 1
+    #: over 32k, 1.2% slower at batch 16: a split's pages lie spread over the sequence); off.
+    cyclic_splits: bool = False
     #: The split kernel as a programmatic dependent launch of the query quantization, in
     #: calls that quantize their query in a kernel of its own (CUDA-graph captures of "auto"
     #: plans, eager "kernel" and "last" plans; sm_90+, not under the interpreter): the
@@ -121,14 +129,6 @@ class DecodeConfig:
     #: (:func:`int8attn.runtime.programmatic_launch`); False (default until it is timed on
     #: a GPU: bench_decode.py's "qpdl" section): a plain launch.
     query_pdl: bool | None = False
-    #: Deal a sequence's KV tiles to the splits in turn (split s: tiles s, s + splits, ...)
-    #: instead of in contiguous runs, so that each split program knows its first tiles
-    #: before the sequence's length arrives and prefetches their block ids into L1 alongside
-    #: the length loads (no sliding window): one dependent memory round trip fewer before its
-    #: first K/V copy. The same splits are active, so the merge is unchanged. Measured on an
-    #: H100: no gain (within 0.5 us at batch 1-4 over 1k-8k keys, 0.8-1.1 us slower at batch 1
-    #: over 32k, 1.2% slower at batch 16: a split's pages lie spread over the sequence); off.
-    cyclic_splits: bool = False
 
 
 #: Bytes of one K+V tile the default configs aim at, and the shared memory they may
