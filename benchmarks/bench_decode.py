@@ -23,7 +23,10 @@ over). Sections, each under try/except so one failure does not lose the rest:
 5. ``batch``: bs 1..64 at L 8k (no cliff); 6. ``mt``: q_len 2 and 4 at a few points;
    ``mtcfg``: q4 over candidate 32-row configs (one program per KV head); ``hsplit``: q4 /
    q8 with the planner's head split against one program per KV head; ``fused``: the
-   fused merge (one launch) against split + merge kernels, graph and eager;
+   fused merge (one launch) against split + merge kernels, graph and eager; ``pdl``: the
+   merge as the split kernel's programmatic dependent (trigger positions) and cyclic
+   splits; ``qpdl``: calls that quantize their query, the split kernel launched plainly or
+   as the quantize kernel's programmatic dependent, beside the producer's codes;
 7. ``d128``: 32q/8kv D128; 8. ``splits``: split counts around the planner's choice;
 9. ``peers``: FlashInfer paged decode (fa2 tensor-core kernel, BF16 and FP8 e4m3 K/V) at
    the headline grid points, when installed (benchmarks/_peers.py; rows carry its version).
