@@ -1153,8 +1153,8 @@ def test_split_kernel_as_the_query_quantizations_dependent(device, monkeypatch, 
     programmatic launches (the default, False, until it is timed); calls given the
     producer's codes, and launches that quantize the query themselves (every quantizing
     launch under the interpreter, eager barrier launches), never do; a value that is not a
-    bool is refused at planning. Its
-    instructions: test_sm90_compile.test_split_kernel_waits_for_the_query_quantization_on_sm90."""
+    bool is refused at planning. Its instructions:
+    test_sm90_compile.test_split_kernel_waits_for_the_query_quantization_on_sm90."""
     import int8attn.ops.decode as dec
 
     if device == "cuda" and torch.cuda.get_device_capability()[0] < 9:

@@ -172,7 +172,10 @@ def test_programmatic_dependent_merge_and_cyclic_splits_compile_for_sm90():
     none = {"wait": 0, "trigger": 0, "launch_pdl": False, "prefetch": 0}
     for key in ("split-start", "split-store"):
         assert facts[key] == {**none, "trigger": 1}, facts
-    assert {k: v for k, v in facts["merge-pdl"].items() if k in none} == {**none, "wait": 1, "launch_pdl": True}, facts
+    merge_pdl = facts["merge-pdl"]
+    assert {k: merge_pdl[k] for k in none} == {**none, "wait": 1, "launch_pdl": True}, facts
+    # its metadata (the caller's tensors) is loaded before the wait, nothing is written
+    assert merge_pdl["loads_before_wait"] >= 3 and merge_pdl["writes_before_wait"] == 0, facts
     assert facts["split-cyclic"]["prefetch"] >= 1 and facts["split-cyclic"]["trigger"] == 0, facts
     for key in ("split", "merge", "split-cyclic-window"):
         assert facts[key] == none, facts
