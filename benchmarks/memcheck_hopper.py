@@ -74,26 +74,26 @@ def _report(out, want, tol: float, label: str) -> bool:
 PREFILL_ROUTES = (("int8", "int8"), ("fp8", "fp8"), ("bf16", "bf16"), ("int8", "bf16"), ("fp8", "bf16"))
 
 
+def _chosen(flag: str, known, parse=lambda item: item) -> list:
+    """Of ``known``, in its order, those ``flag item,...`` names (each item read by
+    ``parse``), or all of them without the flag; an unknown item ends the script."""
+    if flag not in sys.argv:
+        return list(known)
+    want = {parse(item) for item in sys.argv[sys.argv.index(flag) + 1].split(",") if item}
+    unknown = want - set(known)
+    if unknown:
+        raise SystemExit(f"unknown {flag[2:]} {sorted(unknown)}; known: {list(known)}")
+    return [k for k in known if k in want]
+
+
 def _selected_cases() -> dict:
     """The prefill cases to run: ``--cases name,...`` or all of them."""
-    if "--cases" not in sys.argv:
-        return CASES
-    want = [c for c in sys.argv[sys.argv.index("--cases") + 1].split(",") if c]
-    unknown = set(want) - set(CASES)
-    if unknown:
-        raise SystemExit(f"unknown cases {sorted(unknown)}; known: {sorted(CASES)}")
-    return {name: CASES[name] for name in want}
+    return {name: CASES[name] for name in _chosen("--cases", CASES)}
 
 
 def _routes() -> tuple:
     """The prefill (cache, PV) routes to run: ``--routes kv/pv,...`` or all of them."""
-    if "--routes" not in sys.argv:
-        return PREFILL_ROUTES
-    want = {tuple(r.split("/")) for r in sys.argv[sys.argv.index("--routes") + 1].split(",") if r}
-    unknown = want - set(PREFILL_ROUTES)
-    if unknown:
-        raise SystemExit(f"unknown routes {sorted(unknown)}; known: {PREFILL_ROUTES}")
-    return tuple(r for r in PREFILL_ROUTES if r in want)
+    return tuple(_chosen("--routes", PREFILL_ROUTES, lambda item: tuple(item.split("/"))))
 
 
 #: The decode kernels: (keys_on_m, consumer warpgroups), None the kernel's default
