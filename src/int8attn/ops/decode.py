@@ -740,7 +740,7 @@ class DecodeLaunch:
         query_pdl = plan.config.query_pdl
         if query_pdl is None:
             query_pdl = programmatic_launch(device)
-        query_pdl = bool(query_pdl) and quantize and not fuse_split and not interpret
+        query_pdl = bool(query_pdl) and quantize and not fuse_split  # (fused under the interpreter)
         group = num_q_heads // cache.num_kv_heads // hs
         base = dict(
             GROUP=num_q_heads // cache.num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
