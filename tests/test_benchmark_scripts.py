@@ -1,7 +1,8 @@
 """Benchmark scripts' CPU-side logic: the P-step emulation's finding (benchmarks/emulate_p_step.py),
 the prefill benchmark's tables (benchmarks/bench_prefill_hopper.print_table), the source-tree
-A/B's exports (benchmarks/ab_trees_prefill_hopper.py) and the reader of Nsight Compute's
-per-instruction tables (benchmarks/ncu_source_table.py)."""
+A/B's exports (benchmarks/ab_trees_prefill_hopper.py), the reader of Nsight Compute's
+per-instruction tables (benchmarks/ncu_source_table.py) and the decode timeline's summary
+(benchmarks/timeline_decode.py)."""
 
 import importlib.util
 import sys
@@ -11,8 +12,11 @@ import pytest
 
 
 def _script(name: str):
-    """benchmarks/<name>.py as a module."""
+    """benchmarks/<name>.py as a module (its directory importable, as when it is run: the
+    scripts import the shared harness)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    if str(path.parent) not in sys.path:
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -144,4 +148,28 @@ def test_tree_ab_exports_revisions_and_directories_and_refuses_without_a_gpu(tmp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         ab.main(["--trees", "HEAD,HEAD", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_decode_timeline_reads_one_call_from_its_stamps(tmp_path, monkeypatch):
+    """benchmarks/timeline_decode.py: one call's figures (µs, from the previous call's last
+    store) out of its split and merge programs' stamp rows (ns; -1 not written: a split program
+    that left early has no tiles or stores, and takes no part in the per-program figures);
+    without a CUDA GPU the script stops with a clear message."""
+    import torch
+    timeline = _script("timeline_decode")
+    # rows: start, metadata, tiles, stored, SM (split); start, waited, stored, SM (merge)
+    split = torch.tensor([[1000, 1600, 5600, 5900, 3], [1100, 1700, -1, -1, 7], [1300, 1800, 6800, 7000, 3]])
+    merge = torch.tensor([[2000, 7100, 7900, 1], [2100, 7200, 8100, 2]])
+    assert timeline.last_store(split, merge) == 8100 and timeline.last_store(split, None) == 7000
+    assert timeline.first_start(split) == 1000
+    got = timeline.summarize(split, merge, prev_end=400, next_start=9400)
+    assert got == {"programs": 3, "active_programs": 2, "sms": 2, "launch_us": 0.6, "ramp_us": 0.3,
+                   "metadata_us": 0.55, "metadata_max_us": 0.6, "tiles_us": 4.5, "tiles_max_us": 5.0,
+                   "store_us": 0.25, "store_max_us": 0.3, "split_end_us": 6.6, "merge_programs": 2,
+                   "merge_start_us": 1.6, "merge_waited_us": 6.8, "merge_end_us": 7.7, "period_us": 8.4}, got
+    assert "merge_start_us" not in timeline.summarize(split, None, 400, None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        timeline.main(["--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()

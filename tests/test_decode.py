@@ -1244,3 +1244,77 @@ def test_cyclic_splits_match_references(kv, pv, hq, hkv, d, page, seq_lens, q_le
     with pytest.raises(ValueError, match="cyclic_splits must be a bool"):
         dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape),
                         config=dataclasses.replace(cfg, cyclic_splits=1))
+
+
+def test_stamped_launches_time_every_program_and_change_no_output(device):
+    """``DecodeLaunch.stamped`` (the decode timeline's kernels, ``STAMPS``): the split and
+    merge kernels give the plain launches' output bit for bit, eagerly and replayed from a
+    CUDA graph; every program stamps its start and SM, every split program with tiles its
+    metadata, last accumulator and stores in that order, the others nothing more; the merge
+    programs pass their wait (as the split kernel's programmatic dependents where the GPU
+    runs them) only after the last split program has issued its stores. Refused under the
+    interpreter and for rows of the wrong shape. Instructions:
+    test_sm90_compile.test_decode_stamps_compile_for_sm90_after_what_they_wait_for."""
+    import int8attn.ops.decode as dec
+    from int8attn.kernels._timeline import MERGE_STAMPS, SPLIT_STAMPS
+
+    seq_lens, splits = [300, 97, 1000, 17], 5
+    b = testing.make_paged_batch(seq_lens, [1] * 4, num_q_heads=12, num_kv_heads=2, head_dim=64, kv_dtype="int8",
+                                 seed=71, device=device)
+    q_quant, q_scale = quantize_query(b.query, "int8")
+    base = dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), num_splits=splits)
+    plan = dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape), num_splits=splits,
+                           config=dataclasses.replace(base.config, fused_merge=False))
+    launch = dec.DecodeLaunch.for_tensors(plan, b.cache, b.query, q_quant, q_scale, b.block_table, b.query.stride())
+    scale = dec.qk_scale_of(None, 64)
+
+    def call(out):
+        launch(b.query, q_quant, q_scale, b.cache, b.block_table, b.seq_lens, b.query_start_loc, out, scale)
+        return out
+
+    if device != "cuda":
+        with pytest.raises(ValueError, match="run on a CUDA GPU"):
+            with launch.stamped(*launch.stamp_rows()):
+                pass
+        return
+    split_rows, merge_rows = launch.stamp_rows()
+    assert merge_rows is not None and split_rows.shape[1] == len(SPLIT_STAMPS)
+    with pytest.raises(ValueError, match="stamp rows"):
+        with launch.stamped(split_rows[1:], merge_rows):
+            pass
+    want = call(testing.poisoned_like(b.query))
+    with launch.stamped(split_rows, merge_rows):
+        got = call(testing.poisoned_like(b.query))
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    S, M = {n: i for i, n in enumerate(SPLIT_STAMPS)}, {n: i for i, n in enumerate(MERGE_STAMPS)}
+    rows = split_rows.cpu().view(len(seq_lens), b.cache.num_kv_heads, splits, len(SPLIT_STAMPS))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for seq, n in enumerate(seq_lens):
+        active = min(splits, -(-n // plan.config.block_n))
+        for split in range(splits):
+            for r in rows[seq, :, split]:
+                t = [int(r[S[k]]) for k in ("start", "metadata", "tiles", "stored")]
+                assert 0 < t[0] <= t[1] and 0 <= int(r[S["sm"]]) < sms, (seq, split, r)
+                if split < active:
+                    assert t[1] <= t[2] <= t[3], (seq, split, r)
+                else:
+                    assert t[2] == t[3] == -1, (seq, split, r)
+    merge = merge_rows.cpu()
+    assert (merge[:, M["start"]] > 0).all() and (merge[:, M["sm"]] >= 0).all()
+    written = merge[:, M["stored"]] > 0  # programs of sequences with several active splits
+    assert written.any()
+    assert launches.last("_decode_merge_kernel").facts["stamps"] is True
+    assert (merge[written, M["waited"]] >= split_rows[:, S["stored"]].max().cpu()).all()
+    assert (merge[written, M["stored"]] >= merge[written, M["waited"]]).all()
+    # replayed from a CUDA graph: the same output, the rows written again
+    split_rows.fill_(-1)
+    out = testing.poisoned_like(b.query)
+    graph = torch.cuda.CUDAGraph()
+    with launch.stamped(split_rows, merge_rows):
+        with torch.cuda.graph(graph):
+            call(out)
+    split_rows.fill_(-1)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and (split_rows[:, S["start"]] > 0).all()

@@ -167,6 +167,31 @@ def test_left_out_constexprs_take_the_kernels_defaults(monkeypatch):
     assert [e[0] for e in k.log] == ["bound", "direct"] and k.log[1][2] == (x, 1, 64, False)
 
 
+def test_a_variant_adds_keyword_arguments_and_is_cached_on_its_own(monkeypatch):
+    """``CachedLaunch.variant``: the same kernel, grid and fixed arguments with keyword
+    arguments added (a diagnostic's constexpr and its buffer, ``STAMPS`` and ``stamp_ptr``):
+    bound with them on its first call, then launched directly with them in signature order;
+    the original launch is unchanged, and the variant's records carry the added facts."""
+    def fn(x, n, BLOCK, FLAG=False, stamp_ptr=None, STAMPS=False):
+        pass
+
+    monkeypatch.setattr(_Kernel, "fn", fn, raising=False)
+    monkeypatch.setattr(_Kernel, "arg_names", ["x", "n", "BLOCK", "FLAG", "stamp_ptr", "STAMPS"])
+    k = _Kernel()
+    launch = CachedLaunch(k, (2,), dict(BLOCK=64), {"plan": 1}, fixed_args=(5,))
+    rows = torch.zeros(8, dtype=torch.int64)
+    stamped = launch.variant({"stamps": True}, stamp_ptr=rows, STAMPS=True)
+    x = torch.zeros(4)
+    stamped(x)
+    stamped(x)
+    launch(x)
+    assert [e[0] for e in k.log] == ["bound", "direct", "bound"]
+    assert k.log[0][2] == (x, 5) and k.log[0][3]["stamp_ptr"] is rows and k.log[0][3]["STAMPS"] is True
+    assert k.log[1][2] == (x, 5, 64, False, rows, True)
+    assert "STAMPS" not in k.log[2][3] and launch.constexprs.get("STAMPS") is None
+    assert stamped._facts == {"plan": 1, "grid": (2, 1, 1), "stamps": True}
+
+
 def test_direct_runner_calls_the_compiled_launcher_unless_a_hook_is_registered(monkeypatch):
     """The direct path passes what Triton's own runner passes to the compiled launcher
     (grid, the current stream, function, packed metadata) with no launch metadata and no

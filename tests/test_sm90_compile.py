@@ -206,3 +206,67 @@ def test_split_kernel_waits_for_the_query_quantization_on_sm90():
     assert wait["loads_before_wait"] >= 3 and wait["writes_before_wait"] == 0, facts
     for key in ("split", "quantize"):
         assert facts[key] == none, facts
+
+
+_STAMP_FACTS = r"""
+import importlib, json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from int8attn.gate import sass
+out = {"variants": {}}
+for key, rec in json.loads(sys.argv[1]).items():
+    fn = getattr(importlib.import_module(rec["module"]), rec["name"])
+    c = triton.compile(ASTSource(fn=fn, signature=rec["signature"], constexprs=rec["constexprs"]),
+                       target=GPUTarget("cuda", 90, 32), options=rec["options"])
+    ptx = c.asm["ptx"]
+    ops = [(op, args) for insts in sass.instructions(sass.dump_sass(c.asm["cubin"])).values() for _, op, args in insts]
+    timers = [i for i, (op, args) in enumerate(ops) if "SR_GLOBALTIMER" in args]
+    loads = [i for i, (op, _) in enumerate(ops) if op.startswith("LDG")]
+    # the second read (the metadata stamp): an instruction between the loads and it reads a
+    # loaded register, so in-order issue holds the timer read until the metadata has arrived
+    waited = None
+    if len(timers) > 1:
+        first = [j for j in loads if j < timers[1]]
+        regs = {ops[j][1].split(",")[0].strip() for j in first}
+        waited = any(r in re.findall(r"\bR\d+\b", ops[i][1].split(",", 1)[-1]) for i in range(first[-1] + 1, timers[1])
+                     for r in regs) if first else False
+    out["variants"][key] = {"ptx_timers": ptx.count("%globaltimer"), "ptx_sm": ptx.count("%smid"),
+                            "sass_timers": len(timers), "metadata_waited": waited,
+                            # SASS loads issued before each timer read
+                            "loads_before": [sum(1 for j in loads if j < t) for t in timers]}
+print(json.dumps(out))
+"""
+
+
+def test_decode_stamps_compile_for_sm90_after_what_they_wait_for():
+    """The decode kernels' ``STAMPS`` constexpr (a timeline diagnostic's per-program times,
+    kernels._timeline): the split kernel reads the global timer four times (start, metadata,
+    last accumulator, stores) and the SM id once, the merge kernel three times and once; in
+    the sm_90 SASS the split kernel's metadata stamp comes after its three metadata loads and
+    its accumulator stamp after the K/V loads, the swapped tile's too; a default build
+    (STAMPS off) reads neither register."""
+    from _sm90 import run_compile_script
+
+    records = _small_decode_records(given_codes=True)
+    split = next(r for r in records if r["name"] == "_decode_split_kernel")
+    merge = next(r for r in records if r["name"] == "_decode_merge_kernel")
+
+    def stamped(rec, **constexprs):
+        const = {k: v for k, v in rec["constexprs"].items() if k != "stamp_ptr"}
+        return {**rec, "constexprs": {**const, **constexprs, "STAMPS": True},
+                "signature": {**rec["signature"], "stamp_ptr": "*i64"}}
+
+    spec = {"split": split, "merge": merge, "split-stamps": stamped(split),
+            "split-swapped-stamps": stamped(split, SWAP_AB=True), "merge-stamps": stamped(merge)}
+    facts = run_compile_script(_STAMP_FACTS, spec)["variants"]
+    for key in ("split", "merge"):
+        assert facts[key]["ptx_timers"] == facts[key]["ptx_sm"] == facts[key]["sass_timers"] == 0, facts
+    for key in ("split-stamps", "split-swapped-stamps"):
+        f = facts[key]
+        assert (f["ptx_timers"], f["ptx_sm"], f["sass_timers"]) == (4, 1, 4), facts
+        start, metadata, tiles, _ = f["loads_before"]
+        assert start == 0 and metadata >= 3 and tiles > metadata and f["metadata_waited"], facts
+    f = facts["merge-stamps"]
+    assert (f["ptx_timers"], f["ptx_sm"], f["sass_timers"]) == (3, 1, 3), facts
+    assert f["loads_before"][0] == 0 and f["loads_before"][1] >= 3 and f["metadata_waited"], facts

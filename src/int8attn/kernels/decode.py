@@ -65,6 +65,10 @@ codes come from :func:`int8attn.kernels.quantize._quantize_query_kernel` launche
 before, this launch being its programmatic dependent (``griddepcontrol.wait`` once the
 metadata is loaded, before any other access).
 
+``STAMPS`` (both kernels; no library launch sets it): each program writes a row of times and
+its SM id into ``stamp_ptr`` (:mod:`int8attn.kernels._timeline`), for the decode timeline
+diagnostic; off, the kernels compile to the same instructions as without it.
+
 head_dim: any multiple of 16 from 16 to 256. The tiles span ``BLOCK_D``, head_dim rounded
 up to a power of two (``tl.arange`` and the MMA shapes need one); when the two differ, every
 load masks the padding channels to zero (they add nothing to a score) and the stores skip
@@ -100,6 +104,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._errors import ERR_BLOCK_ID, ERR_QUERY_LEN, ERR_SEQ_LEN, _raise_error
 from ._masks import _visible
+from ._timeline import MERGE_STAMP_WIDTH, SPLIT_STAMP_WIDTH, _program_row, _stamp, _stamp_sm
 from .codes import (KIND_BF16, KIND_FP8, KIND_INT8, MERGE_BARRIER, MERGE_LAST, PDL_AT_START, PDL_AT_STORE, PV_BF16,
                     PV_FP8, PV_INT8, PV_INT8_SIGNED, QUERY_CODES, QUERY_QUANTIZE_LAM)
 from .quantize import _quantize_rows, _round_to_e4m3_grid
@@ -227,7 +232,12 @@ def _decode_split_kernel(
     MERGE_CHUNK: tl.constexpr = 1, HEAD_SPLIT: tl.constexpr = 1, MERGE_COLS: tl.constexpr = 16,
     QUERY_IN: tl.constexpr = 0, WINDOW: tl.constexpr = 0, PDL_TRIGGER: tl.constexpr = 0,
     CYCLIC_SPLITS: tl.constexpr = False, QUERY_WAIT: tl.constexpr = False,
+    stamp_ptr=None, STAMPS: tl.constexpr = False,
 ):
+    if STAMPS:  # a timeline diagnostic's row (kernels._timeline.SPLIT_STAMPS)
+        stamps = _program_row(stamp_ptr, SPLIT_STAMP_WIDTH)
+        _stamp(stamps, 0, tl.program_id(0))
+        _stamp_sm(stamps, 4)
     if PDL_TRIGGER == PDL_AT_START:
         # the merge kernel (launched as this grid's programmatic dependent) may start once
         # every program got here: its programs load their metadata while these run, then
@@ -256,6 +266,8 @@ def _decode_split_kernel(
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
+    if STAMPS:
+        _stamp(stamps, 1, seq_len + q_len)
     if QUERY_WAIT:
         # Launched as the query quantization's programmatic dependent: the metadata above is
         # the caller's, loaded while that grid runs; the codes are read and anything at all
@@ -344,6 +356,8 @@ def _decode_split_kernel(
                                                BLOCK_M, KV_KIND, PV_KIND, True, INTERPRET, SWAP_AB, SAFE, WINDOW)
                 if SAFE:
                     bad_pages += n_bad
+        if STAMPS:
+            _stamp(stamps, 2, tl.max(tl.max(acc, 1), 0))
         if PDL_TRIGGER == PDL_AT_STORE:
             # the tile loop is done: only the stores remain (multi-pass programs below store
             # inside their loop and trigger as they exit)
@@ -398,6 +412,8 @@ def _decode_split_kernel(
             _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc_out, m_i, _row_sums(l_out, SWAP_AB), tok, row_head,
                         split, n_active, tl.where(last, row_valid, False), stride_ot, stride_oh, stride_pt,
                         stride_ph, stride_ps, stride_mt, stride_mh, stride_ms, HEAD_DIM, BLOCK_D, SWAP_AB)
+    if STAMPS:
+        _stamp(stamps, 3, n_active)
     if FUSED_MERGE == MERGE_BARRIER:
         if n_active > 1:
             _barrier_and_merge(out_ptr, part_acc_ptr, part_ml_ptr, counters, gen0, q_start, q_len, head0, split,
@@ -1019,13 +1035,18 @@ def _decode_merge_kernel(
     num_tokens, max_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MAX_QUERY_LEN: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr, PAGE: tl.constexpr = 16, SAFE: tl.constexpr = False, WINDOW: tl.constexpr = 0,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, stamp_ptr=None, STAMPS: tl.constexpr = False,
 ):
     """One program per (query head, sequence, BLOCK_D output columns): combine the split
     partials of each of the sequence's query tokens into ``out`` (log-sum-exp weights in
     base 2). Column blocks multiply the programs of a small batch (24 heads x 1 sequence
     would leave most SMs idle while each program walks every split's partial row). ``PDL``:
-    launched as the split kernel's programmatic dependent, so it may run beside it."""
+    launched as the split kernel's programmatic dependent, so it may run beside it.
+    ``STAMPS``: a timeline diagnostic's row per program (kernels._timeline.MERGE_STAMPS)."""
+    if STAMPS:
+        stamps = _program_row(stamp_ptr, MERGE_STAMP_WIDTH)
+        _stamp(stamps, 0, tl.program_id(0))
+        _stamp_sm(stamps, 3)
     head = tl.program_id(0)
     seq = tl.program_id(1)
     col0 = tl.program_id(2) * BLOCK_D
@@ -1037,6 +1058,8 @@ def _decode_merge_kernel(
         # program waits, also those that exit below, so this grid never completes before the
         # split grid does (the stream's next kernel may read what the split kernel wrote).
         gdc_wait()
+    if STAMPS:
+        _stamp(stamps, 1, seq_len + q_len)
     if SAFE:  # the split kernel's clamps (its partials of a bad sequence are NaN)
         q_start, q_len, seq_len, bad_q, bad_len = _untrusted_metadata(q_start, q_len, seq_len, num_tokens,
                                                                      max_blocks, PAGE, MAX_QUERY_LEN)
@@ -1072,3 +1095,5 @@ def _decode_merge_kernel(
             m_run = m_new
         o = acc / denom
         tl.store(out_ptr + tok * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
+    if STAMPS:
+        _stamp(stamps, 2, n_active)

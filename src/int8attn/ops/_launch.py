@@ -174,6 +174,13 @@ class CachedLaunch:
         self._held, self._last_ids = tuple(held), ids
         return True
 
+    def variant(self, facts: dict | None = None, **extra) -> "CachedLaunch":
+        """This launch with ``extra`` keyword arguments added to its constexprs (a diagnostic
+        build, e.g. ``STAMPS=True`` with its ``stamp_ptr`` buffer, which then stays fixed):
+        a launch of its own, compiled and cached apart, recorded with ``facts`` added."""
+        return CachedLaunch(self.kernel, self.grid, {**self.constexprs, **extra}, {**self._facts, **(facts or {})},
+                            self.fixed_args)
+
     def prepare(self, *args) -> None:
         """Compile and load the kernel for these per-call arguments without launching it
         (nothing under the interpreter, or once a launch compiled it). A kernel's first

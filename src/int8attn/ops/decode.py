@@ -12,6 +12,7 @@ skipped automatically during capture, see :mod:`int8attn._checks`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -24,6 +25,7 @@ import triton
 from .. import _checks
 from ..cache import PagedKVCache
 from ..errors import error_flags
+from ..kernels._timeline import MERGE_STAMPS, SPLIT_STAMPS
 from ..kernels.codes import KV_KIND, MERGE, PDL_TRIGGER, PV_KIND, PV_MODES, QUERY_IN
 from ..kernels.decode import _decode_merge_kernel, _decode_split_kernel
 from ..kernels.quantize import _quantize_query_kernel
@@ -860,6 +862,42 @@ class DecodeLaunch:
             self._run_split(self._split_kernel, query, q_quant, q_scale, cache, tail)
             if self._merge_kernel is not None:
                 self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc)
+
+    def stamp_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Buffers for :meth:`stamped`: one int64 row of ``kernels._timeline.SPLIT_STAMPS``
+        per split program, of ``MERGE_STAMPS`` per merge program (None without the merge
+        kernel), grid axis 0 fastest, filled with -1 (not written)."""
+        def rows(grid, width):
+            return torch.full((math.prod(grid), width), -1, dtype=torch.int64, device=self._device)
+        merge = None if self._merge_kernel is None else rows(self._merge_grid, len(MERGE_STAMPS))
+        return rows(self._split_grid, len(SPLIT_STAMPS)), merge
+
+    @contextlib.contextmanager
+    def stamped(self, split_rows: torch.Tensor, merge_rows: torch.Tensor | None = None):
+        """Calls inside the block run the split kernel and the merge kernel with ``STAMPS``:
+        each program writes its row of times (``%globaltimer``, ns) and SM id into
+        ``split_rows`` / ``merge_rows`` (:meth:`stamp_rows`; kernels._timeline), for a
+        timeline diagnostic (benchmarks/timeline_decode.py). Eager calls run those two
+        kernels too (not the one-launch barrier merge), as a graph capture does. CUDA
+        launches given the query's codes or quantizing it in a kernel of their own only."""
+        if interpret_mode() or isinstance(self._split_kernel, tuple):
+            raise ValueError("stamped decode launches run on a CUDA GPU, with the split kernel reading query codes")
+        for rows, launch, width in ((split_rows, self._split_kernel, len(SPLIT_STAMPS)),
+                                    (merge_rows, self._merge_kernel, len(MERGE_STAMPS))):
+            want = None if launch is None else (math.prod(launch.grid), width)
+            got = None if rows is None else tuple(rows.shape)
+            if got != want or (rows is not None and (rows.dtype != torch.int64 or not rows.is_contiguous()
+                                                     or rows.device.type != torch.device(self._device).type)):
+                raise ValueError(f"stamp rows: want contiguous int64 {want} on {self._device}, got {got}")
+        saved = self._split_kernel, self._merge_kernel, self._eager_split, self._graph_ready
+        self._split_kernel = self._split_kernel.variant({"stamps": True}, stamp_ptr=split_rows, STAMPS=True)
+        if self._merge_kernel is not None:
+            self._merge_kernel = self._merge_kernel.variant({"stamps": True}, stamp_ptr=merge_rows, STAMPS=True)
+        self._eager_split, self._graph_ready = None, True
+        try:
+            yield
+        finally:
+            self._split_kernel, self._merge_kernel, self._eager_split, self._graph_ready = saved
 
     def _quantize_launch(self, has_lam: bool) -> CachedLaunch:
         """The query quantization's launch (``has_lam``: with channel migration); its
