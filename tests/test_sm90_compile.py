@@ -100,27 +100,37 @@ def test_safe_decode_compiles_for_sm90(kv_dtype, monkeypatch):
     assert not failed, "\n".join(f"{r['name']}: {r['error']}" for r in failed)
 
 
-_LAUNCH_FACTS = r"""
-import importlib, json, sys
+def _facts_script(facts_body: str) -> str:
+    """A script for ``_sm90.run_compile_script``: compiles each record of its spec for sm_90
+    and prints ``{"variants": {key: facts(c, ptx)}}``, where ``facts_body`` defines
+    ``facts(c, ptx)`` (``c`` the compiled kernel, ``ptx`` its PTX text)."""
+    return r"""
+import importlib, json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from int8attn.gate import sass
+""" + facts_body + r"""
 out = {"variants": {}}
 for key, rec in json.loads(sys.argv[1]).items():
     fn = getattr(importlib.import_module(rec["module"]), rec["name"])
     c = triton.compile(ASTSource(fn=fn, signature=rec["signature"], constexprs=rec["constexprs"]),
                        target=GPUTarget("cuda", 90, 32), options=rec["options"])
-    ptx = c.asm["ptx"]
-    out["variants"][key] = {"wait": ptx.count("griddepcontrol.wait"),
-                            "trigger": ptx.count("griddepcontrol.launch_dependents"),
-                            "launch_pdl": bool(getattr(c.metadata, "launch_pdl", False)),
-                            "prefetch": ptx.count("prefetch.global.L1")}
-    if "griddepcontrol.wait" in ptx:
-        head = ptx[:ptx.index("griddepcontrol.wait")]
-        out["variants"][key].update(loads_before_wait=head.count("ld.global"),
-                                    writes_before_wait=head.count("st.global") + head.count("atom."))
+    out["variants"][key] = facts(c, c.asm["ptx"])
 print(json.dumps(out))
 """
+
+
+_LAUNCH_FACTS = _facts_script(r"""
+def facts(c, ptx):
+    f = {"wait": ptx.count("griddepcontrol.wait"), "trigger": ptx.count("griddepcontrol.launch_dependents"),
+         "launch_pdl": bool(getattr(c.metadata, "launch_pdl", False)), "prefetch": ptx.count("prefetch.global.L1")}
+    if "griddepcontrol.wait" in ptx:
+        head = ptx[:ptx.index("griddepcontrol.wait")]
+        f.update(loads_before_wait=head.count("ld.global"),
+                 writes_before_wait=head.count("st.global") + head.count("atom."))
+    return f
+""")
 
 
 def _small_decode_records(given_codes: bool) -> list:
@@ -208,18 +218,8 @@ def test_split_kernel_waits_for_the_query_quantization_on_sm90():
         assert facts[key] == none, facts
 
 
-_STAMP_FACTS = r"""
-import importlib, json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from int8attn.gate import sass
-out = {"variants": {}}
-for key, rec in json.loads(sys.argv[1]).items():
-    fn = getattr(importlib.import_module(rec["module"]), rec["name"])
-    c = triton.compile(ASTSource(fn=fn, signature=rec["signature"], constexprs=rec["constexprs"]),
-                       target=GPUTarget("cuda", 90, 32), options=rec["options"])
-    ptx = c.asm["ptx"]
+_STAMP_FACTS = _facts_script(r"""
+def facts(c, ptx):
     ops = [(op, args) for insts in sass.instructions(sass.dump_sass(c.asm["cubin"])).values() for _, op, args in insts]
     timers = [i for i, (op, args) in enumerate(ops) if "SR_GLOBALTIMER" in args]
     loads = [i for i, (op, _) in enumerate(ops) if op.startswith("LDG")]
@@ -231,12 +231,11 @@ for key, rec in json.loads(sys.argv[1]).items():
         regs = {ops[j][1].split(",")[0].strip() for j in first}
         waited = any(r in re.findall(r"\bR\d+\b", ops[i][1].split(",", 1)[-1]) for i in range(first[-1] + 1, timers[1])
                      for r in regs) if first else False
-    out["variants"][key] = {"ptx_timers": ptx.count("%globaltimer"), "ptx_sm": ptx.count("%smid"),
-                            "sass_timers": len(timers), "metadata_waited": waited,
-                            # SASS loads issued before each timer read
-                            "loads_before": [sum(1 for j in loads if j < t) for t in timers]}
-print(json.dumps(out))
-"""
+    return {"ptx_timers": ptx.count("%globaltimer"), "ptx_sm": ptx.count("%smid"), "sass_timers": len(timers),
+            "metadata_waited": waited,
+            # SASS loads issued before each timer read
+            "loads_before": [sum(1 for j in loads if j < t) for t in timers]}
+""")
 
 
 def test_decode_stamps_compile_for_sm90_after_what_they_wait_for():
