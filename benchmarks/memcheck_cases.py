@@ -105,7 +105,8 @@ def decode_cases() -> None:
     the last split merges, or every split after a barrier; the barrier only on a GPU). The
     split kernel is the query quantization's programmatic dependent wherever the GPU takes
     that launch (``query_pdl=None``), whatever the default: the split + merge and "last"
-    runs quantize their query in a kernel of their own."""
+    runs quantize their query in a kernel of their own. On a GPU also the timeline
+    diagnostic's stamped kernels (:func:`_stamped_cases`)."""
     import dataclasses
 
     from int8attn.ops import decode as dec
@@ -121,6 +122,57 @@ def decode_cases() -> None:
     # the default merge with a window: tiles start at the window, so a bad block id before it
     # is never read (no flag, no NaN rows); only memory safety and the other rows are checked
     _decode_cases("window ", window=300)
+    if DEVICE == "cuda":
+        _stamped_cases()
+
+
+def _stamped_cases() -> None:
+    """The timeline diagnostic's stamped split and merge kernels (``DecodeLaunch.stamped``)
+    over the same bad metadata, int8 with the producer's codes: the bad sequence's rows NaN,
+    the others equal to the unstamped launch's, every split program's start stamped."""
+    import dataclasses
+
+    from int8attn.ops import decode as dec
+    from int8attn.ops.producer import quantize_query
+
+    b = testing.make_paged_batch([9000, 32768, 700], [1, 1, 1], num_q_heads=24, num_kv_heads=4, head_dim=256,
+                                 kv_dtype="int8", seed=5, device=DEVICE)
+    qq, qs = quantize_query(b.query, "int8")
+    shape, table = tuple(b.query.shape), tuple(b.block_table.shape)
+    plan = dec.plan_decode(shape, b.cache, table, config=dataclasses.replace(
+        dec.plan_decode(shape, b.cache, table).config, fused_merge=False))
+    launch = dec.DecodeLaunch.for_tensors(plan, b.cache, b.query, qq, qs, b.block_table, b.query.stride())
+    scale = dec.qk_scale_of(None, 256)
+    starts = b.query_start_loc.tolist()
+    for name, (bt, sl, qsl, bad_seq, _) in _cases(b, overrun=3).items():
+        if name == "qsl start negative":
+            continue
+        outs = []
+        for stamps in (False, True):
+            out = torch.full(b.query.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
+            split_rows, merge_rows = launch.stamp_rows()
+            if stamps:
+                with launch.stamped(split_rows, merge_rows):
+                    launch(b.query, qq, qs, b.cache, bt, sl, qsl, out, scale)
+            else:
+                launch(b.query, qq, qs, b.cache, bt, sl, qsl, out, scale)
+            torch.cuda.synchronize()
+            outs.append(out.cpu())
+            _clear_flags()
+        want = torch.zeros(b.query.shape[0], dtype=torch.bool)
+        want[starts[bad_seq]:starts[bad_seq + 1]] = True
+        what = f"decode stamped int8 {name}"
+        expect(torch.equal(outs[1][~want], outs[0][~want]), f"{what}: other rows as unstamped")
+        expect(bool(torch.isnan(outs[1][want].float()).all()), f"{what}: the bad sequence's rows are NaN")
+        expect(bool((split_rows[:, 0] > 0).all()), f"{what}: every split program stamped its start")
+
+
+def _clear_flags() -> None:
+    """Clear the device flags a bad case raised, where a case does not check them."""
+    try:
+        check_errors(DEVICE)
+    except DeviceMetadataError:
+        pass
 
 
 def _decode_cases(label: str, window: int | None = None) -> None:
@@ -149,10 +201,7 @@ def _decode_cases(label: str, window: int | None = None) -> None:
                     expect(bool(torch.isnan(rows[want].float()).all()), f"{what}: the bad sequence's rows are NaN")
                     expect_flag(bad_seq, what)
                 else:
-                    try:
-                        check_errors(DEVICE)  # cleared: whether the bad entry was read depends on the window
-                    except DeviceMetadataError:
-                        pass
+                    _clear_flags()  # whether the bad entry was read depends on the window
 
 
 def write_cases() -> None:
