@@ -1,11 +1,12 @@
 """Per-program timestamps, for timeline diagnostics of the decode kernels.
 
 A stamp is ``%globaltimer`` (nanoseconds, one clock for every SM; Hopper advances it in
-32 ns steps) read once a given value is available: the read is predicated on a test of
-that value, so neither LLVM nor ptxas can issue it before the load or the MMA that
-produces the value has completed. A stamp whose value happens to equal ``TIMER_SENTINEL``
-reads 0 (the diagnostic treats 0 as unknown); the values stamped on (lengths, bit patterns
-of float results) make that rare.
+32 ns steps) read once a given value is available. The PTX selects between the time and 0
+on a test of that value; ptxas turns the selection into an unconditional timer read and a
+select, but places the read after the test (checked in the sm_90 SASS by the compile test),
+and a warp issues in order, so the read waits for the load or MMA that produces the value.
+A stamp whose value happens to equal ``TIMER_SENTINEL`` reads 0 (the diagnostic treats 0
+as unknown); the values stamped on (lengths, bit patterns of float results) make that rare.
 
 Kernels take stamps only under a ``STAMPS`` constexpr, which no library launch sets: a
 default build has none of these instructions. ``benchmarks/timeline_decode.py`` launches
@@ -25,8 +26,8 @@ SPLIT_STAMP_WIDTH = tl.constexpr(len(SPLIT_STAMPS))
 MERGE_STAMP_WIDTH = tl.constexpr(len(MERGE_STAMPS))
 
 #: the one value of the dependency that reads as 0 instead of the time
-TIMER_SENTINEL = tl.constexpr(0x7FFFFFFF)
-TIMER_AFTER_PTX = tl.constexpr("{ .reg .pred p; setp.eq.s32 p, $1, 0x7fffffff; @p mov.u64 $0, 0; "
+TIMER_SENTINEL = 0x7FFFFFFF
+TIMER_AFTER_PTX = tl.constexpr(f"{{ .reg .pred p; setp.eq.s32 p, $1, {TIMER_SENTINEL:#x}; @p mov.u64 $0, 0; "
                                "@!p mov.u64 $0, %globaltimer; }")
 SM_ID_PTX = tl.constexpr("mov.u32 $0, %smid;")
 
