@@ -2,7 +2,8 @@
 # Every GPU measurement of the project in as few device calls as possible, from the repo root:
 #
 #   OUT=/some/dir bash benchmarks/gpu_all.sh smoke     # decode + prefill at toy sizes, every peer (~2 min)
-#   OUT=/some/dir bash benchmarks/gpu_all.sh kernels   # decode, producer, prefill, head_dim, decode_safe, host, gate (~15 min)
+#   OUT=/some/dir bash benchmarks/gpu_all.sh kernels   # decode, producer, prefill, head_dim, decode_safe, timeline,
+#                                                      # host, gate (~16 min)
 #   OUT=/some/dir bash benchmarks/gpu_all.sh tests     # the kernel test files on the GPU
 #   OUT=/some/dir bash benchmarks/gpu_all.sh serve     # transformers e2e + 2-GPU tensor parallel
 #   STEPS="decode producer" OUT=... bash benchmarks/gpu_all.sh kernels   # only these steps
@@ -53,6 +54,7 @@ case "$part" in
     step prefill "${PREFILL_LIMIT:-190}" python3 benchmarks/bench_prefill.py ${PREFILL_ARGS:-} --out "$work/prefill"
     step head_dim "${HEAD_DIM_LIMIT:-120}" python3 benchmarks/bench_head_dim.py --out "$work/head_dim"
     step decode_safe "${DECODE_SAFE_LIMIT:-120}" python3 benchmarks/bench_decode_safe.py --out "$work/decode_safe"
+    step timeline "${TIMELINE_LIMIT:-120}" python3 benchmarks/timeline_decode.py --out "$work/timeline"
     step host "${HOST_LIMIT:-120}" python3 benchmarks/bench_host_overhead.py --out "$work/host"
     step gate "${GATE_LIMIT:-140}" python3 benchmarks/bench_gate.py --out "$work/gate-report" --record "$work/gate.jsonl" \
       --sass-dir "$work/gate-sass" --time-budget 100
