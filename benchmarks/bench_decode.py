@@ -17,7 +17,7 @@ over). Sections, each under try/except so one failure does not lose the rest:
    events, L2 flushed) and CUDA-graph replay over rotating block tables (so the KV bytes
    never sit in L2), % of copy bandwidth, vs PyTorch SDPA BF16 on contiguous K/V and vs
    our own BF16-cache path;
-4. ``small``: batch 1 at L32k, configs x split counts; ``occ``: the 8-bit configs with
+4. ``small``: batch 1 at L8k and L32k, configs x split counts; ``occ``: the 8-bit configs with
    and without a register cap (DecodeConfig.maxnreg) at the FP8-goal points; ``prof``:
    split / merge kernel device times (torch profiler) against the graph time;
 5. ``batch``: bs 1..64 at L 8k (no cliff); 6. ``mt``: q_len 2 and 4 at a few points;
@@ -739,21 +739,26 @@ def kernel_profile(r: Run, kv: str, cfg, bs: int, ctx: int) -> None:
           + ", ".join(f"{k} {v:.1f}us" for k, v in med.items()))
 
 
-SMALL_CONFIGS = [(64, 4, 6, 16, True), *CAPPED["int8"]]
+SMALL_CONFIGS = [(64, 4, 6, 16, True), *CAPPED["int8"], (128, 4, 4), (64, 4, 6)]
+#: split counts per context of the "small" section (the planner's count is added)
+SMALL_SPLITS = {8192: (32, 64, 128), 32768: (64, 96, 128, 192)}
 
 
 @H.section("small")
 def small_batch(r: Run) -> None:
-    """Batch 1 at L 32k, where the 75%-of-copy goal is missed: configs x split counts."""
-    bs, ctx = 1, TUNE_SHAPES[1][1]
-    for c in SMALL_CONFIGS[:2] if SMOKE else SMALL_CONFIGS:
-        cfg = dec.DecodeConfig(*c)
-        base = dec.plan_decode((bs, 24, 256), r.caches["int8"], (bs, ctx // 16), config=cfg).num_splits
-        for n in sorted({base, 64, 96, 128, 192} if not SMOKE else {base}):
-            if r.late(f"small {cfg_label(c)} S{n}"):
-                return
-            time_path(r, "small", "int8", "int8", None, cfg, HEADLINE, bs, ctx, num_splits=n, graph_only=True,
-                      extra={"auto_splits": base, "config": cfg_label(c)})
+    """Batch 1 at L 8k and 32k, where the 50% and 75%-of-copy goals are missed: configs x
+    split counts (with 128-key and row-major tiles: fewer instructions per key, which a
+    batch-1 call, a few tiles per program, may feel more than a streaming one)."""
+    bs = 1
+    for ctx in (L8K, TUNE_SHAPES[1][1]) if not SMOKE else (TUNE_SHAPES[1][1],):
+        for c in SMALL_CONFIGS[:2] if SMOKE else SMALL_CONFIGS:
+            cfg = dec.DecodeConfig(*c)
+            base = dec.plan_decode((bs, 24, 256), r.caches["int8"], (bs, ctx // 16), config=cfg).num_splits
+            for n in sorted({base, *SMALL_SPLITS.get(ctx, ())} if not SMOKE else {base}):
+                if r.late(f"small {cfg_label(c)} L{ctx} S{n}"):
+                    return
+                time_path(r, "small", "int8", "int8", None, cfg, HEADLINE, bs, ctx, num_splits=n, graph_only=True,
+                          extra={"auto_splits": base, "config": cfg_label(c)})
 
 
 @H.section("occ")
@@ -898,16 +903,15 @@ def summary(r: Run) -> str:
                           H.fmt(sd["graph_us"] / i8["graph_us"] if i8 and sd else None, "{:.2f}x")])
         md += ["", "32q/8kv D128 (graph µs, % copy):", "",
                *H.table(["bs", "L", "int8", "bf16", "SDPA bf16", "int8/SDPA"], lines)]
-    small = [x for x in r.rows if x["kind"] == "small"]
-    if small:
+    for ctx in sorted({x["context"] for x in r.rows if x["kind"] == "small"}):
+        small = [x for x in r.rows if x["kind"] == "small" and x["context"] == ctx]
         splits = sorted({x["num_splits"] for x in small})
 
         def cell(label, n):
             t = next((x for x in small if x["config"] == label and x["num_splits"] == n), None)
             return (f"{t['graph_us']:.1f} ({t['graph_pct_copy']:.0f}%)"
                     + ("*" if t["num_splits"] == t["auto_splits"] else "")) if t else "–"
-        md += ["", f"Batch 1, L {TUNE_SHAPES[1][1]}, int8: graph µs (% copy) per config and split count "
-               "(* = the planner's):", "",
+        md += ["", f"Batch 1, L {ctx}, int8: graph µs (% copy) per config and split count (* = the planner's):", "",
                *H.table(["config", *(f"S{n}" for n in splits)],
                         [[label, *(cell(label, n) for n in splits)] for label in dict.fromkeys(x["config"] for x in small)])]
     if r.acc_rows:
