@@ -1291,8 +1291,8 @@ def test_stamped_launches_time_every_program_and_change_no_output(device):
     grid = launch._split_grid  # (splits, KV heads x head split, sequences); rows: axis 0 fastest
     rows = split_rows.cpu().view(grid[2], grid[1], grid[0], len(SPLIT_STAMPS))
     for seq, n in enumerate(seq_lens):
-        active = min(splits, -(-n // plan.config.block_n))
-        for split in range(splits):
+        active = min(grid[0], -(-n // max(plan.config.block_n, b.cache.block_size)))
+        for split in range(grid[0]):
             for r in rows[seq, :, split]:
                 t = [int(r[S[k]]) for k in ("start", "metadata", "tiles", "stored")]
                 assert 0 < t[0] <= t[1] and int(r[S["sm"]]) >= 0, (seq, split, r)
