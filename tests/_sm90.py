@@ -3,9 +3,12 @@
 The interpreter accepts kernels the GPU compiler refuses (non-constexpr globals, a NaN
 constexpr global, dot shapes the 8-bit MMAs do not take), so a test that only runs
 interpreted can pass while the real launch fails. :func:`launched_kernels` records the
-launches of a block of code (kernel, argument types, constexprs, launch options) and
-:func:`compile_for_sm90` compiles each for ``GPUTarget("cuda", 90, 32)`` in a subprocess
-without the interpreter (ptxas ships in the Triton wheel; no GPU needed).
+launches of a block of code (kernel, argument types, constexprs, launch options, and the
+arguments a GPU launch would specialize: integers equal to 1 as constants, 16-byte aligned
+pointers and multiples of 16 as divisible by 16) and :func:`compile_for_sm90` compiles each
+for ``GPUTarget("cuda", 90, 32)`` with those specializations, in a subprocess without the
+interpreter (ptxas ships in the Triton wheel; no GPU needed): the instructions the GPU runs
+(vectorized loads included), not a byte-by-byte variant of them.
 """
 
 from __future__ import annotations
@@ -37,6 +40,25 @@ def _arg_type(value):
     raise TypeError(f"no sm_90 signature type for {type(value).__name__}")
 
 
+def _not_specialized(fn) -> set:
+    """The parameters a kernel keeps out of Triton's value specialization
+    (``@triton.jit(do_not_specialize=...)``, as the interpreter's function keeps them)."""
+    jit = getattr(sys.modules.get(fn.__module__), fn.__name__, None)
+    names = (getattr(jit, "kwargs", None) or {}).get("do_not_specialize") or ()
+    return {n for n in names if isinstance(n, str)}
+
+
+def _specialization(value) -> str | None:
+    """How Triton specializes a launch argument on the GPU: "one" (an integer 1, compiled as
+    a constant), "aligned" (a 16-byte aligned tensor or an integer multiple of 16: divisible
+    by 16) or None."""
+    if isinstance(value, torch.Tensor):
+        return "aligned" if value.data_ptr() % 16 == 0 else None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "one" if value == 1 else "aligned" if value % 16 == 0 else None
+    return None
+
+
 @contextlib.contextmanager
 def launched_kernels():
     """Record every interpreted launch inside the block: yields a list of dicts
@@ -52,15 +74,25 @@ def launched_kernels():
         params = dict(zip(names, args))
         params.update({k: v for k, v in kwargs.items() if k in names})
         options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
-        sig, const = {}, {}
+        sig, const, aligned = {}, {}, []
+        plain = _not_specialized(fn)
         for name in names:
             value = params.get(name)
             if isinstance(value, torch.Tensor) or (name not in kwargs and not isinstance(value, type(None))):
                 try:
                     sig[name] = _arg_type(value)
-                    continue
                 except TypeError:
                     pass
+                else:
+                    # Triton's specialization on a GPU launch: an integer 1 becomes a
+                    # constant, a 16-byte aligned pointer or a multiple of 16 is divisible
+                    # by 16 (vectorized loads), unless the kernel opts the argument out
+                    spec = None if name in plain else _specialization(value)
+                    if spec == "one":
+                        const[name], sig[name] = 1, "constexpr"
+                    elif spec == "aligned":
+                        aligned.append(name)
+                    continue
             const[name] = value
             sig[name] = "constexpr"
         defaults = _defaults(fn)  # the launcher's rule: a left-out constexpr takes its default
@@ -69,7 +101,8 @@ def launched_kernels():
                 const[name] = False
             elif const[name] is None and name not in params and name in defaults:
                 const[name] = defaults[name]  # left out of the launch: Triton binds its default
-        rec = dict(module=fn.__module__, name=fn.__name__, signature=sig, constexprs=const, options=options)
+        rec = dict(module=fn.__module__, name=fn.__name__, signature=sig, constexprs=const, options=options,
+                   aligned=aligned)
         key = json.dumps(rec, sort_keys=True, default=str)
         if key not in seen:
             seen.add(key)
@@ -93,7 +126,8 @@ out = []
 for rec in json.loads(sys.stdin.read()):
     fn = getattr(importlib.import_module(rec["module"]), rec["name"])
     try:
-        c = triton.compile(ASTSource(fn=fn, signature=rec["signature"], constexprs=rec["constexprs"]),
+        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in rec.get("aligned", ())}
+        c = triton.compile(ASTSource(fn=fn, signature=rec["signature"], constexprs=rec["constexprs"], attrs=attrs),
                            target=GPUTarget("cuda", 90, 32), options=rec["options"])
         out.append(dict(name=rec["name"], ok=True, sass_bytes=len(c.asm.get("cubin", b"")),
                         ptx_fma=c.asm["ptx"].count("fma.rn.f32")))

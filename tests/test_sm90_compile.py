@@ -114,7 +114,8 @@ from int8attn.gate import sass
 out = {"variants": {}}
 for key, rec in json.loads(sys.argv[1]).items():
     fn = getattr(importlib.import_module(rec["module"]), rec["name"])
-    c = triton.compile(ASTSource(fn=fn, signature=rec["signature"], constexprs=rec["constexprs"]),
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in rec.get("aligned", ())}
+    c = triton.compile(ASTSource(fn=fn, signature=rec["signature"], constexprs=rec["constexprs"], attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options=rec["options"])
     out["variants"][key] = facts(c, c.asm["ptx"])
 print(json.dumps(out))
@@ -254,7 +255,7 @@ def test_decode_stamps_compile_for_sm90_after_what_they_wait_for():
     def stamped(rec, **constexprs):
         const = {k: v for k, v in rec["constexprs"].items() if k != "stamp_ptr"}
         return {**rec, "constexprs": {**const, **constexprs, "STAMPS": True},
-                "signature": {**rec["signature"], "stamp_ptr": "*i64"}}
+                "signature": {**rec["signature"], "stamp_ptr": "*i64"}, "aligned": [*rec["aligned"], "stamp_ptr"]}
 
     spec = {"split": split, "merge": merge, "split-stamps": stamped(split),
             "split-swapped-stamps": stamped(split, SWAP_AB=True), "merge-stamps": stamped(merge)}
