@@ -116,25 +116,45 @@ def launched_kernels():
         GridExecutor.__call__ = original
 
 
+def compile_record(rec: dict):
+    """One recorded launch compiled for sm_90 with the GPU launch's specialization (its
+    ``aligned`` arguments divisible by 16); called inside the compile subprocesses."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(rec["module"]), rec["name"])
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in rec.get("aligned", ())}
+    return triton.compile(ASTSource(fn=fn, signature=rec["signature"], constexprs=rec["constexprs"], attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options=rec["options"])
+
+
 _COMPILE = r"""
-import importlib, json, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, sys
+from _sm90 import compile_record
 
 out = []
 for rec in json.loads(sys.stdin.read()):
-    fn = getattr(importlib.import_module(rec["module"]), rec["name"])
     try:
-        attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in rec.get("aligned", ())}
-        c = triton.compile(ASTSource(fn=fn, signature=rec["signature"], constexprs=rec["constexprs"], attrs=attrs),
-                           target=GPUTarget("cuda", 90, 32), options=rec["options"])
+        c = compile_record(rec)
         out.append(dict(name=rec["name"], ok=True, sass_bytes=len(c.asm.get("cubin", b"")),
                         ptx_fma=c.asm["ptx"].count("fma.rn.f32")))
     except Exception as exc:
         out.append(dict(name=rec["name"], ok=False, error=f"{type(exc).__name__}: {str(exc)[-600:]}"))
 sys.stdout.write(json.dumps(out))
 """
+
+
+def _compile_env() -> dict:
+    """The compile subprocesses' environment: the interpreter off (this session may run it,
+    the compiles must not), ``src`` and ``tests`` importable."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(here), "src"), here,
+                                         env.get("PYTHONPATH", "")])
+    return env
 
 
 def _workers(n_items: int) -> int:
@@ -176,7 +196,7 @@ def compile_for_sm90(records: list) -> list:
     """Compile each recorded launch for sm_90 (subprocesses side by side, interpreter off);
     returns one dict per record, in order: name, ok, and the error text when it failed (the
     fp32 FMAs of its PTX when it compiled, ``ptx_fma``)."""
-    env = dict(os.environ, TRITON_INTERPRET="0")
+    env = _compile_env()
     order = list(range(len(records)))
     chunks = _round_robin(order, _workers(len(records)))
     payloads = [([], json.dumps([records[i] for i in chunk], default=lambda v: None)) for chunk in chunks]
@@ -215,10 +235,7 @@ def run_compile_script(script: str, spec: dict) -> dict:
     given a share of ``spec``'s entries; returns the JSON object the last output line of each
     holds, merged: their ``"variants"`` dicts joined, other keys from the first (this session
     may run Triton's interpreter, the compiles must not)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(here), "src"), here,
-                                         env.get("PYTHONPATH", "")])
+    env = _compile_env()
     chunks = _round_robin(list(spec.items()), _workers(len(spec))) or [[]]
     texts = _run_side_by_side(script, [([json.dumps(dict(chunk))], None) for chunk in chunks], env)
     merged: dict = {}

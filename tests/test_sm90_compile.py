@@ -105,18 +105,13 @@ def _facts_script(facts_body: str) -> str:
     and prints ``{"variants": {key: facts(c, ptx)}}``, where ``facts_body`` defines
     ``facts(c, ptx)`` (``c`` the compiled kernel, ``ptx`` its PTX text)."""
     return r"""
-import importlib, json, re, sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re, sys
+from _sm90 import compile_record
 from int8attn.gate import sass
 """ + facts_body + r"""
 out = {"variants": {}}
 for key, rec in json.loads(sys.argv[1]).items():
-    fn = getattr(importlib.import_module(rec["module"]), rec["name"])
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in rec.get("aligned", ())}
-    c = triton.compile(ASTSource(fn=fn, signature=rec["signature"], constexprs=rec["constexprs"], attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=rec["options"])
+    c = compile_record(rec)
     out["variants"][key] = facts(c, c.asm["ptx"])
 print(json.dumps(out))
 """
