@@ -863,14 +863,18 @@ class DecodeLaunch:
             if self._merge_kernel is not None:
                 self._merge_kernel(out, part_acc, part_ml, seq_lens, query_start_loc)
 
-    def stamp_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Buffers for :meth:`stamped`: one int64 row of ``kernels._timeline.SPLIT_STAMPS``
+    def _stamp_shapes(self) -> tuple[tuple, tuple | None]:
+        """The shapes of :meth:`stamp_rows`: one row of ``kernels._timeline.SPLIT_STAMPS``
         per split program, of ``MERGE_STAMPS`` per merge program (None without the merge
-        kernel), grid axis 0 fastest, filled with -1 (not written)."""
-        def rows(grid, width):
-            return torch.full((math.prod(grid), width), -1, dtype=torch.int64, device=self._device)
-        merge = None if self._merge_kernel is None else rows(self._merge_grid, len(MERGE_STAMPS))
-        return rows(self._split_grid, len(SPLIT_STAMPS)), merge
+        kernel)."""
+        merge = None if self._merge_kernel is None else (math.prod(self._merge_grid), len(MERGE_STAMPS))
+        return (math.prod(self._split_grid), len(SPLIT_STAMPS)), merge
+
+    def stamp_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Buffers for :meth:`stamped`: int64 rows per split and merge program (None without
+        the merge kernel), grid axis 0 fastest, filled with -1 (not written)."""
+        return tuple(None if shape is None else torch.full(shape, -1, dtype=torch.int64, device=self._device)
+                     for shape in self._stamp_shapes())
 
     @contextlib.contextmanager
     def stamped(self, split_rows: torch.Tensor, merge_rows: torch.Tensor | None = None):
@@ -882,9 +886,7 @@ class DecodeLaunch:
         launches given the query's codes or quantizing it in a kernel of their own only."""
         if interpret_mode() or isinstance(self._split_kernel, tuple):
             raise ValueError("stamped decode launches run on a CUDA GPU, with the split kernel reading query codes")
-        for rows, launch, width in ((split_rows, self._split_kernel, len(SPLIT_STAMPS)),
-                                    (merge_rows, self._merge_kernel, len(MERGE_STAMPS))):
-            want = None if launch is None else (math.prod(launch.grid), width)
+        for rows, want in zip((split_rows, merge_rows), self._stamp_shapes()):
             got = None if rows is None else tuple(rows.shape)
             if got != want or (rows is not None and (rows.dtype != torch.int64 or not rows.is_contiguous()
                                                      or rows.device.type != torch.device(self._device).type)):
