@@ -130,8 +130,10 @@ def _stamped_cases() -> None:
     """The timeline diagnostic's stamped split and merge kernels (``DecodeLaunch.stamped``)
     over the same bad metadata, int8 with the producer's codes: the bad sequence's rows NaN,
     the others equal to the unstamped launch's, every split program's start stamped."""
+    import contextlib
     import dataclasses
 
+    from int8attn.kernels._timeline import SPLIT_STAMPS
     from int8attn.ops import decode as dec
     from int8attn.ops.producer import quantize_query
 
@@ -147,14 +149,11 @@ def _stamped_cases() -> None:
     for name, (bt, sl, qsl, bad_seq, _) in _cases(b, overrun=3).items():
         if name == "qsl start negative":
             continue
+        split_rows, merge_rows = launch.stamp_rows()
         outs = []
-        for stamps in (False, True):
+        for mode in (contextlib.nullcontext(), launch.stamped(split_rows, merge_rows)):  # unstamped, stamped
             out = torch.full(b.query.shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
-            split_rows, merge_rows = launch.stamp_rows()
-            if stamps:
-                with launch.stamped(split_rows, merge_rows):
-                    launch(b.query, qq, qs, b.cache, bt, sl, qsl, out, scale)
-            else:
+            with mode:
                 launch(b.query, qq, qs, b.cache, bt, sl, qsl, out, scale)
             torch.cuda.synchronize()
             outs.append(out.cpu())
@@ -164,7 +163,8 @@ def _stamped_cases() -> None:
         what = f"decode stamped int8 {name}"
         expect(torch.equal(outs[1][~want], outs[0][~want]), f"{what}: other rows as unstamped")
         expect(bool(torch.isnan(outs[1][want].float()).all()), f"{what}: the bad sequence's rows are NaN")
-        expect(bool((split_rows[:, 0] > 0).all()), f"{what}: every split program stamped its start")
+        started = split_rows[:, SPLIT_STAMPS.index("start")] > 0
+        expect(bool(started.all()), f"{what}: every split program stamped its start")
 
 
 def _clear_flags() -> None:
