@@ -35,6 +35,7 @@ read ``%globaltimer``, which advances in 32 ns steps on Hopper).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import statistics
@@ -42,6 +43,7 @@ import statistics
 import torch
 
 import _harness as H
+from int8attn import bench
 from int8attn.kernels._timeline import MERGE_STAMPS, SPLIT_STAMPS
 
 POINTS = ((1, 8192), (1, 32768), (4, 8192), (16, 8192))
@@ -109,42 +111,28 @@ def timeline(r: H.Run, cache, kv: str, bs: int, ctx: int, replays: int) -> None:
     graph_us = r.time(d, True)  # the benchmark's figure, no stamps
     launch = d.launch
     rows = [launch.stamp_rows() for _ in range(CALLS)]  # each call's own (split, merge) rows
+    order = itertools.count()
+    mid = CALLS // 2
+    per_replay = []
 
-    def call(i):
-        with launch.stamped(*rows[i]):
+    def call():
+        # the warm-up takes CALLS calls (compiling and loading the stamped kernels before the
+        # capture), so the i-th captured call stamps into rows[i]
+        with launch.stamped(*rows[next(order) % CALLS]):
             d()
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(3):  # compile and load the stamped kernels before the capture
-            call(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            call(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    mid = CALLS // 2
-    per_replay, stamped_us = [], []
-    for rep in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        stamped_us.append(start.elapsed_time(end) * 1e3 / CALLS)
+    def read():
         sp = [split.cpu() for split, _ in rows[mid - 1:mid + 2]]
         mg = [None if merge is None else merge.cpu() for _, merge in rows[mid - 1:mid + 2]]
-        per_replay.append(summarize(sp[1], mg[1], last_store(sp[0], mg[0]), first_start(sp[2])))
-        if rep == 0:
+        prev_end, next_start = last_store(sp[0], mg[0]), first_start(sp[2])
+        per_replay.append(summarize(sp[1], mg[1], prev_end, next_start))
+        if len(per_replay) == 1:
             r.write(f"timeline_{kv}_bs{bs}_L{ctx}.json", json.dumps(
-                {"split_stamps": list(SPLIT_STAMPS), "merge_stamps": list(MERGE_STAMPS),
-                 "prev_end": last_store(sp[0], mg[0]), "next_start": first_start(sp[2]),
-                 "split": sp[1].tolist(), "merge": None if mg[1] is None else mg[1].tolist()}))
-    del graph
+                {"split_stamps": list(SPLIT_STAMPS), "merge_stamps": list(MERGE_STAMPS), "prev_end": prev_end,
+                 "next_start": next_start, "split": sp[1].tolist(),
+                 "merge": None if mg[1] is None else mg[1].tolist()}))
+
+    stamped_us = bench.time_graph(call, replays=CALLS, repeats=replays, warmup=CALLS, after_replay=read)
     fig = {k: (statistics.median([p[k] for p in per_replay if p[k] is not None])
                if any(p[k] is not None for p in per_replay) else None)
            for k in per_replay[0]}
@@ -152,7 +140,7 @@ def timeline(r: H.Run, cache, kv: str, bs: int, ctx: int, replays: int) -> None:
     tiles = -(-ctx // plan.config.block_n)
     row = r.row(kind="timeline", kv_dtype=kv, bs=bs, context=ctx, num_splits=plan.num_splits,
                 block_n=plan.config.block_n, tiles_per_program=round(tiles / plan.num_splits, 2),
-                pdl=BD._pdl_trigger(plan), graph_us=graph_us, stamped_us=statistics.median(stamped_us),
+                pdl=BD._pdl_trigger(plan), graph_us=graph_us, stamped_us=stamped_us,
                 replays=replays, calls=CALLS, **fig)
     r.log(f"{kv} bs{bs} L{ctx} S{plan.num_splits} graph {graph_us:.2f} stamped {row['stamped_us']:.2f} | "
           + " ".join(f"{k.replace('_us', '')} {H.fmt(fig[k], '{:.2f}')}" for k in fig if k.endswith("_us")

@@ -113,9 +113,12 @@ def time_eager(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 
     return 1e3 * triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
-def time_graph(fn: Callable[[], object], replays: int = 50, repeats: int = 15, warmup: int = 3) -> float:
+def time_graph(fn: Callable[[], object], replays: int = 50, repeats: int = 15, warmup: int = 3,
+               after_replay: Callable[[], object] | None = None) -> float:
     """Median time per call in microseconds when ``fn`` is captured in a CUDA graph
-    ``replays`` times back to back and the graph is replayed ``repeats`` times."""
+    ``replays`` times back to back (after ``warmup`` eager calls) and the graph is replayed
+    ``repeats`` times; ``after_replay`` is called after each timed replay, outside the
+    timing (to read what the replay wrote)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -137,6 +140,8 @@ def time_graph(fn: Callable[[], object], replays: int = 50, repeats: int = 15, w
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / replays)
+        if after_replay is not None:
+            after_replay()
     del graph
     return statistics.median(times)
 
