@@ -100,19 +100,27 @@ def prefill_cases() -> None:
                 expect_flag(bad_seq, what)
 
 
-def decode_cases() -> None:
-    """Every case with the split + merge kernels and with each fused merge (one launch:
-    the last split merges, or every split after a barrier; the barrier only on a GPU). The
+DECODE_PARTS = ("split", "last", "barrier", "window", "stamped")
+
+
+def decode_cases(parts: tuple[str, ...] = DECODE_PARTS) -> None:
+    """Every case with the split + merge kernels (part ``split``) and with each fused merge
+    (one launch: the last split merges, ``last``, or every split after a barrier, ``barrier``,
+    only on a GPU); ``parts`` picks some of them (a memcheck of all takes minutes). The
     split kernel is the query quantization's programmatic dependent wherever the GPU takes
     that launch (``query_pdl=None``), whatever the default: the split + merge and "last"
-    runs quantize their query in a kernel of their own. On a GPU also the timeline
-    diagnostic's stamped kernels (:func:`_stamped_cases`)."""
+    runs quantize their query in a kernel of their own. Part ``window``: the default merge
+    with a sliding window; ``stamped``, on a GPU: the timeline diagnostic's stamped kernels
+    (:func:`_stamped_cases`)."""
     import dataclasses
 
     from int8attn.ops import decode as dec
 
     real = dec.default_config
-    for fused in (False, True, "barrier") if DEVICE == "cuda" else (False, True):
+    merges = {"split": False, "last": True, "barrier": "barrier"}
+    for part, fused in merges.items():
+        if part not in parts or (fused == "barrier" and DEVICE != "cuda"):
+            continue
         dec.default_config = lambda *a, k_=fused, **k: dataclasses.replace(real(*a, **k), fused_merge=k_,
                                                                            query_pdl=None)
         try:
@@ -121,8 +129,9 @@ def decode_cases() -> None:
             dec.default_config = real
     # the default merge with a window: tiles start at the window, so a bad block id before it
     # is never read (no flag, no NaN rows); only memory safety and the other rows are checked
-    _decode_cases("window ", window=300)
-    if DEVICE == "cuda":
+    if "window" in parts:
+        _decode_cases("window ", window=300)
+    if "stamped" in parts and DEVICE == "cuda":
         _stamped_cases()
 
 
@@ -251,10 +260,18 @@ def producer_cases() -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--op", choices=("prefill", "write", "producer", "decode", "all"), default="all")
+    ap.add_argument("--decode-parts", default=",".join(DECODE_PARTS),
+                    help="comma-separated decode parts: " + ", ".join(DECODE_PARTS))
     args = ap.parse_args()
+    parts = tuple(p for p in args.decode_parts.split(",") if p)
+    if not set(parts) <= set(DECODE_PARTS):
+        ap.error(f"--decode-parts: unknown {sorted(set(parts) - set(DECODE_PARTS))}; known: {', '.join(DECODE_PARTS)}")
     ops = ("prefill", "write", "producer", "decode") if args.op == "all" else (args.op,)
     for op in ops:
-        {"prefill": prefill_cases, "write": write_cases, "producer": producer_cases, "decode": decode_cases}[op]()
+        if op == "decode":
+            decode_cases(parts)
+        else:
+            {"prefill": prefill_cases, "write": write_cases, "producer": producer_cases}[op]()
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     print(f"{len(FAILURES)} failure(s)" + (": " + "; ".join(FAILURES) if FAILURES else ""))
