@@ -1150,7 +1150,7 @@ def test_split_kernel_as_the_query_quantizations_dependent(device, monkeypatch, 
     launch's result bit for bit -- eagerly with the merge kernel and the "last" merge, and
     replayed from a CUDA graph of the default "auto" plan -- with channel migration too;
     on the GPU both kernels are compiled for it. None takes it where the GPU runs
-    programmatic launches (the default, False, until it is timed); calls given the
+    programmatic launches (the default); calls given the
     producer's codes, and launches that quantize the query themselves (every quantizing
     launch under the interpreter, eager barrier launches), never do; a value that is not a
     bool is refused at planning. Its instructions:
@@ -1166,7 +1166,7 @@ def test_split_kernel_as_the_query_quantizations_dependent(device, monkeypatch, 
         lam = torch.rand(2, 64, generator=torch.Generator().manual_seed(4)).add_(0.5).to(device)
         b.cache.set_channel_migration(lam)
     args = (b.query, b.cache, b.block_table, b.seq_lens, b.query_start_loc)
-    assert dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape)).config.query_pdl is False
+    assert dec.plan_decode(tuple(b.query.shape), b.cache, tuple(b.block_table.shape)).config.query_pdl is None
     plain = DecodeConfig(block_n=32, num_warps=4, num_stages=3, fused_merge=False, query_pdl=False)
 
     def run(config, **kw):

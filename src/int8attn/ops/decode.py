@@ -127,10 +127,11 @@ class DecodeConfig:
     #: codes or writes anything, so the split launch's latency and first memory round trip
     #: overlap the quantization (a graph call that quantizes its query costs 2.5-6.7 us
     #: more than one given the producer's codes at batch 1: benchmarks/notes/decode.md).
-    #: None: where the GPU runs programmatic launches
-    #: (:func:`int8attn.runtime.programmatic_launch`); False (default until it is timed on
-    #: a GPU: bench_decode.py's "qpdl" section): a plain launch.
-    query_pdl: bool | None = False
+    #: None (default): where the GPU runs programmatic launches
+    #: (:func:`int8attn.runtime.programmatic_launch`); False: a plain launch. Measured on an
+    #: H100 (bench_decode.py's "qpdl" section, graph, 24q/4kv D256): 0.6-0.9 us faster at
+    #: batch 1 over 8k-32k keys (int8 17.8 -> 17.0 us at 8k), 0.5-0.9 us at batch 16 over 8k.
+    query_pdl: bool | None = None
 
 
 #: Bytes of one K+V tile the default configs aim at, and the shared memory they may
