@@ -739,7 +739,9 @@ def kernel_profile(r: Run, kv: str, cfg, bs: int, ctx: int) -> None:
           + ", ".join(f"{k} {v:.1f}us" for k, v in med.items()))
 
 
-SMALL_CONFIGS = [(64, 4, 6, 16, True), *CAPPED["int8"], (128, 4, 4), (64, 4, 6)]
+#: the default, lighter tiles (128-key and row-major: fewer instructions per key), one 8-warp
+#: program per SM (a pair of 4-warp programs shares an SM's schedulers), then register caps
+SMALL_CONFIGS = [(64, 4, 6, 16, True), (128, 4, 4), (64, 4, 6), (128, 8, 5, 16, True), *CAPPED["int8"]]
 #: split counts per context of the "small" section (the planner's count is added)
 SMALL_SPLITS = {8192: (32, 64, 128), 32768: (64, 96, 128, 192)}
 
