@@ -102,12 +102,16 @@ def _all_hopper_configs(kv_dtype: str, d: int, pv: str) -> list:
     of the pipelined config, or of the synchronous one where no pipelined config exists;
     the warp-specialized config of every route ("hopper-ws")."""
     if kv_dtype == "bf16":  # the warp-specialized kernel only: the 8-bit routes' BF16 counterpart
-        ws = hop.warp_specialized_config(kv_dtype, d)
+        routed = hop.warp_specialized_config(kv_dtype, d)
+        # the variants below are of the 64-key schedule without PV in flight ("hopper-ws-pv-after"
+        # where the route's differs: at head_dim 64, WIDE_TILE_ROUTES)
+        ws = hop.warp_specialized_config(kv_dtype, d, pv_in_flight=False, wide_tiles=False)
         # the rescale rules: the warpgroup-wide lazy test, and per row or every tile (whichever
         # the route's config does not take); two and three consumer warpgroups
         # and at head_dim 64 128-key tiles (at 128 three stages of bf16 K and V spill, 295
         # local-memory instructions in the sm_90 build)
-        return [("hopper-ws", ws), ("hopper-ws-lazy", replace(ws, lazy_rescale=True)), _other_rescale(ws),
+        return [("hopper-ws", routed), *([("hopper-ws-pv-after", ws)] if ws != routed else []),
+                ("hopper-ws-lazy", replace(ws, lazy_rescale=True)), _other_rescale(ws),
                 *_pv_in_flight_placements(ws),
                 ("hopper-ws-2c", hop.two_consumer_config(kv_dtype, d)), *_three_consumers(kv_dtype, d, pv),
                 *(_wide_tiles(ws, d, split_release=False) if d == 64 else [])]

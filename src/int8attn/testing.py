@@ -156,7 +156,7 @@ def bad_metadata_cases(batch: PagedBatch, *, overrun: int) -> dict:
 #: "-d64" runs at head_dim 64 (:func:`hopper_prefill_head_dim`), the others at 128.
 HOPPER_PREFILL_KERNELS = (("int8", "ws"), ("fp8", "ws"), ("bf16", "ws"), ("int8", "ws16"), ("int8", "ws16-m192"),
                           ("int8", "ws16-pv-in-flight"), ("int8", "ws16-pv-in-flight-split"), ("int8", "sync"),
-                          ("fp8", "pipe"), ("int8", "ws16-d64"), ("fp8", "ws16-d64"))
+                          ("fp8", "pipe"), ("int8", "ws16-d64"), ("fp8", "ws16-d64"), ("bf16", "ws-d64"))
 
 
 def hopper_prefill_head_dim(which: str) -> int:
@@ -169,13 +169,14 @@ def hopper_prefill_kernel(kv_dtype: str, which: str) -> tuple:
     route in the cache's precision, "ws16" an 8-bit cache's 16-bit PV without PV in flight
     ("-m192": three consumer warpgroups, "-pv-in-flight": two consumer partitions with PV in
     flight, the int8 D128 route; "-split": the same with its ring stages released in two parts,
-    ``split_release``; "-d64": the 16-bit-PV route at head_dim 64, 128-key tiles), "sync" the
-    synchronous kernel, "pipe" the pipelined one."""
+    ``split_release``; "-d64": the 16-bit-PV route at head_dim 64, 128-key tiles -- "ws-d64" a
+    BF16 cache's), "sync" the synchronous kernel, "pipe" the pipelined one."""
     from .ops import prefill_hopper as hop
 
     head_dim = hopper_prefill_head_dim(which)
     pv = "bf16" if which.startswith("ws16") else kv_dtype
     makers = {"ws": lambda: hop.warp_specialized_config(kv_dtype, head_dim),
+              "ws-d64": lambda: hop.warp_specialized_config(kv_dtype, head_dim),
               "ws16": lambda: hop.warp_specialized_config(kv_dtype, head_dim, pv, pv_in_flight=False),
               "ws16-m192": lambda: hop.three_consumer_config(kv_dtype, head_dim, pv),
               "ws16-pv-in-flight": lambda: hop.warp_specialized_config(kv_dtype, head_dim, pv, pv_in_flight=True),

@@ -115,8 +115,9 @@ V_SCALED_ROUTES = frozenset({("int8", "bf16", 64), ("int8", "bf16", 128)})
 #: whole stages it was 0.75x (64-key tiles, whose fp16 V ring fits 3 stages: a consumer with
 #: PV in flight holds three stages at once). Not taken: a BF16 cache at D128 (0.99-1.01x /
 #: 1.01-1.02x against its three consumers), int8 D64 with 64-key tiles (0.94x / 1.03x; with
-#: 128-key tiles it is routed: :data:`WIDE_TILE_ROUTES`); fp8 not measured.
-PV_IN_FLIGHT_ROUTES = frozenset({("int8", "bf16", 64), ("int8", "bf16", 128), ("int8", "bf16", 256)})
+#: 128-key tiles it is routed, as is a BF16 cache's: :data:`WIDE_TILE_ROUTES`); fp8 not measured.
+PV_IN_FLIGHT_ROUTES = frozenset({("int8", "bf16", 64), ("int8", "bf16", 128), ("int8", "bf16", 256),
+                                 ("bf16", "bf16", 64)})
 
 #: The PV-in-flight routes whose ring stages go back to the loader in two parts
 #: (``split_release``: 8-bit copies after the tile's QK, fp16 V after its PV), so that the
@@ -130,16 +131,18 @@ SPLIT_RELEASE_ROUTES = frozenset({("int8", "bf16", 64), ("int8", "bf16", 256)})
 #: The 16-bit-P routes whose warp-specialized config runs 128-key tiles (:func:`wide_tile_config`:
 #: two consumer warpgroups, QK after PV, 4 stages at head_dim 64), in place of the 64-key
 #: schedule :data:`SCHEDULE_ROUTES` names; the int8 route keeps PV in flight with its ring
-#: released in two parts (:data:`PV_IN_FLIGHT_ROUTES`, :data:`SPLIT_RELEASE_ROUTES`). Each
+#: released in two parts (:data:`PV_IN_FLIGHT_ROUTES`, :data:`SPLIT_RELEASE_ROUTES`), a BF16
+#: cache's keeps PV in flight with whole stages (it has no 8-bit copies to give back early). Each
 #: consumer's per-tile chain (QK wait, row maxima and their shuffles, barriers, the rescale
 #: test) then covers twice the keys. Chunk 4096 over prefix 28672 / 0 (16q/4kv D64), CUDA-graph
 #: replay on an H100, against the three-consumer QK-ahead config in the same call, two calls:
 #: int8 1.10x / 1.12x and 1.10x / 1.14x; fp8 (QK after PV) 1.05x / 1.12x; a third call on the
-#: routed tree 1.09x / 1.12x (int8), 1.05x / 1.13x (fp8). Not taken at head_dim
+#: routed tree 1.09x / 1.12x (int8), 1.05x / 1.13x (fp8); a BF16 cache with PV in flight 1.04x /
+#: 1.04x in two calls (QK after PV 1.01x / 1.07-1.08x). Not taken at head_dim
 #: 128 (3 stages fit shared memory beside the fp16 V ring): int8 with PV in flight and the split
 #: release 1.02x / 0.97x and 1.01x / 0.97x, QK after PV 0.98x / 0.96x, PV in flight with whole
 #: stages 0.70x / 0.75x (benchmarks/notes/prefill_hopper.md).
-WIDE_TILE_ROUTES = frozenset({("int8", "bf16", 64), ("fp8", "bf16", 64)})
+WIDE_TILE_ROUTES = frozenset({("int8", "bf16", 64), ("fp8", "bf16", 64), ("bf16", "bf16", 64)})
 
 
 def _route_key(kv_dtype: str, head_dim: int, pv_mode: str | None) -> tuple:
