@@ -38,10 +38,11 @@ SAN=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 
 ) >"$OUT/memcheck.log" 2>&1 &
 san=$!
 if [ "${XDIST:-1}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
-  # pytest-xdist spreads single tests over the workers (a file's compiles no longer sit on one)
+  # pytest-xdist spreads single tests over the workers (a file's compiles no longer sit on one);
+  # -v names each test as it finishes, so a run cut by LIMIT still says which ones passed
   echo "pytest-xdist: one run, $SHARDS workers" | tee -a "$OUT/tests.log"
   rm -f "$tmp"/ids.??
-  timeout "$LIMIT" python3 -m pytest -q -p no:cacheprovider -n "$SHARDS" --dist load -rfE --tb=short $files \
+  timeout "$LIMIT" python3 -m pytest -v -p no:cacheprovider -n "$SHARDS" --dist load -rfE --tb=short $files \
     >"$tmp/ids.00.log" 2>&1
 else
   for f in "$tmp"/ids.??; do
