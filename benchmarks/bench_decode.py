@@ -17,7 +17,8 @@ over). Sections, each under try/except so one failure does not lose the rest:
    events, L2 flushed) and CUDA-graph replay over rotating block tables (so the KV bytes
    never sit in L2), % of copy bandwidth, vs PyTorch SDPA BF16 on contiguous K/V and vs
    our own BF16-cache path;
-4. ``small``: batch 1 at L8k and L32k, configs x split counts; ``occ``: the 8-bit configs with
+4. ``small``: batch 1 at L8k and L32k, configs x split counts; ``pairs``: the planner's split
+   count against half of it where its programs have few tiles; ``occ``: the 8-bit configs with
    and without a register cap (DecodeConfig.maxnreg) at the FP8-goal points; ``prof``:
    split / merge kernel device times (torch profiler) against the graph time;
 5. ``batch``: bs 1..64 at L 8k (no cliff); 6. ``mt``: q_len 2 and 4 at a few points;
@@ -763,6 +764,27 @@ def small_batch(r: Run) -> None:
                           extra={"auto_splits": base, "config": cfg_label(c)})
 
 
+#: batch x context points where the planner puts two 4-warp programs on an SM with at most 4
+#: tiles each (its model charges nothing for sharing an SM)
+PAIR_POINTS = ((1, 4096), (1, 8192), (1, 16384), (2, 4096), (2, 8192), (4, 2048), (4, 4096), (8, 2048))
+
+
+@H.section("pairs")
+def pairs(r: Run) -> None:
+    """One program per SM against two: the default config at the planner's split count and at
+    half of it (the same tiles per SM in half the programs), graph, where each program has few
+    tiles (at batch 1 L8k on an H100 half the splits were 9% faster: notes/decode.md)."""
+    for bs, ctx in [(1, L8K)] if SMOKE else PAIR_POINTS:
+        if r.late(f"pairs bs{bs} L{ctx}"):
+            return
+        plan = dec.plan_decode((bs, 24, 256), r.caches["int8"], (bs, ctx // 16))
+        base, tiles = plan.num_splits, -(-ctx // plan.config.block_n)
+        for n in sorted({base, max(1, base // 2)}, reverse=True):
+            time_path(r, "pairs", "int8", "int8", None, None, HEADLINE, bs, ctx, num_splits=n, graph_only=True,
+                      extra={"auto_splits": base, "programs": bs * HEADLINE["hkv"] * n,
+                             "tiles_per_split": -(-tiles // n)})
+
+
 @H.section("occ")
 def occupancy(r: Run) -> None:
     """The 8-bit configs with and without a register cap next to our BF16 path at the
@@ -916,6 +938,17 @@ def summary(r: Run) -> str:
         md += ["", f"Batch 1, L {ctx}, int8: graph µs (% copy) per config and split count (* = the planner's):", "",
                *H.table(["config", *(f"S{n}" for n in splits)],
                         [[label, *(cell(label, n) for n in splits)] for label in dict.fromkeys(x["config"] for x in small)])]
+    pair_rows = [x for x in r.rows if x["kind"] == "pairs"]
+    if pair_rows:
+        lines = []
+        for bs, ctx in dict.fromkeys((x["bs"], x["context"]) for x in pair_rows):
+            at = {x["num_splits"]: x for x in pair_rows if (x["bs"], x["context"]) == (bs, ctx)}
+            two, one = at.get(max(at)), at.get(min(at)) if len(at) > 1 else None
+            lines.append([bs, ctx, f"S{two['num_splits']}, {two['tiles_per_split']} tiles: {two['graph_us']:.1f}",
+                          f"S{one['num_splits']}, {one['tiles_per_split']} tiles: {one['graph_us']:.1f}" if one else "–",
+                          H.fmt(two["graph_us"] / one["graph_us"] if one else None, "{:.2f}x")])
+        md += ["", "Planner's splits against half of them (int8 default config, graph µs):", "",
+               *H.table(["bs", "L", "planner's", "half", "half's speed-up"], lines)]
     if r.acc_rows:
         md += ["", "Accuracy vs float64 (outlier keys):", "",
                *H.table(["case", "kv/pv", "rel-L2", "vs same-q", "max abs", "finite"],
@@ -942,7 +975,7 @@ def main():
     H.finish(r, "decode_summary.md", lambda: summary(r))
 
 
-SECTIONS = (accuracy, tune, grid, small_batch, occupancy, profiles, batch_sweep, multi_token, multi_token_configs,
+SECTIONS = (accuracy, tune, grid, small_batch, pairs, occupancy, profiles, batch_sweep, multi_token, multi_token_configs,
             head_split, fused_merge, small_batch_levers, query_pdl, d128, split_sweep, peers)
 
 if __name__ == "__main__":

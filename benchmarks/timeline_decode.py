@@ -16,7 +16,8 @@ split one call of a back-to-back stream into:
 * ``ramp``: first -> last split program's start (the grid's admission);
 * ``metadata``: a program's start -> its lengths (one load round trip);
 * ``tiles``: metadata -> last tile's accumulator (block table, the K/V copies, the tiles'
-  compute; ``tiles_per_program`` of them);
+  compute; ``tiles_per_program`` of them); ``tiles_sole`` / ``tiles_shared``: its median over
+  the programs whose SM ran no other program of the call, and over the rest;
 * ``store``: accumulator -> stores issued;
 * ``split_end`` / ``merge_start`` / ``merge_waited`` / ``merge_end``: when the split grid's
   last store was issued, and the merge programs' first start, last release from their
@@ -35,9 +36,11 @@ read ``%globaltimer``, which advances in 32 ns steps on Hopper).
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import os
+import re
 import statistics
 
 import torch
@@ -75,6 +78,12 @@ def summarize(split: torch.Tensor, merge: torch.Tensor | None, prev_end: int, ne
     }
     out["metadata_us"], out["metadata_max_us"] = stats([r[SPLIT["metadata"]] - r[SPLIT["start"]] for r in active])
     out["tiles_us"], out["tiles_max_us"] = stats([r[SPLIT["tiles"]] - r[SPLIT["metadata"]] for r in active])
+    # the same split by the SM: programs whose SM ran no other program of the call, and the rest
+    # (two 4-warp programs share an SM's schedulers when the grid exceeds the SM count)
+    per_sm = collections.Counter(r[SPLIT["sm"]] for r in s if r[SPLIT["start"]] > 0)
+    for name, sole in (("sole", True), ("shared", False)):
+        out[f"tiles_{name}_us"] = stats([r[SPLIT["tiles"]] - r[SPLIT["metadata"]] for r in active
+                                         if (per_sm[r[SPLIT["sm"]]] == 1) is sole])[0]
     stored = [r for r in active if r[SPLIT["stored"]] > 0]
     out["store_us"], out["store_max_us"] = stats([r[SPLIT["stored"]] - r[SPLIT["tiles"]] for r in stored])
     out["split_end_us"] = us(max(r[SPLIT["stored"]] for r in stored) - prev_end) if stored else None
@@ -102,10 +111,10 @@ def first_start(split: torch.Tensor) -> int:
     return int(starts[starts > 0].min())
 
 
-def timeline(r: H.Run, cache, kv: str, bs: int, ctx: int, replays: int) -> None:
+def timeline(r: H.Run, cache, kv: str, bs: int, ctx: int, replays: int, num_splits: int | None = None) -> None:
     import bench_decode as BD
 
-    d = BD.Decode(cache, BD.HEADLINE, bs, ctx, 1, None)
+    d = BD.Decode(cache, BD.HEADLINE, bs, ctx, 1, None, num_splits=num_splits)
     d()
     r.sync()
     graph_us = r.time(d, True)  # the benchmark's figure, no stamps
@@ -127,7 +136,7 @@ def timeline(r: H.Run, cache, kv: str, bs: int, ctx: int, replays: int) -> None:
         prev_end, next_start = last_store(sp[0], mg[0]), first_start(sp[2])
         per_replay.append(summarize(sp[1], mg[1], prev_end, next_start))
         if len(per_replay) == 1:
-            r.write(f"timeline_{kv}_bs{bs}_L{ctx}.json", json.dumps(
+            r.write(f"timeline_{kv}_bs{bs}_L{ctx}" + (f"_S{num_splits}" if num_splits else "") + ".json", json.dumps(
                 {"split_stamps": list(SPLIT_STAMPS), "merge_stamps": list(MERGE_STAMPS), "prev_end": prev_end,
                  "next_start": next_start, "split": sp[1].tolist(),
                  "merge": None if mg[1] is None else mg[1].tolist()}))
@@ -139,6 +148,7 @@ def timeline(r: H.Run, cache, kv: str, bs: int, ctx: int, replays: int) -> None:
     plan = d.plan
     tiles = -(-ctx // plan.config.block_n)
     row = r.row(kind="timeline", kv_dtype=kv, bs=bs, context=ctx, num_splits=plan.num_splits,
+                splits_given=num_splits is not None,
                 block_n=plan.config.block_n, tiles_per_program=round(tiles / plan.num_splits, 2),
                 pdl=BD._pdl_trigger(plan), graph_us=graph_us, stamped_us=stamped_us,
                 replays=replays, calls=CALLS, **fig)
@@ -148,10 +158,19 @@ def timeline(r: H.Run, cache, kv: str, bs: int, ctx: int, replays: int) -> None:
           + f" | programs {fig['active_programs']}/{fig['programs']} on {fig['sms']} SMs")
 
 
+def parse_point(text: str) -> tuple[int, int, int | None]:
+    """``BxL`` or ``BxLsS`` (batch, context, split count or None for the planner's)."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?:s(\d+))?", text.strip())
+    if not m:
+        raise SystemExit(f"timeline_decode.py: bad point {text!r} (BxL or BxLsS, e.g. 1x8192s32)")
+    return int(m[1]), int(m[2]), int(m[3]) if m[3] else None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = H.parser("timeline_decode", budget_s=240, smoke_help="one small point, two replays (still on a GPU)")
     ap.add_argument("--points", default=",".join(f"{b}x{c}" for b, c in POINTS),
-                    help="batch x context points, e.g. 1x8192,16x8192")
+                    help="batch x context points, e.g. 1x8192,16x8192; a split count after 's' "
+                         "overrides the planner's (1x8192s32)")
     ap.add_argument("--kv", default="int8", help="cache dtypes: int8, fp8 (comma list)")
     ap.add_argument("--replays", type=int, default=9)
     args = ap.parse_args(argv)
@@ -160,17 +179,18 @@ def main(argv: list[str] | None = None) -> None:
     import bench_decode as BD  # (imported on a GPU only: its import picks the device mode)
 
     r = H.Run("timeline_decode", args.out, deadline_s=args.budget_s, interpret=False)
-    points = [tuple(int(x) for x in p.split("x")) for p in args.points.split(",") if p]
+    points = [parse_point(p) for p in args.points.split(",") if p]
     if args.smoke:
-        points, args.replays = [(1, 1024)], 2
+        points, args.replays = [(1, 1024, None)], 2
     r.log(f"device {r.env['gpu']} torch {r.env['torch']} triton {r.env['triton']}")
     for kv in args.kv.split(","):
-        blocks = max(bs * ctx for bs, ctx in points) // BD.HEADLINE["page"] * 4 + 8
+        blocks = max(bs * ctx for bs, ctx, _ in points) // BD.HEADLINE["page"] * 4 + 8
         cache = BD.make_cache(kv, blocks, BD.HEADLINE)
-        for bs, ctx in points:
-            if r.late(f"timeline {kv} bs{bs} L{ctx}"):
+        for bs, ctx, splits in points:
+            what = f"timeline {kv} bs{bs} L{ctx}" + (f" S{splits}" if splits else "")
+            if r.late(what):
                 return
-            H.attempt(r, f"timeline {kv} bs{bs} L{ctx}", timeline, r, cache, kv, bs, ctx, args.replays)
+            H.attempt(r, what, timeline, r, cache, kv, bs, ctx, args.replays, splits)
         del cache
     r.log(f"total {r.elapsed():.1f}s")
 

@@ -154,8 +154,9 @@ def test_tree_ab_exports_revisions_and_directories_and_refuses_without_a_gpu(tmp
 def test_decode_timeline_reads_one_call_from_its_stamps(tmp_path, monkeypatch):
     """benchmarks/timeline_decode.py: one call's figures (µs, from the previous call's last
     store) out of its split and merge programs' stamp rows (ns; -1 not written: a split program
-    that left early has no tiles or stores, and takes no part in the per-program figures);
-    without a CUDA GPU the script stops with a clear message."""
+    that left early has no tiles or stores, and takes no part in the per-program figures), the
+    tiles also split by whether a program's SM ran another one; its points with an optional
+    split count; without a CUDA GPU the script stops with a clear message."""
     import torch
     timeline = _script("timeline_decode")
     # rows: start, metadata, tiles, stored, SM (split); start, waited, stored, SM (merge)
@@ -166,9 +167,18 @@ def test_decode_timeline_reads_one_call_from_its_stamps(tmp_path, monkeypatch):
     got = timeline.summarize(split, merge, prev_end=400, next_start=9400)
     assert got == {"programs": 3, "active_programs": 2, "sms": 2, "launch_us": 0.6, "ramp_us": 0.3,
                    "metadata_us": 0.55, "metadata_max_us": 0.6, "tiles_us": 4.5, "tiles_max_us": 5.0,
-                   "store_us": 0.25, "store_max_us": 0.3, "split_end_us": 6.6, "merge_programs": 2,
+                   "tiles_sole_us": None, "tiles_shared_us": 4.5, "store_us": 0.25, "store_max_us": 0.3, "split_end_us": 6.6, "merge_programs": 2,
                    "merge_start_us": 1.6, "merge_waited_us": 6.8, "merge_end_us": 7.7, "period_us": 8.4}, got
     assert "merge_start_us" not in timeline.summarize(split, None, 400, None)
+    # programs by their SM: the first alone on SM 5, the other two sharing SM 3
+    apart = split.clone()
+    apart[1] = torch.tensor([1100, 1700, 3700, 3800, 3])
+    apart[0, 4] = 5
+    got = timeline.summarize(apart, None, 400, None)
+    assert (got["tiles_sole_us"], got["tiles_shared_us"]) == (4.0, 3.5), got
+    assert [timeline.parse_point(p) for p in ("1x8192", "16x8192s4")] == [(1, 8192, None), (16, 8192, 4)]
+    with pytest.raises(SystemExit, match="bad point"):
+        timeline.parse_point("1x8192x4")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         timeline.main(["--out", str(tmp_path / "out")])
