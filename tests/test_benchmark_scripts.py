@@ -168,7 +168,8 @@ def test_decode_timeline_reads_one_call_from_its_stamps(tmp_path, monkeypatch):
     assert got == {"programs": 3, "active_programs": 2, "sms": 2, "launch_us": 0.6, "ramp_us": 0.3,
                    "metadata_us": 0.55, "metadata_max_us": 0.6, "tiles_us": 4.5, "tiles_max_us": 5.0,
                    "tiles_sole_us": None, "tiles_shared_us": 4.5, "store_us": 0.25, "store_max_us": 0.3,
-                   "split_end_us": 6.6, "merge_programs": 2, "merge_start_us": 1.6, "merge_waited_us": 6.8, "merge_end_us": 7.7, "period_us": 8.4}, got
+                   "split_end_us": 6.6, "merge_programs": 2, "merge_start_us": 1.6, "merge_waited_us": 6.8,
+                   "merge_end_us": 7.7, "period_us": 8.4}, got
     assert "merge_start_us" not in timeline.summarize(split, None, 400, None)
     # programs by their SM: the first alone on SM 5, the other two sharing SM 3
     apart = split.clone()
