@@ -944,8 +944,9 @@ def summary(r: Run) -> str:
         for bs, ctx in dict.fromkeys((x["bs"], x["context"]) for x in pair_rows):
             at = {x["num_splits"]: x for x in pair_rows if (x["bs"], x["context"]) == (bs, ctx)}
             two, one = at.get(max(at)), at.get(min(at)) if len(at) > 1 else None
-            lines.append([bs, ctx, f"S{two['num_splits']}, {two['tiles_per_split']} tiles: {two['graph_us']:.1f}",
-                          f"S{one['num_splits']}, {one['tiles_per_split']} tiles: {one['graph_us']:.1f}" if one else "–",
+            def cell(x):
+                return f"S{x['num_splits']}, {x['tiles_per_split']} tiles: {x['graph_us']:.1f}" if x else "–"
+            lines.append([bs, ctx, cell(two), cell(one),
                           H.fmt(two["graph_us"] / one["graph_us"] if one else None, "{:.2f}x")])
         md += ["", "Planner's splits against half of them (int8 default config, graph µs):", "",
                *H.table(["bs", "L", "planner's", "half", "half's speed-up"], lines)]
@@ -975,8 +976,8 @@ def main():
     H.finish(r, "decode_summary.md", lambda: summary(r))
 
 
-SECTIONS = (accuracy, tune, grid, small_batch, pairs, occupancy, profiles, batch_sweep, multi_token, multi_token_configs,
-            head_split, fused_merge, small_batch_levers, query_pdl, d128, split_sweep, peers)
+SECTIONS = (accuracy, tune, grid, small_batch, pairs, occupancy, profiles, batch_sweep, multi_token,
+            multi_token_configs, head_split, fused_merge, small_batch_levers, query_pdl, d128, split_sweep, peers)
 
 if __name__ == "__main__":
     main()
