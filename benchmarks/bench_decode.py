@@ -940,13 +940,13 @@ def summary(r: Run) -> str:
                         [[label, *(cell(label, n) for n in splits)] for label in dict.fromkeys(x["config"] for x in small)])]
     pair_rows = [x for x in r.rows if x["kind"] == "pairs"]
     if pair_rows:
+        def pair_cell(x):
+            return f"S{x['num_splits']}, {x['tiles_per_split']} tiles: {x['graph_us']:.1f}" if x else "–"
         lines = []
         for bs, ctx in dict.fromkeys((x["bs"], x["context"]) for x in pair_rows):
             at = {x["num_splits"]: x for x in pair_rows if (x["bs"], x["context"]) == (bs, ctx)}
             two, one = at.get(max(at)), at.get(min(at)) if len(at) > 1 else None
-            def cell(x):
-                return f"S{x['num_splits']}, {x['tiles_per_split']} tiles: {x['graph_us']:.1f}" if x else "–"
-            lines.append([bs, ctx, cell(two), cell(one),
+            lines.append([bs, ctx, pair_cell(two), pair_cell(one),
                           H.fmt(two["graph_us"] / one["graph_us"] if one else None, "{:.2f}x")])
         md += ["", "Planner's splits against half of them (int8 default config, graph µs):", "",
                *H.table(["bs", "L", "planner's", "half", "half's speed-up"], lines)]
