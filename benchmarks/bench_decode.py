@@ -283,6 +283,13 @@ def _pdl_trigger(plan):
     return rec.facts.get("pdl") if rec is not None and rec.facts.get("plan") == plan else None
 
 
+def headline_plan(r: Run, kv: str, bs: int, ctx: int, q_len: int = 1, **kw) -> "dec.DecodePlan":
+    """The plan the HEADLINE shape gets at batch ``bs``, ``q_len`` query tokens each, over a
+    block table of ``ctx`` tokens (the planner's config and split count at that point)."""
+    return dec.plan_decode((bs * q_len, HEADLINE["hq"], HEADLINE["d"]), r.caches[kv], (bs, ctx // HEADLINE["page"]),
+                           **kw)
+
+
 def time_path(r: Run, tag, name, kv, pv, cfg, shape, bs, ctx, q_len=1, num_splits=None, graph_only=False,
               quantize_in_call=False, extra=None, head_split=None):
     cache = r.caches[kv] if shape is HEADLINE else r.caches_d128[kv]
@@ -544,7 +551,7 @@ def head_split(r: Run) -> None:
                           graph_only=True)
                 time_path(r, "hsplit", f"{kv} q{q_len} one", kv, None, None, HEADLINE, bs, ctx, q_len=q_len,
                           graph_only=True, head_split=1)
-    base = dec.plan_decode((BS_MID * 4, 24, 256), r.caches["int8"], (BS_MID, L8K // 16)).config
+    base = headline_plan(r, "int8", BS_MID, L8K, q_len=4).config
     time_path(r, "hsplit", "int8 q4 split fused", "int8", None, _fused(base), HEADLINE, BS_MID, L8K, q_len=4,
               graph_only=True)
 
@@ -595,7 +602,7 @@ def fused_merge(r: Run) -> None:
             for kv in ("int8", "fp8", "bf16"):
                 if r.late(f"fused {kv} bs{bs} L{ctx}"):
                     return
-                base = dec.plan_decode((bs, 24, 256), r.caches[kv], (bs, ctx // 16)).config
+                base = headline_plan(r, kv, bs, ctx).config
                 time_path(r, "fused", f"{kv} two-launch", kv, None, _fused(base, False), HEADLINE, bs, ctx)
                 # the merge kernel as the split kernel's programmatic dependent launch
                 pdl = dataclasses.replace(_fused(base, False), pdl=True)
@@ -611,7 +618,7 @@ def fused_merge(r: Run) -> None:
         for ctx in (L8K, CONTEXTS[-1]):
             if r.late(f"fused barrier bs{bs} L{ctx}"):
                 return
-            base = dec.plan_decode((bs, 24, 256), r.caches["int8"], (bs, ctx // 16)).config
+            base = headline_plan(r, "int8", bs, ctx).config
             time_path(r, "fused", "int8 two-launch", "int8", None, _fused(base, False), HEADLINE, bs, ctx,
                       graph_only=True)
             pdl = dataclasses.replace(_fused(base, False), pdl=True)
@@ -620,7 +627,7 @@ def fused_merge(r: Run) -> None:
                       graph_only=True)
     for q_len in MT_QLENS:
         for ctx in (L8K, CONTEXTS[-1]):
-            base = dec.plan_decode((BS_MID * q_len, 24, 256), r.caches["int8"], (BS_MID, ctx // 16)).config
+            base = headline_plan(r, "int8", BS_MID, ctx, q_len=q_len).config
             time_path(r, "fused", "int8 fused", "int8", None, _fused(base), HEADLINE, BS_MID, ctx, q_len=q_len,
                       graph_only=True)
 
@@ -648,7 +655,7 @@ def small_batch_levers(r: Run) -> None:
             for kv in ("int8", "fp8", "bf16"):
                 if r.late(f"pdl {kv} bs{bs} L{ctx}"):
                     return
-                base = _fused(dec.plan_decode((bs, 24, 256), r.caches[kv], (bs, ctx // 16)).config, False)
+                base = _fused(headline_plan(r, kv, bs, ctx).config, False)
                 names = list(SMALL_BATCH_LEVERS) if bs <= 16 and kv != "bf16" else LARGE_BATCH_LEVERS
                 for name in [*names, "two-launch again"]:
                     change = SMALL_BATCH_LEVERS[name.replace(" again", "")]
@@ -658,7 +665,7 @@ def small_batch_levers(r: Run) -> None:
         return
     for ctx in (L8K, CONTEXTS[-1]):
         for kv in ("int8", "fp8"):
-            base = _fused(dec.plan_decode((1, 24, 256), r.caches[kv], (1, ctx // 16)).config, False)
+            base = _fused(headline_plan(r, kv, 1, ctx).config, False)
             kernel_profile(r, kv, dataclasses.replace(base, pdl=False), 1, ctx)
 
 
@@ -680,7 +687,7 @@ def query_pdl(r: Run) -> None:
         for kv in ("int8", "fp8"):
             if r.late(f"qpdl {kv} bs{bs} L{ctx}"):
                 return
-            base = dec.plan_decode((bs, 24, 256), r.caches[kv], (bs, ctx // 16)).config
+            base = headline_plan(r, kv, bs, ctx).config
             for name, (in_call, change) in QUERY_PDL_ROWS.items():
                 time_path(r, "qpdl", f"{kv} {name}", kv, None, dataclasses.replace(base, **change), HEADLINE, bs,
                           ctx, graph_only=True, quantize_in_call=in_call)
@@ -708,12 +715,12 @@ def split_sweep(r: Run) -> None:
     """Split count around the planner's choice for the chosen int8 config (checks the model)."""
     cfg = r.config("int8") or dec.DecodeConfig(*TUNE_CONFIGS["int8"][0])
     for bs, ctx in TUNE_SHAPES:
-        base = dec.plan_decode((bs, 24, 256), r.caches["int8"], (bs, ctx // 16), config=cfg).num_splits
+        base = headline_plan(r, "int8", bs, ctx, config=cfg).num_splits
         for s in sorted({max(1, base // 2), base * 2} & set(range(1, dec.MAX_NUM_SPLITS + 1))):
             time_path(r, "splits", "int8", "int8", None, cfg, HEADLINE, bs, ctx, num_splits=s, graph_only=True,
                       extra={"auto_splits": base})
     # fp8 at bs16 L8k, the one length where it misses 1.8x our BF16: is the split count the lever?
-    base = dec.plan_decode((BS_MID, 24, 256), r.caches["fp8"], (BS_MID, L8K // 16)).num_splits
+    base = headline_plan(r, "fp8", BS_MID, L8K).num_splits
     for s in sorted({2, 3, base, 5, 6, 8} if not SMOKE else {base}):
         time_path(r, "splits", "fp8", "fp8", None, None, HEADLINE, BS_MID, L8K, num_splits=s, graph_only=True,
                   extra={"auto_splits": base})
@@ -756,7 +763,7 @@ def small_batch(r: Run) -> None:
     for ctx in (L8K, TUNE_SHAPES[1][1]) if not SMOKE else (TUNE_SHAPES[1][1],):
         for c in SMALL_CONFIGS[:2] if SMOKE else SMALL_CONFIGS:
             cfg = dec.DecodeConfig(*c)
-            base = dec.plan_decode((bs, 24, 256), r.caches["int8"], (bs, ctx // 16), config=cfg).num_splits
+            base = headline_plan(r, "int8", bs, ctx, config=cfg).num_splits
             for n in sorted({base, *SMALL_SPLITS.get(ctx, ())} if not SMOKE else {base}):
                 if r.late(f"small {cfg_label(c)} L{ctx} S{n}"):
                     return
@@ -777,7 +784,7 @@ def pairs(r: Run) -> None:
     for bs, ctx in [(1, L8K)] if SMOKE else PAIR_POINTS:
         if r.late(f"pairs bs{bs} L{ctx}"):
             return
-        plan = dec.plan_decode((bs, 24, 256), r.caches["int8"], (bs, ctx // 16))
+        plan = headline_plan(r, "int8", bs, ctx)
         base, tiles = plan.num_splits, -(-ctx // plan.config.block_n)
         for n in sorted({base, max(1, base // 2)}, reverse=True):
             time_path(r, "pairs", "int8", "int8", None, None, HEADLINE, bs, ctx, num_splits=n, graph_only=True,
