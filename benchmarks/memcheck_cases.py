@@ -117,14 +117,14 @@ def decode_cases(parts: tuple[str, ...] = DECODE_PARTS) -> None:
     from int8attn.ops import decode as dec
 
     real = dec.default_config
-    merges = {"split": False, "last": True, "barrier": "barrier"}
-    for part, fused in merges.items():
+    merges = {"split": (False, ""), "last": (True, "fused "), "barrier": ("barrier", "barrier ")}
+    for part, (fused, label) in merges.items():
         if part not in parts or (fused == "barrier" and DEVICE != "cuda"):
             continue
         dec.default_config = lambda *a, k_=fused, **k: dataclasses.replace(real(*a, **k), fused_merge=k_,
                                                                            query_pdl=None)
         try:
-            _decode_cases({False: "", True: "fused ", "barrier": "barrier "}[fused])
+            _decode_cases(label)
         finally:
             dec.default_config = real
     # the default merge with a window: tiles start at the window, so a bad block id before it
@@ -267,11 +267,10 @@ def main() -> int:
     if not set(parts) <= set(DECODE_PARTS):
         ap.error(f"--decode-parts: unknown {sorted(set(parts) - set(DECODE_PARTS))}; known: {', '.join(DECODE_PARTS)}")
     ops = ("prefill", "write", "producer", "decode") if args.op == "all" else (args.op,)
+    cases = {"prefill": prefill_cases, "write": write_cases, "producer": producer_cases,
+             "decode": lambda: decode_cases(parts)}
     for op in ops:
-        if op == "decode":
-            decode_cases(parts)
-        else:
-            {"prefill": prefill_cases, "write": write_cases, "producer": producer_cases}[op]()
+        cases[op]()
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     print(f"{len(FAILURES)} failure(s)" + (": " + "; ".join(FAILURES) if FAILURES else ""))
