@@ -176,7 +176,7 @@ def hopper_prefill_kernel(kv_dtype: str, which: str) -> tuple:
     head_dim = hopper_prefill_head_dim(which)
     pv = "bf16" if which.startswith("ws16") else kv_dtype
     makers = {"ws": lambda: hop.warp_specialized_config(kv_dtype, head_dim),
-              "ws-d64": lambda: hop.warp_specialized_config(kv_dtype, head_dim),
+              "ws-d64": lambda: makers["ws"](),  # the same route, at head_dim 64
               "ws16": lambda: hop.warp_specialized_config(kv_dtype, head_dim, pv, pv_in_flight=False),
               "ws16-m192": lambda: hop.three_consumer_config(kv_dtype, head_dim, pv),
               "ws16-pv-in-flight": lambda: hop.warp_specialized_config(kv_dtype, head_dim, pv, pv_in_flight=True),
