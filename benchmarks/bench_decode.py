@@ -90,6 +90,7 @@ else:
     MT_POINTS = [(1, 32768), (16, 8192), (16, 32768), (64, 8192)]
     D128_POINTS = [(1, 32768), (16, 32768)]
     MAX_BS, MAX_L = 64, 32768
+L1K = min(1024, MAX_L)  # the short context of the pdl sections (within the smoke run's cache)
 
 # Paths timed: name -> (cache dtype, pv mode, config override or None). TUNED_PATHS take
 # the config the tuning section chose for their cache dtype; the others keep their own.
@@ -650,7 +651,7 @@ def small_batch_levers(r: Run) -> None:
     ("default"); the plain pair again last (drift check). Batch 32-64 and the BF16 cache:
     plain, "store" and the default. Then the split / merge kernels' device time at batch 1
     (profiler, plain pair)."""
-    for ctx in (L8K, CONTEXTS[-1], 1024):
+    for ctx in (L8K, CONTEXTS[-1], L1K):
         for bs in (1, 2, 4, 8, 16, 32, 64) if not SMOKE else (1, 2):
             for kv in ("int8", "fp8", "bf16"):
                 if r.late(f"pdl {kv} bs{bs} L{ctx}"):
@@ -681,7 +682,7 @@ def query_pdl(r: Run) -> None:
     """Graph replays of default plans that quantize their query in the call: the split
     kernel launched plainly after the quantize kernel, or as its programmatic dependent
     (``DecodeConfig.query_pdl``), beside the same plan given the producer's codes."""
-    points = ((1, L8K), (1, CONTEXTS[-1]), (16, L8K), (4, L8K), (16, CONTEXTS[-1]), (64, L8K), (2, L8K), (1, 1024),
+    points = ((1, L8K), (1, CONTEXTS[-1]), (16, L8K), (4, L8K), (16, CONTEXTS[-1]), (64, L8K), (2, L8K), (1, L1K),
               (64, CONTEXTS[-1]))
     for bs, ctx in points if not SMOKE else points[:2]:
         for kv in ("int8", "fp8"):
